@@ -1,0 +1,33 @@
+# Two commands do all set-up on a fresh machine:
+#   make run   -> the default job: a tiny RL run (GRPO, Qwen3-MoE-shaped model, EP=2 on 2 gloo ranks) on CPU
+#   make test  -> the test suite
+# Set-up creates .venv, installs torch==2.13.0 first (a CPU build here; an unpinned torch would pull CUDA wheels),
+# then this package with its test extra. It re-runs only when setup.py changes.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+TORCH ?= torch==2.13.0
+
+.PHONY: run test lint setup clean
+
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m mcore_rl.train $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) runs outputs *.egg-info

@@ -1,0 +1,53 @@
+"""Package metadata for mcore_rl.
+
+`parallel/`, `resharding/` and `kernels/` live at the top of the repository but install inside the `mcore_rl`
+namespace (`mcore_rl.parallel`, ...), so that we never install a generic top-level name such as `kernels`
+(another PyPI project owns it). Tool settings (ruff, pytest) live in pyproject.toml.
+"""
+
+from setuptools import find_packages, setup
+
+# Folders at the repository root that import as mcore_rl.<name>.
+_MAPPED = ("parallel", "resharding", "kernels")
+
+
+def _packages() -> tuple[list[str], dict[str, str]]:
+    packages = find_packages(include=["mcore_rl", "mcore_rl.*"])
+    package_dir = {"mcore_rl": "mcore_rl"}
+    for folder in _MAPPED:
+        for sub in [""] + ["." + p for p in find_packages(where=folder)]:
+            packages.append(f"mcore_rl.{folder}{sub}")
+        package_dir[f"mcore_rl.{folder}"] = folder
+    return packages, package_dir
+
+
+PACKAGES, PACKAGE_DIR = _packages()
+
+setup(
+    name="mcore_rl",
+    version="0.1.0",
+    description="Megatron-first RL post-training for large Mixture-of-Experts LLMs",
+    python_requires=">=3.10",
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    include_package_data=True,
+    install_requires=[
+        # torch is pinned by the Makefile (a CPU build here, a CUDA build on clusters); any 2.x works.
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "ray[default]>=2.40",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "safetensors>=0.4",
+        "pyarrow>=15",
+        "nvidia-ml-py>=12",
+        "transformers>=4.51",
+        "tqdm>=4.66",
+        "numpy",
+    ],
+    extras_require={
+        # GPU extras. NVIDIA apex is built from source (see README); the PyPI project named `apex` is unrelated.
+        "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.4.6"],
+        "test": ["pytest>=8", "ruff>=0.6"],
+    },
+)
