@@ -1,0 +1,275 @@
+"""The embedded rollout engine: a transformers causal LM with a batched sampling loop and HF-named weight loading.
+
+This is the in-process engine for CPU runs, tests and small models (the production engine is SGLang); it has the
+same contract the controller relies on: `generate` returns tokens, rollout logprobs and the weight version, and
+`update_weights_from_tensors` takes tensors under HF checkpoint names as weight sync produces them.
+
+```
+prompts x n -> left-pad + attention mask -> prefill (KV cache) -> [sample -> feed token] x max_new_tokens
+named tensors (HF checkpoint names) -> hf_names.HFNameMap -> view of a parameter -> copy_ in place
+```
+
+Example: `HFRolloutEngine(Qwen3MoeConfig(...)).generate([[1, 2, 3]], n=4, temperature=1.0, max_new_tokens=16)`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from mcore_rl.rollout.hf_names import HFNameMap
+from mcore_rl.rollout.sampling import Sample, sample_next_tokens, validate_sampling_args
+
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype), None)
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch dtype or its name (e.g. 'bfloat16'), got {dtype!r}")
+    return resolved
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was requested but CUDA is not available on this machine")
+    return device
+
+
+def build_causal_lm(
+    model: str | os.PathLike[str] | PretrainedConfig | Mapping[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str | None = None,
+    init_seed: int = 0,
+) -> PreTrainedModel:
+    """A transformers causal LM from a checkpoint directory (weights loaded) or a config (weights random).
+
+    A config mapping must name its `model_type` (as in `config.json`). Random initialisation uses `init_seed` on a
+    forked RNG, so building an engine does not move the caller's global RNG.
+    """
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if isinstance(model, (str, os.PathLike)):
+        return AutoModelForCausalLM.from_pretrained(os.fspath(model), **kwargs).to(device)
+    if isinstance(model, Mapping):
+        if "model_type" not in model:
+            raise ValueError(f"model config mapping needs a 'model_type' key, got keys {sorted(model)}")
+        fields = dict(model)
+        model = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if not isinstance(model, PretrainedConfig):
+        raise ValueError(f"model must be a directory, a PretrainedConfig or a config dict, got {type(model).__name__}")
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(init_seed)
+        return AutoModelForCausalLM.from_config(model, **kwargs)
+
+
+class HFRolloutEngine:
+    """A transformers causal LM that samples batches of responses and loads weights by HF checkpoint name.
+
+    Calls are not thread-safe and must be serialised (the Ray actor in `ray_engine.py` does so: one call at a
+    time), which is what makes `update_weights_from_tensors` a version fence: no generation is in flight while
+    weights change, and every `Sample` carries the version it was generated with.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str] | PretrainedConfig | Mapping[str, Any],
+        *,
+        dtype: torch.dtype | str = torch.float32,
+        device: str | torch.device = "cpu",
+        attn_implementation: str | None = None,
+        init_seed: int = 0,
+    ) -> None:
+        """Build from a checkpoint directory (`from_pretrained`), a `PretrainedConfig` or a config dict (random
+        weights, seeded by `init_seed`). `dtype` (default float32) and `device` (default CPU) place the model."""
+        self.device = _resolve_device(device)
+        self.model = build_causal_lm(model, _resolve_dtype(dtype), self.device, attn_implementation, init_seed)
+        self.model.eval().requires_grad_(False)
+        self.config: PretrainedConfig = self.model.config
+        self.name_map = HFNameMap.for_model_type(self.config.model_type)
+        # remove_duplicate=False keeps tied aliases (lm_head.weight -> embed_tokens.weight) addressable by name.
+        self._params: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
+        self._weight_version = 0
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the loaded weights: 0 at construction, advanced by `update_weights_from_tensors`."""
+        return self._weight_version
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the output layer; valid token ids are `[0, vocab_size)`."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    def _check_token_ids(self, sequences: list[list[int]], what: str) -> None:
+        if not sequences:
+            raise ValueError(f"{what} is empty")
+        for index, ids in enumerate(sequences):
+            if not ids:
+                raise ValueError(f"{what}[{index}] is empty")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"{what}[{index}] has token ids {bad[:5]} outside [0, {self.vocab_size})")
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 128,
+        eos_token_ids: Iterable[int] = (),
+        seed: int | None = None,
+    ) -> list[Sample]:
+        """Sample `n` responses per prompt; returns `len(prompt_token_ids) * n` samples, prompt-major.
+
+        `temperature == 0` decodes greedily. A sequence stops at the first token in `eos_token_ids` (included in
+        its response, `finish_reason="stop"`) or after `max_new_tokens` tokens (`"length"`). The same `seed` gives
+        the same samples on the same device and dtype; `seed=None` draws a fresh one.
+        """
+        validate_sampling_args(temperature, top_p, max_new_tokens, n)
+        self._check_token_ids(prompt_token_ids, "prompt_token_ids")
+        prompts = [list(p) for p in prompt_token_ids for _ in range(n)]
+        batch, width = len(prompts), max(len(p) for p in prompts)
+
+        # Left padding: every row's last prompt token sits in the last column, so one forward step feeds all rows.
+        input_ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        attention_mask = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, device=self.device)
+            attention_mask[row, width - len(prompt) :] = 1
+        # Positions count real tokens only (as transformers' generate does); pad columns get 0 and are masked.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
+
+        generator = torch.Generator(device=self.device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+        eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
+
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        tokens_out = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=self.device)
+        logprobs_out = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        for step in range(max_new_tokens):
+            tokens, logprobs = sample_next_tokens(out.logits[:, -1, :], temperature, top_p, generator)
+            # Rows that already stopped still run through the model (the batch keeps its shape) but record nothing.
+            active = ~stopped
+            tokens_out[:, step] = torch.where(active, tokens, 0)
+            logprobs_out[:, step] = torch.where(active, logprobs, 0.0)
+            lengths += active.long()
+            stopped |= active & torch.isin(tokens, eos)
+            if step == max_new_tokens - 1 or bool(stopped.all()):
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+            out = self.model(
+                input_ids=tokens.unsqueeze(1),
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+
+        samples = []
+        for row, prompt in enumerate(prompts):
+            length = int(lengths[row])
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=tokens_out[row, :length].tolist(),
+                    response_logprobs=logprobs_out[row, :length].tolist(),
+                    finish_reason="stop" if bool(stopped[row]) else "length",
+                    weight_version=self._weight_version,
+                )
+            )
+        return samples
+
+    @torch.inference_mode()
+    def logprobs(
+        self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0
+    ) -> list[torch.Tensor]:
+        """Teacher-forced `log_softmax(logits / temperature)` of each response token (float32, CPU).
+
+        `sequences[i]` is prompt + response and its first `prompt_lens[i]` tokens are the prompt; the result for it
+        has `len(sequences[i]) - prompt_lens[i]` entries. Rows are right-padded, so positions are plain offsets.
+        """
+        self._check_token_ids(sequences, "sequences")
+        if len(prompt_lens) != len(sequences):
+            raise ValueError(f"prompt_lens has {len(prompt_lens)} entries for {len(sequences)} sequences")
+        for index, (seq, prompt_len) in enumerate(zip(sequences, prompt_lens)):
+            if not 1 <= prompt_len <= len(seq):
+                raise ValueError(f"prompt_lens[{index}] = {prompt_len} must be in [1, {len(seq)}]")
+        if not temperature > 0.0:
+            raise ValueError(f"temperature must be > 0 for logprobs, got {temperature}")
+        batch, width = len(sequences), max(len(s) for s in sequences)
+        input_ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        attention_mask = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+        for row, seq in enumerate(sequences):
+            input_ids[row, : len(seq)] = torch.tensor(seq, device=self.device)
+            attention_mask[row, : len(seq)] = 1
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        result = []
+        for row, (seq, prompt_len) in enumerate(zip(sequences, prompt_lens)):
+            # Logits at position t predict token t + 1.
+            step_logits = logits[row, prompt_len - 1 : len(seq) - 1].float() / temperature
+            targets = input_ids[row, prompt_len : len(seq)]
+            chosen = torch.log_softmax(step_logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            result.append(chosen.cpu())
+        return result
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors given under HF checkpoint names into the model's parameters, in place.
+
+        Tensors may come in any order and spread over several calls; each is cast to the parameter's dtype and
+        device as it is copied, so memory grows by at most one tensor, never by a model copy. Raises ValueError
+        naming the tensor, its shape and the expected shape for an unknown name or a shape mismatch; tensors
+        before the bad one stay loaded (the weight version does not advance, see `update_weights_from_tensors`).
+        """
+        for name, tensor in named_tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, expected a torch.Tensor")
+            self.name_map.target_view(self._params, name, tuple(tensor.shape)).copy_(tensor)
+
+    def update_weights_from_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int | None = None
+    ) -> int:
+        """Load `named_tensors` (see `load_weights`), then advance the weight version; returns the new version.
+
+        `weight_version` sets the version explicitly (it must increase); `None` adds 1. This engine keeps no KV or
+        prefix cache between calls (the cache lives inside one `generate` call), so there is nothing to flush, and
+        since calls are serialised no generation can observe half-loaded weights.
+        """
+        if weight_version is not None and weight_version <= self._weight_version:
+            raise ValueError(f"weight_version must increase: got {weight_version}, engine is at {self._weight_version}")
+        self.load_weights(named_tensors)
+        self._weight_version = self._weight_version + 1 if weight_version is None else weight_version
+        return self._weight_version
+
+    def state_dict_hf(self) -> dict[str, torch.Tensor]:
+        """All weights under HF checkpoint names (experts split per expert): the inverse of `load_weights`.
+
+        Values are views of the live parameters (no copy); clone them to keep a snapshot. Tied weights appear once,
+        under the name `save_pretrained` keeps (the embedding).
+        """
+        result: dict[str, torch.Tensor] = {}
+        for param_name, param in self.model.named_parameters():
+            result.update(self.name_map.checkpoint_items(param_name, param.detach()))
+        return result
