@@ -1,0 +1,261 @@
+"""Score a batch of decoded responses with a reward function and check every score before it reaches the loss.
+
+    (solution_strs, data_sources, ground_truths, extra_infos)
+      -> per-row RewardFn calls (inline, or on threads with an optional per-call timeout)
+         | or one BatchRewardFn.score_batch call (reward models, sandboxes)
+      -> validate: finite number, or dict with a finite "score"
+      -> RewardOutput(scores [batch] float32, per-row extras from dict returns, summary metrics)
+
+A reward function that returns None, NaN, a string, or a dict without "score" stops the step with an error naming
+the function, the data_source, the row and the value, because a silently wrong reward poisons advantages for the
+whole batch. A function that raises is reported the same way, with the original exception chained.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from mcore_rl.reward.loader import RewardFn, RewardFunctionError, RewardResult
+
+
+@runtime_checkable
+class BatchRewardFn(Protocol):
+    """Scores a whole batch in one call: the seam for a reward model server or a sandboxed code runner, which batch
+    requests and enforce their own timeouts. Returns one float or dict (with "score") per row."""
+
+    def score_batch(
+        self,
+        data_sources: Sequence[str],
+        solution_strs: Sequence[str],
+        ground_truths: Sequence[str],
+        extra_infos: Sequence[dict[str, Any] | None],
+    ) -> list[RewardResult]: ...
+
+
+class RewardTimeoutError(RewardFunctionError):
+    """A reward function call ran past the manager's per-call timeout (and no `timeout_score` was set)."""
+
+
+@dataclass
+class RewardOutput:
+    """Scores for one batch."""
+
+    scores: torch.Tensor
+    """float32 [batch]: the reward of each response."""
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+    """Per-row values of every non-"score" key that dict returns carried; None where a row lacked the key."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Summary for logging: mean score overall and per data_source, means of numeric extras, timeout count."""
+
+
+def _function_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", None) or repr(fn)
+
+
+class RewardManager:
+    """Applies one reward function to batches of responses, validating every result."""
+
+    def __init__(
+        self,
+        fn: RewardFn | BatchRewardFn,
+        *,
+        num_threads: int = 1,
+        timeout_s: float | None = None,
+        timeout_score: float | None = None,
+    ) -> None:
+        """Args:
+        fn: a per-response `RewardFn` (see `loader.build_reward_fn`) or a `BatchRewardFn`.
+        num_threads: concurrent calls for a per-response function. Threads help I/O-bound rewards (HTTP to a
+            verifier); CPU-bound Python rule rewards are fast enough inline. 1 with no timeout runs inline.
+        timeout_s: per-call limit in seconds for a per-response function, or None for no limit.
+        timeout_score: score given to a call that times out; None makes a timeout an error.
+        """
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
+        if timeout_score is not None and not math.isfinite(timeout_score):
+            raise ValueError(f"timeout_score must be finite or None, got {timeout_score}")
+        self.fn = fn
+        self.name = _function_name(fn)
+        self.num_threads = num_threads
+        self.timeout_s = timeout_s
+        self.timeout_score = timeout_score
+
+    def score(
+        self,
+        solution_strs: Sequence[str],
+        data_sources: Sequence[str],
+        ground_truths: Sequence[str],
+        extra_infos: Sequence[dict[str, Any] | None] | None = None,
+    ) -> RewardOutput:
+        """Score a batch; all sequences are per row and must have the same length."""
+        n = len(solution_strs)
+        if extra_infos is None:
+            extra_infos = [None] * n
+        lengths = {
+            "solution_strs": n,
+            "data_sources": len(data_sources),
+            "ground_truths": len(ground_truths),
+            "extra_infos": len(extra_infos),
+        }
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"RewardManager.score: inputs differ in length: {lengths}")
+
+        timeouts = 0
+        if isinstance(self.fn, BatchRewardFn):
+            results = list(self.fn.score_batch(data_sources, solution_strs, ground_truths, extra_infos))
+            if len(results) != n:
+                raise RewardFunctionError(f"{self.name}.score_batch returned {len(results)} results for {n} rows")
+        else:
+            calls = [
+                self._call(self.fn, row, data_sources[row], solution_strs[row], ground_truths[row], extra_infos[row])
+                for row in range(n)
+            ]
+            if self.num_threads == 1 and self.timeout_s is None:
+                results = [call() for call in calls]
+            else:
+                results, timed_out = self._run_threaded(calls)
+                for row in timed_out:
+                    if self.timeout_score is None:
+                        raise RewardTimeoutError(
+                            f"reward function {self.name} ran past timeout_s={self.timeout_s} on row {row} "
+                            f"(data_source={data_sources[row]!r}); raise the timeout or set timeout_score"
+                        )
+                    results[row] = self.timeout_score
+                timeouts = len(timed_out)
+
+        scores: list[float] = []
+        extras: dict[str, list[Any]] = {}
+        for row, result in enumerate(results):
+            score, row_extras = self._validate(result, row, data_sources[row])
+            scores.append(score)
+            for key, value in row_extras.items():
+                extras.setdefault(key, [None] * n)[row] = value
+        return RewardOutput(
+            scores=torch.tensor(scores, dtype=torch.float32),
+            extras=extras,
+            metrics=self._metrics(scores, data_sources, extras, timeouts),
+        )
+
+    def _call(
+        self, fn: RewardFn, row: int, data_source: str, solution_str: str, ground_truth: str, extra_info: Any
+    ) -> Callable[[], RewardResult]:
+        """A zero-argument call for one row that wraps user exceptions with the row's context."""
+
+        def call() -> RewardResult:
+            try:
+                return fn(
+                    data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
+                )
+            except Exception as exc:
+                raise RewardFunctionError(
+                    f"reward function {self.name} raised on row {row} (data_source={data_source!r}): "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+
+        return call
+
+    def _run_threaded(self, calls: list[Callable[[], RewardResult]]) -> tuple[list[Any], list[int]]:
+        """Run calls on up to `num_threads` daemon threads, each with its own deadline from when it starts.
+
+        Python cannot kill a thread, so a call past its deadline is abandoned: its (daemon) thread no longer counts
+        towards `num_threads` and its late result is ignored. Abandoning rather than joining is what keeps one hung
+        verifier from stalling the whole step; the cost is a leaked thread per hang. A pool executor would not do:
+        a hung call would hold a worker forever and starve the queued calls.
+        """
+        n = len(calls)
+        results: list[Any] = [None] * n
+        finished = [False] * n
+        errors: dict[int, BaseException] = {}
+        cond = threading.Condition()
+
+        def work(row: int) -> None:
+            try:
+                value: Any = calls[row]()
+            except BaseException as exc:  # re-raised in the calling thread below
+                with cond:
+                    if not finished[row]:  # an abandoned call's late error is dropped too
+                        errors[row] = exc
+                        finished[row] = True
+                    cond.notify()
+                return
+            with cond:
+                if not finished[row]:  # an abandoned call's late result is dropped
+                    results[row] = value
+                    finished[row] = True
+                cond.notify()
+
+        started: dict[int, float] = {}  # row -> start time, for calls still counted as running
+        timed_out: list[int] = []
+        next_row = 0
+        with cond:
+            while next_row < n or started:
+                while next_row < n and len(started) < self.num_threads:
+                    started[next_row] = time.monotonic()
+                    threading.Thread(target=work, args=(next_row,), daemon=True, name=f"reward-{next_row}").start()
+                    next_row += 1
+                wait_s = None
+                if self.timeout_s is not None:
+                    wait_s = max(0.0, min(started.values()) + self.timeout_s - time.monotonic())
+                cond.wait_for(lambda: any(finished[row] for row in started), timeout=wait_s)
+                now = time.monotonic()
+                for row, start in list(started.items()):
+                    if finished[row]:
+                        del started[row]
+                    elif self.timeout_s is not None and now - start >= self.timeout_s:
+                        finished[row] = True
+                        timed_out.append(row)
+                        del started[row]
+                if errors:
+                    raise errors[min(errors)]
+        return results, sorted(timed_out)
+
+    def _validate(self, result: Any, row: int, data_source: str) -> tuple[float, dict[str, Any]]:
+        """Check one result; return (score, extras). Raises naming the function, data_source, row and value."""
+        where = f"reward function {self.name} on row {row} (data_source={data_source!r})"
+        extras: dict[str, Any] = {}
+        value = result
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise RewardFunctionError(f"{where} returned a dict without 'score' (keys: {sorted(result)})")
+            value = result["score"]
+            extras = {key: v for key, v in result.items() if key != "score"}
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(value, numbers.Real):
+            raise RewardFunctionError(
+                f"{where} returned {value!r} of type {type(value).__name__}; "
+                "expected a finite float or a dict with a finite float 'score'"
+            )
+        score = float(value)
+        if not math.isfinite(score):
+            raise RewardFunctionError(f"{where} returned {value!r}; expected a finite score")
+        return score, extras
+
+    @staticmethod
+    def _metrics(
+        scores: list[float], data_sources: Sequence[str], extras: dict[str, list[Any]], timeouts: int
+    ) -> dict[str, float]:
+        """Means for logging: overall, per data_source, and of every numeric extra key."""
+        metrics: dict[str, float] = {"reward/timeouts": float(timeouts)}
+        if scores:
+            metrics["reward/score_mean"] = sum(scores) / len(scores)
+        by_source: dict[str, list[float]] = {}
+        for source, score in zip(data_sources, scores):
+            by_source.setdefault(source, []).append(score)
+        for source, values in by_source.items():
+            metrics[f"reward/{source}/score_mean"] = sum(values) / len(values)
+        for key, values in extras.items():
+            numeric = [float(v) for v in values if isinstance(v, numbers.Real)]
+            if numeric:
+                metrics[f"reward/{key}_mean"] = sum(numeric) / len(numeric)
+        return metrics
