@@ -1,0 +1,153 @@
+"""What every model family provides, the registry keyed by HF `model_type`, and HF-config reading helpers.
+
+A family is one file in mcore_rl/models/ holding all knowledge of one architecture: HF config -> Megatron
+`TransformerConfig` (built in exactly one place) and the declarative HF <-> Megatron weight map. The registry is keyed by
+the HF `model_type` string, never by substring matching of names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mcore_rl.parallel.layout import ModelShape, ParallelLayout
+from mcore_rl.resharding.weight_map import WeightMap
+
+
+class UnsupportedModel(ValueError):
+    """Unknown model_type, or an HF config setting with no Megatron equivalent."""
+
+
+class HFConfig:
+    """Read access to an HF config.json dict with errors that name the field."""
+
+    def __init__(self, raw: Mapping[str, Any] | Any) -> None:
+        if hasattr(raw, "to_dict"):
+            raw = raw.to_dict()
+        self.raw = dict(raw)
+        self.model_type = self.raw.get("model_type", "<missing>")
+
+    def req(self, *names: str) -> Any:
+        """The first present field among `names` (aliases), or UnsupportedModel naming the field."""
+        for name in names:
+            if self.raw.get(name) is not None:
+                return self.raw[name]
+        raise UnsupportedModel(f"{self.model_type} config.json: required field {' / '.join(names)!r} is missing")
+
+    def get(self, name: str, default: Any = None) -> Any:
+        value = self.raw.get(name)
+        return default if value is None else value
+
+    def refuse_unless(self, name: str, allowed: Any, why: str) -> None:
+        """Refuse a setting Megatron cannot reproduce (instead of silently dropping it)."""
+        value = self.raw.get(name)
+        ok = value in allowed if isinstance(allowed, (list, tuple, set)) else value == allowed
+        if value is not None and not ok:
+            raise UnsupportedModel(f"{self.model_type} config.json: {name}={value!r} is not supported ({why})")
+
+    def rope_theta(self) -> float:
+        """rope_theta from `rope_parameters` (transformers >= 5) or the older top-level field; refuses rope scaling."""
+        params = self.raw.get("rope_parameters") or {}
+        scaling = self.raw.get("rope_scaling") or {}
+        for source in (params, scaling):
+            kind = source.get("rope_type", source.get("type", "default"))
+            if kind not in ("default", None):
+                raise UnsupportedModel(
+                    f"{self.model_type} config.json: rope_type={kind!r} is not supported yet (only default RoPE)"
+                )
+        theta = params.get("rope_theta", self.raw.get("rope_theta"))
+        if theta is None:
+            raise UnsupportedModel(f"{self.model_type} config.json: rope_theta is missing")
+        return float(theta)
+
+
+class ModelFamily:
+    """Base class of a family; subclasses set `model_type` and implement the three methods."""
+
+    model_type: str = ""
+    #: architectures name written into exported config.json
+    architecture: str = ""
+
+    def shape(self, hf: HFConfig) -> ModelShape:
+        """The sizes a parallel layout must divide."""
+        raise NotImplementedError
+
+    def transformer_config(
+        self, hf: HFConfig, layout: ParallelLayout, runtime: str, dtype: torch.dtype, **overrides: Any
+    ) -> Any:
+        """The Megatron TransformerConfig (the single place it is built for this family)."""
+        raise NotImplementedError
+
+    def weight_map(self, hf: HFConfig, padded_vocab: int) -> WeightMap:
+        """The HF <-> Megatron weight map for this config (tied embeddings, dense/MoE layers...)."""
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, ModelFamily] = {}
+
+
+def register(family: type[ModelFamily]) -> type[ModelFamily]:
+    """Class decorator: add a family to the registry under its HF model_type."""
+    if not family.model_type:
+        raise ValueError(f"{family.__name__} has no model_type")
+    _REGISTRY[family.model_type] = family()
+    return family
+
+
+def supported_model_types() -> list[str]:
+    """HF model_type values with a registered family."""
+    _import_families()
+    return sorted(_REGISTRY)
+
+
+def get_family(model_type: str) -> ModelFamily:
+    """The family for an HF model_type; UnsupportedModel lists the supported ones."""
+    _import_families()
+    try:
+        return _REGISTRY[model_type]
+    except KeyError:
+        raise UnsupportedModel(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padded vocabulary: the next multiple of divisible_by x tp."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def megatron_common_fields(layout: ParallelLayout, dtype: torch.dtype, te: bool) -> dict[str, Any]:
+    """TransformerConfig fields shared by every family: the layout, dtypes and which fusions the runtime has."""
+    return dict(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
+        sequence_parallel=layout.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # RL batches change length every step. With alltoall (CUDA) pipeline stages exchange shapes; the allgather
+        # dispatcher (CPU) refuses that in 0.16.1, so there every micro-batch of one schedule call is padded to one
+        # length instead (the actor does this either way).
+        variable_seq_lengths=te,
+        # Fusions need apex/TE/CUDA kernels; the plain torch paths compute the same math.
+        bias_activation_fusion=te,
+        bias_dropout_fusion=te,
+        masked_softmax_fusion=te,
+        persist_layer_norm=te,
+        apply_rope_fusion=te,
+        gradient_accumulation_fusion=False,
+    )
+
+
+def _import_families() -> None:
+    # Importing a family module registers it. Listed explicitly: the registry is keyed by model_type, and the set of
+    # families is a decision, not a directory scan.
+    from mcore_rl.models import qwen3_moe  # noqa: F401

@@ -1,0 +1,97 @@
+"""Build a family's Megatron GPT model for this rank: one chunk per virtual pipeline stage, with shard contexts.
+
+    chunks, contexts = build_gpt_chunks(spec, pg_collection)
+
+Every rank builds only its own stage(s) and shards; `ShardContext`s tell the weight-map machinery where each chunk sits
+(TP/ETP/EP ranks, the global index of its first layer, which ranks emit tensors on export).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore_rl.models.base import HFConfig, ModelFamily, get_family, padded_vocab_size
+from mcore_rl.models.spec import decoder_block_spec
+from mcore_rl.parallel.layout import ParallelLayout
+from mcore_rl.resharding.weight_map import ShardContext, WeightMap
+
+
+@dataclass
+class ModelSpec:
+    """Everything needed to build one Megatron model from an HF config."""
+
+    hf: HFConfig
+    layout: ParallelLayout
+    runtime: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    make_vocab_size_divisible_by: int = 128
+    max_sequence_length: int = 4096
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def family(self) -> ModelFamily:
+        return get_family(self.hf.model_type)
+
+    @property
+    def padded_vocab(self) -> int:
+        return padded_vocab_size(self.hf.req("vocab_size"), self.make_vocab_size_divisible_by, self.layout.tp)
+
+    def transformer_config(self) -> Any:
+        return self.family.transformer_config(
+            self.hf, self.layout, self.runtime, self.dtype, **self.config_overrides
+        )
+
+    def weight_map(self) -> WeightMap:
+        return self.family.weight_map(self.hf, self.padded_vocab)
+
+
+def build_gpt_chunks(spec: ModelSpec, pg_collection: Any) -> tuple[list[torch.nn.Module], list[ShardContext]]:
+    """Build this rank's GPTModel chunk(s) (one per virtual stage) and their shard contexts."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = spec.transformer_config()
+    layout = spec.layout
+    spec.layout.validate(torch.distributed.get_world_size(), spec.family.shape(spec.hf))
+    pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
+    vpp = layout.virtual_stages
+    tied = bool(spec.hf.get("tie_word_embeddings", False))
+    num_experts = config.num_moe_experts or 0
+    ep_size = pg_collection.ep.size()
+    chunks, contexts = [], []
+    for vstage in range(vpp):
+        vp_stage = vstage if vpp > 1 else None
+        pre = pp_rank == 0 and vstage == 0
+        post = pp_rank == pp_size - 1 and vstage == vpp - 1
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=decoder_block_spec(config, spec.runtime, vp_stage=vp_stage, pp_rank=pp_rank),
+            vocab_size=spec.padded_vocab,
+            max_sequence_length=spec.max_sequence_length,
+            pre_process=pre,
+            post_process=post,
+            share_embeddings_and_output_weights=tied,
+            position_embedding_type="rope",
+            rotary_base=int(spec.hf.rope_theta()),
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+        contexts.append(
+            ShardContext(
+                tp_rank=pg_collection.tp.rank(),
+                tp_size=pg_collection.tp.size(),
+                etp_rank=pg_collection.expt_tp.rank(),
+                etp_size=pg_collection.expt_tp.size(),
+                ep_rank=pg_collection.ep.rank(),
+                num_local_experts=num_experts // ep_size if num_experts else 0,
+                layer_offset=get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank),
+                owns_dense=pg_collection.tp.rank() == 0 and pg_collection.cp.rank() == 0
+                and pg_collection.dp.rank() == 0,
+                owns_experts=pg_collection.expt_tp.rank() == 0 and pg_collection.expt_dp.rank() == 0,
+            )
+        )
+        chunks.append(model)
+    return chunks, contexts

@@ -1,0 +1,165 @@
+"""Qwen3-MoE (HF model_type "qwen3_moe", e.g. Qwen3-30B-A3B, Qwen3-235B-A22B).
+
+Architecture: GQA attention with per-head RMSNorm on q and k (qk_layernorm), RoPE, no linear biases; MoE MLP with
+softmax routing over `num_experts`, top-k (`num_experts_per_tok`), renormalised when `norm_topk_prob`; layers listed in
+`mlp_only_layers` (or off the `decoder_sparse_step` grid) use a dense SwiGLU MLP.
+
+Routing equivalence: HF computes softmax over all experts, takes top-k, then renormalises (norm_topk_prob=True). That
+equals Megatron's top-k on logits followed by softmax over the k (moe_router_pre_softmax=False). Without
+renormalisation HF keeps the full-softmax probabilities: Megatron's moe_router_pre_softmax=True.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mcore_rl.models.base import HFConfig, ModelFamily, UnsupportedModel, megatron_common_fields, register
+from mcore_rl.parallel.layout import ModelShape, ParallelLayout
+from mcore_rl.resharding.transforms import QKV, FusedColumns, Replicated, Split, VocabSplit
+from mcore_rl.resharding.weight_map import Rule, WeightMap
+
+L = "decoder.layers.{layer}."
+H = "model.layers.{layer}."
+
+
+def moe_layer_pattern(hf: HFConfig) -> list[int]:
+    """1 for an MoE layer, 0 for a dense one, per HF's rule (mlp_only_layers, decoder_sparse_step)."""
+    num_layers = hf.req("num_hidden_layers")
+    experts = hf.req("num_experts", "num_local_experts")
+    step = hf.get("decoder_sparse_step", 1)
+    dense = set(hf.get("mlp_only_layers", []))
+    return [int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(num_layers)]
+
+
+def attention_rules(hf: HFConfig, te_fused_norm: bool = True) -> list[Rule]:
+    """Rules shared by Qwen-style GQA attention with optional qk norm (also used by dense Qwen3)."""
+    heads = hf.req("num_attention_heads")
+    groups = hf.get("num_key_value_heads", heads)
+    head_dim = hf.get("head_dim", hf.req("hidden_size") // heads)
+    qkv = QKV(num_heads=heads, num_query_groups=groups, head_dim=head_dim)
+    names = tuple(H + f"self_attn.{p}_proj.weight" for p in "qkv")
+    rules = [
+        Rule(L + "self_attention.linear_qkv.weight", names, qkv),
+        Rule(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight", Split(dim=1)),
+        Rule(L + "input_layernorm.weight", H + "input_layernorm.weight", Replicated()),
+        # Transformer Engine's spec fuses the input norm into linear_qkv.
+        Rule(L + "self_attention.linear_qkv.layer_norm_weight", H + "input_layernorm.weight", Replicated()),
+    ]
+    if hf.get("attention_bias", False):
+        bias_names = tuple(H + f"self_attn.{p}_proj.bias" for p in "qkv")
+        rules.append(Rule(L + "self_attention.linear_qkv.bias", bias_names, qkv))
+    return rules
+
+
+def qk_norm_rules() -> list[Rule]:
+    return [
+        Rule(L + "self_attention.q_layernorm.weight", H + "self_attn.q_norm.weight", Replicated()),
+        Rule(L + "self_attention.k_layernorm.weight", H + "self_attn.k_norm.weight", Replicated()),
+    ]
+
+
+def dense_mlp_rules() -> list[Rule]:
+    """SwiGLU MLP: Megatron's linear_fc1 holds [gate; up] per TP shard."""
+    gate_up = (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight")
+    return [
+        Rule(L + "mlp.linear_fc1.weight", gate_up, FusedColumns(num_hf=2)),
+        Rule(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight", Split(dim=1)),
+        Rule(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight", Replicated()),
+        Rule(L + "mlp.linear_fc1.layer_norm_weight", H + "post_attention_layernorm.weight", Replicated()),
+    ]
+
+
+def expert_rules(hf_expert: str = H + "mlp.experts.{expert}.") -> list[Rule]:
+    """Routed experts under EP x ETP, for both the local spec (SequentialMLP) and TE's grouped GEMM."""
+    gate_up = (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight")
+    fc1, fc2 = FusedColumns(num_hf=2, axis="etp"), Split(dim=1, axis="etp")
+    return [
+        Rule(L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", gate_up, fc1),
+        Rule(L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", hf_expert + "down_proj.weight", fc2),
+        Rule(L + "mlp.experts.linear_fc1.weight{expert}", gate_up, fc1),
+        Rule(L + "mlp.experts.linear_fc2.weight{expert}", hf_expert + "down_proj.weight", fc2),
+    ]
+
+
+def embedding_rules(hf: HFConfig, padded_vocab: int) -> list[Rule]:
+    vocab = VocabSplit(vocab_size=hf.req("vocab_size"), padded_vocab=padded_vocab)
+    tied = bool(hf.get("tie_word_embeddings", False))
+    return [
+        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", vocab),
+        Rule("decoder.final_layernorm.weight", "model.norm.weight", Replicated()),
+        # Tied: the last stage's output layer is loaded from the embedding and not exported a second time.
+        Rule("output_layer.weight", "model.embed_tokens.weight" if tied else "lm_head.weight", vocab, export=not tied),
+    ]
+
+
+@register
+class Qwen3MoeFamily(ModelFamily):
+    model_type = "qwen3_moe"
+    architecture = "Qwen3MoeForCausalLM"
+
+    def shape(self, hf: HFConfig) -> ModelShape:
+        heads = hf.req("num_attention_heads")
+        return ModelShape(
+            num_layers=hf.req("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_query_groups=hf.get("num_key_value_heads", heads),
+            vocab_size=hf.req("vocab_size"),
+            num_experts=hf.req("num_experts", "num_local_experts"),
+            ffn_hidden_size=hf.get("intermediate_size", 0) if 0 in moe_layer_pattern(hf) else 0,
+            moe_ffn_hidden_size=hf.req("moe_intermediate_size"),
+        )
+
+    def transformer_config(
+        self, hf: HFConfig, layout: ParallelLayout, runtime: str, dtype: torch.dtype, **overrides: Any
+    ) -> Any:
+        from megatron.core.transformer import TransformerConfig
+
+        hf.refuse_unless("hidden_act", "silu", "Megatron's SwiGLU uses silu")
+        hf.refuse_unless("use_sliding_window", False, "sliding-window attention has no Megatron equivalent here")
+        hf.rope_theta()  # refuses rope scaling early
+        heads = hf.req("num_attention_heads")
+        te = runtime == "cuda"
+        kwargs: dict[str, Any] = dict(
+            num_layers=hf.req("num_hidden_layers"),
+            hidden_size=hf.req("hidden_size"),
+            num_attention_heads=heads,
+            num_query_groups=hf.get("num_key_value_heads", heads),
+            kv_channels=hf.get("head_dim", hf.req("hidden_size") // heads),
+            ffn_hidden_size=hf.get("intermediate_size", hf.req("moe_intermediate_size")),
+            normalization="RMSNorm",
+            layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+            qk_layernorm=True,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=bool(hf.get("attention_bias", False)),
+            hidden_dropout=0.0,
+            attention_dropout=float(hf.get("attention_dropout", 0.0)),
+            init_method_std=hf.get("initializer_range", 0.02),
+            num_moe_experts=hf.req("num_experts", "num_local_experts"),
+            moe_ffn_hidden_size=hf.req("moe_intermediate_size"),
+            moe_router_topk=hf.req("num_experts_per_tok"),
+            moe_layer_freq=moe_layer_pattern(hf),
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            # The alltoall dispatcher creates a CUDA stream at init (0.16.1): allgather on CPU.
+            moe_token_dispatcher_type="alltoall" if te else "allgather",
+            moe_grouped_gemm=te,
+            **megatron_common_fields(layout, dtype, te),
+        )
+        kwargs.update(overrides)
+        try:
+            return TransformerConfig(**kwargs)
+        except (AssertionError, ValueError) as err:
+            raise UnsupportedModel(f"qwen3_moe: Megatron refused the translated config: {err}") from err
+
+    def weight_map(self, hf: HFConfig, padded_vocab: int) -> WeightMap:
+        rules = embedding_rules(hf, padded_vocab) + attention_rules(hf) + qk_norm_rules() + dense_mlp_rules()
+        rules += [Rule(L + "mlp.router.weight", H + "mlp.gate.weight", Replicated())] + expert_rules()
+        return WeightMap(rules, ignore_hf=(r".*rotary_emb\.inv_freq$",))
+

@@ -1,0 +1,82 @@
+"""Megatron layer specs for the two runtimes.
+
+- cuda: Transformer Engine's spec when TE imports (fused norms inside linear layers, grouped GEMM experts);
+  otherwise Megatron's local spec, as on CPU.
+- cpu:  Megatron's local spec with `SequenceParallelRMSNorm` in place of the torch norm. The local spec's
+  `WrappedTorchNorm` refuses sequence parallelism, which Megatron requires for MoE with TP > 1 (megatron-core 0.16.1),
+  so without this swap MoE+TP cannot run on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from typing import Any
+
+import torch
+
+
+class SequenceParallelRMSNorm(torch.nn.Module):
+    """RMSNorm computed in fp32 (as HF's Qwen/Llama norms are), usable under sequence parallelism.
+
+    Under sequence parallelism each TP rank normalises a different slice of the sequence, so the weight's gradient is
+    partial per rank: marking the weight `sequence_parallel` makes Megatron's finalize_model_grads all-reduce it
+    across the TP group.
+    """
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def transformer_engine_available() -> bool:
+    """Whether Transformer Engine's torch extension can be imported (GPU extra)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def use_te_spec(runtime: str) -> bool:
+    """TE spec on CUDA when TE is importable; local spec otherwise."""
+    return runtime == "cuda" and transformer_engine_available()
+
+
+def _swap_norms(spec: Any, old: tuple[type, ...], new: type, seen: set[int] | None = None) -> Any:
+    """Replace norm classes anywhere inside a (nested) ModuleSpec / submodules dataclass, in place."""
+    seen = set() if seen is None else seen
+    if id(spec) in seen:
+        return spec
+    seen.add(id(spec))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            value = getattr(spec, f.name)
+            if isinstance(value, type) and value in old:
+                setattr(spec, f.name, new)
+            elif isinstance(value, list):
+                setattr(spec, f.name, [_swap_norms(v, old, new, seen) for v in value])
+            else:
+                _swap_norms(value, old, new, seen)
+    return spec
+
+
+def decoder_block_spec(config: Any, runtime: str, vp_stage: int | None = None, pp_rank: int | None = None) -> Any:
+    """The decoder block spec for this stage (dense and MoE layers as config.moe_layer_freq says)."""
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    te = use_te_spec(runtime)
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage, pp_rank=pp_rank
+    )
+    if te:
+        return spec
+    # Specs are shared module-level objects in Megatron: copy before editing.
+    spec = copy.deepcopy(spec)
+    return _swap_norms(spec, (WrappedTorchNorm, torch.nn.RMSNorm), SequenceParallelRMSNorm)

@@ -1,0 +1,169 @@
+"""The CPU runtime: run megatron-core on CPU with gloo.
+
+Megatron-core assumes CUDA in a handful of places. This module holds every patch that makes 0.16.1 run on a CPU-only
+machine, each with a comment saying what it works around. Nothing here changes Megatron's math: the same model code,
+schedules and optimizer run; only device placement, RNG bookkeeping and two imports are redirected.
+
+The runtime is opt-in (`runtime: cpu` in the config, or `enable_cpu_runtime()` in tests) and refuses to start where it
+would shadow a usable GPU, because a silent CPU fallback on a GPU node is a 100x slowdown nobody asked for.
+
+Measured against megatron-core 0.16.1 and torch 2.13 (CPU build).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ENABLED = False
+
+
+class CpuRuntimeRefused(RuntimeError):
+    """Raised when the CPU runtime is asked for on a machine with a usable GPU."""
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps tensor factories and moves that name CUDA onto the CPU.
+
+    Megatron 0.16.1 allocates with `device="cuda"` or `device=torch.cuda.current_device()` (an int, which torch reads
+    as a CUDA ordinal) in its schedules (token counters), causal masks, MoE router/expert buffers and optimizer.
+    Rewriting the `device` argument here keeps those call sites untouched.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if "device" in kwargs and _names_cuda(kwargs["device"]):
+            kwargs = dict(kwargs, device="cpu")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.to and args[1:] and _names_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        if kwargs.get("pin_memory"):
+            # Pinned host memory needs a CUDA context.
+            kwargs = dict(kwargs, pin_memory=False)
+        return func(*args, **kwargs)
+
+
+def _names_cuda(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class CpuRNGStatesTracker:
+    """Megatron's named RNG streams on the CPU generator.
+
+    Megatron's tracker keeps one CUDA generator state per name ("model-parallel-rng", "expert-parallel-rng", ...) and
+    `fork(name)` swaps it in, so that dropout and initialisation differ across TP ranks where they must. The CUDA
+    version calls `torch.cuda.get_rng_state`; this one swaps the CPU generator's state with the same semantics.
+    """
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+        self._is_initialized = False
+        self._current_state_name = "default-rng"
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {name: state.clone() for name, state in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise ValueError(f"seed {seed} already exists")
+        self.seeds_.add(seed)
+        if name in self.states_:
+            raise ValueError(f"rng state {name} already exists")
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+        if name not in self.states_:
+            raise KeyError(f"rng state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        previous, self._current_state_name = self._current_state_name, name
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+            self._current_state_name = previous
+
+
+def usable_gpu() -> bool:
+    """True when torch sees at least one CUDA device it can use."""
+    try:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except RuntimeError:
+        return False
+
+
+def enable_cpu_runtime(allow_with_gpu: bool = False) -> None:
+    """Install the CPU patches in this process (idempotent).
+
+    Call it before building any Megatron model, in every rank process. Refuses when a usable GPU is present unless
+    `allow_with_gpu` (tests that compare CPU and GPU on purpose) or MCORE_RL_ALLOW_CPU_WITH_GPU=1.
+    """
+    global _ENABLED
+    if _ENABLED:
+        return
+    if usable_gpu() and not (allow_with_gpu or os.environ.get("MCORE_RL_ALLOW_CPU_WITH_GPU") == "1"):
+        raise CpuRuntimeRefused(
+            "runtime=cpu refused: this machine has a usable GPU "
+            f"({torch.cuda.device_count()} visible) and the CPU runtime would shadow it. Use runtime=cuda, or set "
+            "MCORE_RL_ALLOW_CPU_WITH_GPU=1 to force it."
+        )
+
+    # torch.cuda.current_device() raises on a CPU build; Megatron uses it as a device argument, which the mode maps.
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    # Megatron synchronises around timers and collectives; there is nothing to wait for on CPU.
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+    import megatron.core.tensor_parallel.random as mrandom
+
+    # The CUDA RNG tracker calls torch.cuda.get_rng_state: replace it (and its factory) with the CPU tracker so that
+    # model_parallel_cuda_manual_seed() and fork() keep isolating RNG streams.
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker  # type: ignore[misc, assignment]
+    mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mrandom.initialize_rng_tracker = lambda *a, **k: None  # type: ignore[assignment]
+
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    # 0.16.1 reads moe_utils.te_general_gemm in the router even when Transformer Engine failed to import, where the
+    # name was never bound. None selects its plain torch matmul path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # A global function mode, pushed once for the life of the process. Ray runs a synchronous actor's methods on
+    # the thread that built it, so the mode stays in force for every call.
+    _CudaToCpuMode().__enter__()
+    _ENABLED = True
+
+
+def cpu_runtime_enabled() -> bool:
+    """Whether `enable_cpu_runtime` ran in this process."""
+    return _ENABLED

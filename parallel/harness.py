@@ -1,0 +1,69 @@
+"""Run a function on N spawned gloo ranks: the multi-rank test harness.
+
+    results = run_on_ranks(my_fn, world_size=4, args=(layout,))
+
+`my_fn(rank, world_size, *args)` must be importable (defined at module level). Each rank is a fresh process with the
+CPU runtime enabled and torch.distributed started over gloo on loopback; the list of return values (index = rank)
+comes back, or a RankFailed naming the first rank that raised, with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from mcore_rl.parallel.groups import destroy_model_parallel, free_port, init_distributed
+
+
+class RankFailed(RuntimeError):
+    """A spawned rank raised; the message holds its traceback."""
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue: Any) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        init_distributed("cpu", rank, world_size, "127.0.0.1", port, timeout_s=300)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            destroy_model_parallel()
+        except Exception:  # noqa: BLE001 - a broken group at teardown must not hide the real error
+            pass
+
+
+def run_on_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout_s: float = 600.0) -> list[Any]:
+    """Spawn `world_size` CPU ranks running `fn(rank, world_size, *args)`; return their results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, tuple(args), queue), daemon=False)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout_s)
+            (results if ok else failures)[rank] = payload
+            if failures:
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if failures else 60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    if failures:
+        rank = min(failures)
+        raise RankFailed(f"rank {rank} of {world_size} failed:\n{failures[rank]}")
+    return [results[rank] for rank in range(world_size)]

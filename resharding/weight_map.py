@@ -1,0 +1,201 @@
+"""Declarative HF <-> Megatron weight maps and the machinery that applies them to a sharded model.
+
+A model family (mcore_rl/models/<family>.py) states its map as data:
+
+    Rule("decoder.layers.{layer}.self_attention.linear_qkv.weight",
+         ("model.layers.{layer}.self_attn.q_proj.weight", "...k_proj.weight", "...v_proj.weight"), QKV(...))
+
+`{layer}` is the *local* layer index in the Megatron name and the *global* one in the HF name (PP/VPP offset added);
+`{expert}` likewise for expert indices under EP. This module interprets any such map:
+
+    load:   read HF tensors by name -> transform -> this rank's shard -> copy into the parameter/buffer
+    export: every rank's shard -> all-gather over the rule's axis (tp / etp) -> transform -> HF tensors, emitted once
+            (by tp/etp rank 0 of data-parallel replica 0; experts by their owning EP rank, layers by their PP stage)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.resharding.transforms import Transform
+
+
+class WeightMapError(ValueError):
+    """A tensor is missing, unexpected, or has the wrong shape; the message names it."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron tensor <-> one or more HF tensors."""
+
+    mcore: str
+    hf: tuple[str, ...]
+    transform: Transform
+    #: skip this tensor on export (e.g. an output layer tied to the embedding)
+    export: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hf, str):
+            object.__setattr__(self, "hf", (self.hf,))
+
+    @property
+    def is_expert(self) -> bool:
+        return "{expert}" in self.mcore
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """Where one model chunk sits: the sizes/ranks the transforms and index offsets need."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    etp_rank: int = 0
+    etp_size: int = 1
+    ep_rank: int = 0
+    num_local_experts: int = 0
+    layer_offset: int = 0
+    #: emit dense tensors on export (tp/cp rank 0 of data-parallel replica 0)
+    owns_dense: bool = True
+    #: emit expert tensors on export (etp rank 0 of expert-data-parallel replica 0)
+    owns_experts: bool = True
+
+    def shard_of(self, axis: str | None) -> tuple[int, int]:
+        if axis == "tp":
+            return self.tp_rank, self.tp_size
+        if axis == "etp":
+            return self.etp_rank, self.etp_size
+        return 0, 1
+
+
+def _pattern(template: str) -> re.Pattern:
+    escaped = re.escape(template).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(r"\{expert\}", r"(?P<expert>\d+)")
+    return re.compile(f"^{escaped}$")
+
+
+@dataclass
+class WeightMap:
+    """A family's rules, plus HF names that are known and deliberately not loaded (e.g. rotary caches)."""
+
+    rules: list[Rule]
+    ignore_hf: tuple[str, ...] = ()
+    _compiled: list[tuple[re.Pattern, Rule]] = field(default_factory=list, init=False, repr=False)
+    _compiled_hf: list[tuple[re.Pattern, Rule]] = field(default_factory=list, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._compiled = [(_pattern(r.mcore), r) for r in self.rules]
+        self._compiled_hf = [(_pattern(name), r) for r in self.rules for name in r.hf]
+        self._ignored = [re.compile(p) for p in self.ignore_hf]
+
+    def match(self, mcore_name: str) -> tuple[Rule, dict[str, int]]:
+        """The rule for a local Megatron tensor name and its captured local indices."""
+        for pattern, rule in self._compiled:
+            m = pattern.match(mcore_name)
+            if m:
+                return rule, {k: int(v) for k, v in m.groupdict().items()}
+        raise WeightMapError(f"Megatron tensor {mcore_name!r} has no rule in the weight map")
+
+    def hf_names(self, rule: Rule, local: dict[str, int], ctx: ShardContext) -> list[str]:
+        """HF names for a rule, with local layer/expert indices turned global."""
+        fields: dict[str, int] = {}
+        if "layer" in local:
+            fields["layer"] = local["layer"] + ctx.layer_offset
+        if "expert" in local:
+            fields["expert"] = local["expert"] + ctx.ep_rank * ctx.num_local_experts
+        return [name.format(**fields) for name in rule.hf]
+
+    def is_known_hf(self, name: str, num_layers: int, num_experts: int) -> bool:
+        """Whether an HF checkpoint name belongs to this model (right pattern, indices in range) or is ignored."""
+        if any(p.match(name) for p in self._ignored):
+            return True
+        for pattern, _ in self._compiled_hf:
+            m = pattern.match(name)
+            if m:
+                idx = m.groupdict()
+                if "layer" in idx and int(idx["layer"]) >= num_layers:
+                    return False
+                if "expert" in idx and int(idx["expert"]) >= num_experts:
+                    return False
+                return True
+        return False
+
+
+def _local_tensors(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters and persistent buffers of a model chunk, by local Megatron name (TE extra state skipped)."""
+    for name, tensor in chunk.state_dict(keep_vars=True).items():
+        if name.endswith("_extra_state") or tensor is None:
+            continue
+        yield name, tensor
+
+
+def load_hf_weights(
+    chunks: list[torch.nn.Module],
+    contexts: list[ShardContext],
+    weight_map: WeightMap,
+    read_hf: Callable[[str], torch.Tensor],
+) -> set[str]:
+    """Fill every local tensor of `chunks` from HF tensors; return the HF names this rank read.
+
+    `read_hf(name)` returns an HF tensor or raises KeyError; a missing tensor becomes a WeightMapError naming it.
+    """
+    used: set[str] = set()
+    for chunk, ctx in zip(chunks, contexts):
+        for name, tensor in _local_tensors(chunk):
+            rule, local = weight_map.match(name)
+            names = weight_map.hf_names(rule, local, ctx)
+            hf = []
+            for hf_name in names:
+                try:
+                    hf.append(read_hf(hf_name))
+                except KeyError:
+                    raise WeightMapError(
+                        f"HF tensor {hf_name!r} is missing (needed for Megatron {name!r})"
+                    ) from None
+            shard, num_shards = ctx.shard_of(rule.transform.axis)
+            try:
+                value = rule.transform.to_megatron(hf, shard, num_shards)
+            except ValueError as err:
+                raise WeightMapError(f"{', '.join(names)} -> {name}: {err}") from None
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise WeightMapError(
+                    f"HF tensor(s) {', '.join(names)} give shape {tuple(value.shape)} for Megatron {name!r}, "
+                    f"which expects {tuple(tensor.shape)}"
+                )
+            with torch.no_grad():
+                tensor.copy_(value.to(tensor.dtype))
+            used.update(names)
+    return used
+
+
+def export_hf_weights(
+    chunks: list[torch.nn.Module],
+    contexts: list[ShardContext],
+    weight_map: WeightMap,
+    tp_group: dist.ProcessGroup | None,
+    etp_group: dist.ProcessGroup | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the tensors this rank owns, gathering TP/ETP shards.
+
+    Collective: every rank of a TP (ETP) group must iterate in step, since each sharded tensor is all-gathered. The
+    order is the model's own parameter order, identical on all ranks of a group (same structure, same names).
+    """
+    for chunk, ctx in zip(chunks, contexts):
+        for name, tensor in _local_tensors(chunk):
+            rule, local = weight_map.match(name)
+            axis = rule.transform.axis
+            group, size = (tp_group, ctx.tp_size) if axis == "tp" else (etp_group, ctx.etp_size)
+            local_value = tensor.detach()
+            if axis is not None and size > 1:
+                shards = [torch.empty_like(local_value) for _ in range(size)]
+                dist.all_gather(shards, local_value.contiguous(), group=group)
+            else:
+                shards = [local_value]
+            owner = ctx.owns_experts if rule.is_expert else ctx.owns_dense
+            if not owner or not rule.export:
+                continue
+            for hf_name, value in zip(weight_map.hf_names(rule, local, ctx), rule.transform.to_hf(shards)):
+                yield hf_name, value
