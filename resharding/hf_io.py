@@ -1,0 +1,379 @@
+"""Streaming HF safetensors I/O: read a checkpoint tensor by tensor, write one shard at a time.
+
+    reader = HFCheckpointReader("Qwen3-30B-A3B/")         # validates every file's header up front
+    w = reader.read("model.embed_tokens.weight")            # memory-mapped; KeyError if absent
+    with HFCheckpointWriter("out/", max_shard_bytes=5 << 30) as writer:
+        writer.add(name, tensor)                            # buffered until the shard is full
+        writer.write_config(config_dict)
+        writer.copy_side_files("Qwen3-30B-A3B/")            # generation config, tokenizer files
+    # out/ appears only here, renamed from out.tmp-<pid>; an exception or a kill leaves no out/
+
+Memory: the reader maps files through `safetensors.safe_open` (zero-copy views) and drops a file's mapping after
+`remap_bytes` have been read through it, so resident file pages stay bounded while the converter walks a 700 GB
+checkpoint. The writer holds at most one shard's tensors and serialises them itself (header, then each tensor's bytes
+straight from its storage), which avoids the second in-memory copy that `safetensors.torch.save_file` makes.
+
+The safetensors format: 8-byte little-endian header length N, N bytes of JSON
+{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the data region.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: files copied next to the weights: generation config, tokenizers, chat templates, remote code
+SIDE_FILE_PATTERNS = (
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "chat_template*",
+    "*.tiktoken",
+    "*.py",
+)
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or directory is unusable; the message names the file (and tensor)."""
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '1.5GiB' / '1024' -> bytes (decimal units for KB/MB/GB, binary for KiB/MiB/GiB)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    units |= {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+    s = text.strip().upper()
+    number = s.rstrip("KMGTIB")
+    unit = s[len(number) :]
+    try:
+        value = float(number) * units[unit]
+    except (KeyError, ValueError):
+        raise ValueError(f"cannot read size {text!r}; use e.g. 5GB, 500MB, 2GiB or a byte count") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return int(value)
+
+
+def read_header(path: str | Path) -> dict[str, dict[str, Any]]:
+    """Parse and validate a safetensors header against the file size; {name: {dtype, shape, data_offsets}}.
+
+    Catches truncated files (data offsets past the end), corrupt headers (bad length or JSON), and tensors whose
+    byte range disagrees with their dtype and shape, before any tensor is read.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 8:
+        raise CheckpointError(f"{path}: {size} bytes is too short to be a safetensors file (truncated?)")
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > size - 8 or header_len > 100 << 20:
+            raise CheckpointError(
+                f"{path}: header length {header_len} exceeds the file size {size} (truncated or not safetensors)"
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{path}: header is not valid JSON ({err}); the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object; the file is corrupt")
+    header.pop("__metadata__", None)
+    data_len = size - 8 - header_len
+    end_max = 0
+    for name, info in header.items():
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        expected = numel * dtype.itemsize
+        if end > data_len:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ends at byte {end} of the data region, but the file holds only "
+                f"{data_len} data bytes (truncated file)"
+            )
+        if begin < 0 or end - begin != expected:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} spans bytes [{begin}, {end}) but {info['dtype']}{shape} needs {expected}"
+            )
+        end_max = max(end_max, end)
+    if end_max != data_len:
+        raise CheckpointError(f"{path}: data region is {data_len} bytes but tensors cover {end_max} (corrupt file)")
+    return header
+
+
+class HFCheckpointReader:
+    """Read-only view of an HF checkpoint directory (config.json + sharded or single safetensors)."""
+
+    def __init__(self, path: str | Path, remap_bytes: int = 512 << 20) -> None:
+        self.dir = Path(path)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"{self.dir}: not a directory")
+        config_path = self.dir / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(f"{config_path}: missing (an HF checkpoint needs config.json)")
+        try:
+            self.config: dict[str, Any] = json.loads(config_path.read_text())
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+        self.remap_bytes = remap_bytes
+        self._file_of: dict[str, str] = {}
+        self._info: dict[str, dict[str, Any]] = {}
+        self._handles: dict[str, Any] = {}
+        self._read_since_open: dict[str, int] = {}
+        index_path = self.dir / INDEX_NAME
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{index_path}: not a valid index ({err!r})") from None
+            files = sorted(set(weight_map.values()))
+        elif (self.dir / SINGLE_NAME).is_file():
+            weight_map, files = None, [SINGLE_NAME]
+        else:
+            raise CheckpointError(f"{self.dir}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+        for file in files:
+            if not (self.dir / file).is_file():
+                raise CheckpointError(f"{self.dir / file}: listed in {INDEX_NAME} but missing")
+            header = read_header(self.dir / file)
+            for name, info in header.items():
+                if weight_map is not None and weight_map.get(name) != file:
+                    raise CheckpointError(
+                        f"{self.dir / file}: tensor {name!r} is not listed for this file in the index"
+                    )
+                self._file_of[name] = file
+                self._info[name] = info
+        if weight_map is not None:
+            for name, file in weight_map.items():
+                if name not in self._info:
+                    raise CheckpointError(
+                        f"{self.dir / file}: tensor {name!r} is listed in the index but not in the file"
+                    )
+
+    def names(self) -> list[str]:
+        """Every tensor name, in file order then header order."""
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def file_of(self, name: str) -> Path:
+        """The file holding `name` (KeyError if absent)."""
+        return self.dir / self._file_of[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape from the header, without reading data."""
+        return tuple(self._info[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Dtype from the header, without reading data."""
+        return DTYPES[self._info[name]["dtype"]]
+
+    def nbytes(self, name: str) -> int:
+        begin, end = self._info[name]["data_offsets"]
+        return end - begin
+
+    def total_bytes(self) -> int:
+        """Bytes of tensor data in the checkpoint."""
+        return sum(self.nbytes(n) for n in self._info)
+
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor `name`: a zero-copy view of the file mapping (KeyError names the checkpoint if absent)."""
+        file = self._file_of.get(name)
+        if file is None:
+            raise KeyError(f"{name} (not in {self.dir})")
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(str(self.dir / file), framework="pt", device="cpu")
+            self._read_since_open[file] = 0
+        tensor = handle.get_tensor(name)
+        self._read_since_open[file] += self.nbytes(name)
+        if self._read_since_open[file] >= self.remap_bytes:
+            # Dropping the handle unmaps the file once the tensors viewing it die, which returns the touched pages;
+            # a mapping kept for the whole walk would count every page of the file as resident.
+            del self._handles[file]
+        return tensor
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for every tensor, in file order."""
+        for name in self.names():
+            yield name, self.read(name)
+
+    def side_files(self) -> list[Path]:
+        """Generation config, tokenizer and remote-code files present next to the weights."""
+        found: dict[str, Path] = {}
+        for pattern in SIDE_FILE_PATTERNS:
+            for p in self.dir.glob(pattern):
+                if p.is_file():
+                    found[p.name] = p
+        return [found[k] for k in sorted(found)]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> HFCheckpointReader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor, without a copy when it is already contiguous."""
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
+
+
+def write_safetensors(
+    path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> int:
+    """Serialise `tensors` to `path` in safetensors format, streaming each tensor's bytes; returns bytes written."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors itself writes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            f.write(_tensor_bytes(t.cpu()))
+    return 8 + len(raw) + offset
+
+
+class HFCheckpointWriter:
+    """Writes an HF checkpoint shard by shard into `<out>.tmp-<pid>`, renamed to `<out>` by `close()`.
+
+    At most one shard's tensors are held. Shards are named model-0000X-of-0000N.safetensors at close, when N is known.
+    """
+
+    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 5 * 10**9, overwrite: bool = False) -> None:
+        self.out = Path(out_dir)
+        if self.out.exists() and not overwrite:
+            raise CheckpointError(f"{self.out}: output directory exists (pass overwrite / --overwrite to replace it)")
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
+        self.tmp = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}"
+        if self.tmp.exists():
+            shutil.rmtree(self.tmp)
+        self.tmp.mkdir(parents=True)
+        self.max_shard_bytes = max_shard_bytes
+        self.overwrite = overwrite
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[list[str]] = []
+        self._seen: set[str] = set()
+        self.total_bytes = 0
+        self._closed = False
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue a tensor; the current shard is written first when `tensor` would overflow it."""
+        if name in self._seen:
+            raise CheckpointError(f"{self.out}: tensor {name!r} written twice")
+        self._seen.add(name)
+        n = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + n > self.max_shard_bytes:
+            self._flush()
+        self._pending[name] = tensor
+        self._pending_bytes += n
+        self.total_bytes += n
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        index = len(self._shards) + 1
+        write_safetensors(self.tmp / f"part-{index:05d}.safetensors", self._pending)
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def write_config(self, config: dict[str, Any], name: str = "config.json") -> None:
+        """Write a JSON file (config.json by default) into the output."""
+        (self.tmp / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+    def copy_side_files(self, src_dir: str | Path, files: list[Path] | None = None) -> list[str]:
+        """Copy generation config / tokenizer / remote-code files from `src_dir`; returns the names copied."""
+        src = Path(src_dir)
+        if files is None:
+            files = [p for pattern in SIDE_FILE_PATTERNS for p in src.glob(pattern) if p.is_file()]
+        copied = []
+        for p in files:
+            if p.name in ("config.json", INDEX_NAME) or p.name.endswith(".safetensors"):
+                continue
+            shutil.copy2(p, self.tmp / p.name)
+            copied.append(p.name)
+        return sorted(copied)
+
+    def close(self) -> Path:
+        """Write the last shard and the index, rename shards to their final names, move the directory into place."""
+        if self._closed:
+            return self.out
+        self._flush()
+        total = len(self._shards)
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(self._shards, start=1):
+            final = f"model-{i:05d}-of-{total:05d}.safetensors"
+            (self.tmp / f"part-{i:05d}.safetensors").rename(self.tmp / final)
+            weight_map.update((n, final) for n in names)
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        old = None
+        if self.out.exists():
+            old = self.out.parent / f"{self.out.name}.old-{os.getpid()}"
+            self.out.rename(old)
+        self.tmp.rename(self.out)
+        if old is not None:
+            shutil.rmtree(old)
+        self._closed = True
+        return self.out
+
+    def abort(self) -> None:
+        """Discard everything written so far (the output directory is never created)."""
+        self._pending.clear()
+        self._closed = True
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> HFCheckpointWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
