@@ -18,6 +18,9 @@ def _packages() -> tuple[list[str], dict[str, str]]:
         for sub in [""] + ["." + p for p in find_packages(where=folder)]:
             packages.append(f"mcore_rl.{folder}{sub}")
         package_dir[f"mcore_rl.{folder}"] = folder
+    # Hydra YAML ships inside the package too (Hydra reads it as pkg://mcore_rl.configs).
+    packages.append("mcore_rl.configs")
+    package_dir["mcore_rl.configs"] = "configs"
     return packages, package_dir
 
 
@@ -30,7 +33,7 @@ setup(
     python_requires=">=3.10",
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
-    include_package_data=True,
+    package_data={"mcore_rl.configs": ["*.yaml", "**/*.yaml"]},
     install_requires=[
         # torch is pinned by the Makefile (a CPU build here, a CUDA build on clusters); any 2.x works.
         "torch>=2.4",

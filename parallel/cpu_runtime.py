@@ -137,8 +137,11 @@ def enable_cpu_runtime(allow_with_gpu: bool = False) -> None:
             "MCORE_RL_ALLOW_CPU_WITH_GPU=1 to force it."
         )
 
-    # torch.cuda.current_device() raises on a CPU build; Megatron uses it as a device argument, which the mode maps.
-    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    # torch.cuda.current_device() raises on a CPU build. Megatron's training paths pass it as a device argument
+    # (`torch.empty(n, device=torch.cuda.current_device())`), also inside autograd backward functions, where the
+    # function mode below is not in force (autograd's engine does not carry it). Returning the CPU device itself
+    # works in both places; only NCCL-specific code (not used on CPU) builds torch.device("cuda", <index>) from it.
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     # Megatron synchronises around timers and collectives; there is nothing to wait for on CPU.
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
 
@@ -158,10 +161,30 @@ def enable_cpu_runtime(allow_with_gpu: bool = False) -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 
+    import megatron.core.optimizer.optimizer as moptimizer
+
+    # clip_grad_by_total_norm_fp32 asserts `param.grad.type() == 'torch.cuda.FloatTensor'` (0.16.1) before scaling;
+    # the CPU version scales the same fp32 gradients by the same coefficient.
+    moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+
     # A global function mode, pushed once for the life of the process. Ray runs a synchronous actor's methods on
     # the thread that built it, so the mode stays in force for every call.
     _CudaToCpuMode().__enter__()
     _ENABLED = True
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:  # noqa: ANN001
+    """Megatron's clip by a precomputed total norm, without the CUDA type assertion."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff >= 1.0:
+        return
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    for param in parameters:
+        grad = getattr(param, attr, None)
+        if grad is not None:
+            grad.detach().mul_(clip_coeff)
 
 
 def cpu_runtime_enabled() -> bool:

@@ -1,0 +1,92 @@
+"""The training batch as the actor sees it, and its split into data-parallel shards and micro-batches.
+
+Samples are stored response-aligned, as in verl: `responses`, `response_mask`, `old_logprobs`, `advantages` ... are
+[B, R] tensors right-padded to the longest response. The actor rebuilds each sequence as prompt + response, right-padded
+(so RoPE positions are 0..len-1 and causal attention never sees padding before a real token), and reads the logprob of
+response token j of sample b at position prompt_len[b] + j - 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """Rollout samples plus the per-token quantities the loss needs. Tensor fields are [B] or [B, R]."""
+
+    prompts: list[list[int]]
+    responses: torch.Tensor  # [B, R] long, right-padded with 0
+    response_mask: torch.Tensor  # [B, R] float
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logprobs, ref_logprobs, advantages ...
+
+    @property
+    def size(self) -> int:
+        return len(self.prompts)
+
+    def select(self, index: list[int] | torch.Tensor) -> TrainBatch:
+        """The samples at `index`, in that order."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        return TrainBatch(
+            prompts=[self.prompts[i] for i in idx.tolist()],
+            responses=self.responses[idx],
+            response_mask=self.response_mask[idx],
+            tensors={k: v[idx] for k, v in self.tensors.items()},
+        )
+
+    def shard(self, dp_rank: int, dp_size: int) -> TrainBatch:
+        """Contiguous data-parallel shard: the controller's batch order is kept, concatenation undoes it."""
+        if self.size % dp_size:
+            raise ValueError(f"batch of {self.size} samples does not split over dp={dp_size} ranks")
+        per = self.size // dp_size
+        return self.select(list(range(dp_rank * per, (dp_rank + 1) * per)))
+
+    def chunks(self, num: int) -> list[TrainBatch]:
+        """Split into `num` equal consecutive parts (mini-batches)."""
+        if self.size % num:
+            raise ValueError(f"batch of {self.size} samples does not split into {num} mini-batches")
+        per = self.size // num
+        return [self.select(list(range(i * per, (i + 1) * per))) for i in range(num)]
+
+
+@dataclass
+class MicroBatch:
+    """One model input: sequences [b, T] and where each response token's logprob is read."""
+
+    tokens: torch.Tensor  # [b, T]
+    position_ids: torch.Tensor  # [b, T]
+    targets: torch.Tensor  # [b, T]: tokens shifted left (the token predicted at each position)
+    gather_index: torch.Tensor  # [b, R]: position whose output predicts response token j
+    response_mask: torch.Tensor  # [b, R]
+    tensors: dict[str, torch.Tensor]
+
+
+def micro_batches(batch: TrainBatch, micro_batch_size: int, pad_multiple: int = 1) -> tuple[list[MicroBatch], int]:
+    """Cut a batch into micro-batches padded to one common length (a multiple of pad_multiple, e.g. tp for SP).
+
+    One length for all micro-batches of a schedule call: pipeline stages exchange fixed-shape activations.
+    """
+    lengths = [len(p) + int(m.sum()) for p, m in zip(batch.prompts, batch.response_mask)]
+    seq_len = max(lengths) + 1  # +1 keeps a target for the last real token
+    seq_len = -(-seq_len // pad_multiple) * pad_multiple
+    R = batch.responses.shape[1]
+    out = []
+    for start in range(0, batch.size, micro_batch_size):
+        part = batch.select(list(range(start, min(start + micro_batch_size, batch.size))))
+        b = part.size
+        tokens = torch.zeros(b, seq_len, dtype=torch.long)
+        gather = torch.zeros(b, R, dtype=torch.long)
+        for i, prompt in enumerate(part.prompts):
+            p = len(prompt)
+            r = int(part.response_mask[i].sum())
+            tokens[i, :p] = torch.as_tensor(prompt, dtype=torch.long)
+            tokens[i, p : p + r] = part.responses[i, :r]
+            gather[i] = (p - 1 + torch.arange(R)).clamp(max=seq_len - 1)
+        targets = torch.roll(tokens, shifts=-1, dims=1)
+        targets[:, -1] = 0
+        positions = torch.arange(seq_len).expand(b, seq_len).contiguous()
+        out.append(MicroBatch(tokens, positions, targets, gather, part.response_mask, part.tensors))
+    return out, seq_len
+

@@ -1,0 +1,86 @@
+"""Per-token log-probabilities from vocab-parallel logits, with Megatron's padded vocabulary masked out.
+
+Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x tp. The padded rows of the output layer are
+real parameters (zero at load), so their logits take part in a plain softmax and shift every logprob by
+log(1 + n_pad * exp(0 - lse)): a silent bias against the rollout engine, which has no padding. Here padded columns are
+excluded before the softmax.
+
+Math (per token, over the full vocabulary split across the TP group):
+    lse     = log sum_v exp(z_v)        (max and sum all-reduced over TP)
+    logp    = z_target - lse
+    d logp / d z_v = 1[v = target] - softmax(z)_v
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _reduce(t: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None, tp_size: int) -> torch.Tensor:
+    if tp_size > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _VocabParallelLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_start, vocab_size, group, tp_size):  # noqa: ANN001
+        logits = logits.float()
+        local_vocab = logits.shape[-1]
+        valid = (torch.arange(local_vocab, device=logits.device) + vocab_start) < vocab_size
+        masked = logits.masked_fill(~valid, float("-inf"))
+        zmax = _reduce(masked.max(dim=-1).values, dist.ReduceOp.MAX, group, tp_size)
+        shifted = masked - zmax.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, group, tp_size)
+        local_target = target - vocab_start
+        in_shard = (local_target >= 0) & (local_target < local_vocab)
+        idx = local_target.clamp(0, local_vocab - 1).unsqueeze(-1)
+        target_logit = shifted.gather(-1, idx).squeeze(-1) * in_shard
+        target_logit = _reduce(target_logit, dist.ReduceOp.SUM, group, tp_size)
+        logp = target_logit - sum_exp.log()
+        ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), idx, in_shard)
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp):  # noqa: ANN001
+        softmax, idx, in_shard = ctx.saved_tensors
+        grad = -softmax
+        grad.scatter_add_(-1, idx, in_shard.unsqueeze(-1).to(grad.dtype))
+        return grad * grad_logp.unsqueeze(-1), None, None, None, None, None
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """log p(target) from this rank's vocab shard of the logits ([..., V/tp]); differentiable; fp32 result.
+
+    `vocab_size` is the true (unpadded) vocabulary size: columns at or beyond it are excluded.
+    """
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    tp_rank = dist.get_rank(tp_group) if tp_size > 1 else 0
+    vocab_start = tp_rank * logits.shape[-1]
+    return _VocabParallelLogprob.apply(logits, target, vocab_start, vocab_size, tp_group, tp_size)
+
+
+@torch.no_grad()
+def vocab_parallel_entropy(
+    logits: torch.Tensor, vocab_size: int, tp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Entropy of the (unpadded) softmax over the vocabulary split across TP, per position (a metric, no grad)."""
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    tp_rank = dist.get_rank(tp_group) if tp_size > 1 else 0
+    logits = logits.float()
+    valid = (torch.arange(logits.shape[-1], device=logits.device) + tp_rank * logits.shape[-1]) < vocab_size
+    masked = logits.masked_fill(~valid, float("-inf"))
+    zmax = _reduce(masked.max(dim=-1).values, dist.ReduceOp.MAX, tp_group, tp_size)
+    shifted = masked - zmax.unsqueeze(-1)
+    exp = shifted.exp()
+    sum_exp = _reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, tp_group, tp_size)
+    # H = log Z - sum p z (shifted), with padded columns contributing 0 (exp = 0, and 0 * -inf avoided by where).
+    pz = _reduce(torch.where(valid, exp * shifted, 0.0).sum(dim=-1), dist.ReduceOp.SUM, tp_group, tp_size)
+    return sum_exp.log() - pz / sum_exp

@@ -1,0 +1,289 @@
+"""One rank of the Megatron actor: policy (with Megatron's DDP and optimizer) and a frozen colocated reference.
+
+Every rank of the actor group runs the same calls in step (the controller calls them together through Ray):
+
+    logprobs(batch)   -> forward through Megatron's pipeline schedule, per-token logprobs of the responses
+    update(batch)     -> PPO-clip / GRPO loss over mini-batches, backward, finalize grads, optimizer step
+    export_hf()       -> HF-named full tensors this rank owns (TP/ETP gathered; experts from their EP rank; layers
+                         from their PP stage), for the weight sync
+
+Each rank receives the whole batch and keeps its data-parallel shard; results come back from the ranks that hold
+them (last pipeline stage, tp/cp rank 0) tagged with their dp rank.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mcore_rl.actor.batch import MicroBatch, TrainBatch, micro_batches
+from mcore_rl.actor.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from mcore_rl.actor.schedule import run_schedule
+from mcore_rl.algorithms import kl_loss, ppo_clip_loss
+from mcore_rl.config import ActorConfig, ModelConfig
+from mcore_rl.models.base import HFConfig
+from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
+from mcore_rl.parallel.groups import init_distributed, initialize_model_parallel
+from mcore_rl.resharding.weight_map import WeightMapError, export_hf_weights, load_hf_weights
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RankResult:
+    """What one rank returns from a batched call: its dp rank, and the payload if it holds the output."""
+
+    rank: int
+    dp_rank: int
+    holds_output: bool
+    payload: Any = None
+
+
+class MegatronActor:
+    """A Megatron actor rank. Construct one per rank (as a Ray actor); all ranks call the same methods in step."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        model_cfg: ModelConfig,
+        actor_cfg: ActorConfig,
+        runtime: str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        torch.set_num_threads(int(os.environ.get("MCORE_RL_THREADS_PER_RANK", "1")))
+        init_distributed(runtime, rank, world_size, master_addr, master_port)
+        self.rank, self.cfg, self.model_cfg = rank, actor_cfg, model_cfg
+        self.layout = actor_cfg.layout.to_layout()
+        hf = HFConfig(_hf_config_dict(model_cfg))
+        self.spec = ModelSpec(
+            hf,
+            self.layout,
+            runtime=runtime,
+            dtype=DTYPES[model_cfg.dtype],
+            make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
+            max_sequence_length=model_cfg.max_sequence_length,
+        )
+        self.pg = initialize_model_parallel(self.layout, seed=model_cfg.init_seed)
+        self.vocab_size = hf.req("vocab_size")
+        self.weight_map = self.spec.weight_map()
+        # Same default-generator seed on every data-parallel replica: parameters not initialised under one of
+        # Megatron's forked RNG streams must still agree across DP (broadcast_params below makes sure of it).
+        torch.manual_seed(model_cfg.init_seed + 100 * self.pg.pp.rank())
+        self.chunks, self.contexts = build_gpt_chunks(self.spec, self.pg)
+        if model_cfg.path:
+            self._load_hf(model_cfg.path)
+        self._wrap_ddp_and_optimizer()
+        self.ref_chunks: list[torch.nn.Module] = []
+        if actor_cfg.use_ref:
+            self.ref_chunks, _ = build_gpt_chunks(self.spec, self.pg)
+            for ref, policy in zip(self.ref_chunks, self.chunks):
+                ref.load_state_dict(policy.state_dict())
+                ref.requires_grad_(False)
+                ref.eval()
+
+    # ----------------------------------------------------------------------------------------------- set-up
+    def _load_hf(self, path: str) -> None:
+        from mcore_rl.resharding.hf_io import HFCheckpointReader
+
+        reader = HFCheckpointReader(path)
+        used = load_hf_weights(self.chunks, self.contexts, self.weight_map, reader.read)
+        shape = self.spec.family.shape(self.spec.hf)
+        unexpected = [n for n in reader.names() if not self.weight_map.is_known_hf(n, shape.num_layers,
+                                                                                  shape.num_experts)]
+        if unexpected:
+            raise WeightMapError(f"{path}: unexpected tensors not in the {self.spec.hf.model_type} weight map: "
+                                 f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+        del used
+
+    def _wrap_ddp_and_optimizer(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        config = self.chunks[0].config
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        self.ddp_chunks = [
+            DistributedDataParallel(config, ddp_config, module=chunk, pg_collection=self.pg) for chunk in self.chunks
+        ]
+        for ddp in self.ddp_chunks:
+            ddp.broadcast_params()
+        config.finalize_model_grads_func = finalize_model_grads
+        optim = self.cfg.optim
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=optim.lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2,
+                adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad,
+                bf16=self.spec.dtype == torch.bfloat16,
+                params_dtype=self.spec.dtype,
+                use_distributed_optimizer=False,
+            ),
+            self.ddp_chunks,
+            use_gloo_process_groups=False,
+            pg_collection=self.pg,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = optim.lr
+
+    # ------------------------------------------------------------------------------------------ queries
+    def ping(self) -> dict[str, Any]:
+        """Where this rank sits (for the controller's logs and tests)."""
+        return {
+            "rank": self.rank,
+            "dp_rank": self.pg.dp.rank(),
+            "tp_rank": self.pg.tp.rank(),
+            "pp_rank": self.pg.pp.rank(),
+            "ep_rank": self.pg.ep.rank(),
+            "layout": self.layout.describe(),
+        }
+
+    @property
+    def _holds_output(self) -> bool:
+        return self.pg.pp.rank() == self.pg.pp.size() - 1 and self.pg.tp.rank() == 0 and self.pg.cp.rank() == 0
+
+    def _result(self, payload: Any) -> RankResult:
+        return RankResult(self.rank, self.pg.dp.rank(), self._holds_output, payload if self._holds_output else None)
+
+    # ------------------------------------------------------------------------------------------ forward
+    def _run_schedule(self, chunks: list, mbs: list[MicroBatch], seq_len: int, loss_fn, forward_only: bool):
+        def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
+            mb = next(data_iterator)
+            output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+            return output, lambda logits: loss_fn(mb, logits)
+
+        return run_schedule(chunks, forward_step, mbs, seq_len, mbs[0].tokens.shape[0], self.pg, forward_only)
+
+    def _response_logprobs(self, mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        logp = vocab_parallel_logprobs(logits, mb.targets, self.vocab_size, self.pg.tp)
+        return logp.gather(1, mb.gather_index)
+
+    @torch.no_grad()
+    def logprobs(self, batch: TrainBatch, use_ref: bool = False) -> RankResult:
+        """Per-token logprobs [B_dp, R] of this rank's dp shard (policy, or the frozen reference)."""
+        chunks = self.ref_chunks if use_ref else self.ddp_chunks
+        if use_ref and not chunks:
+            raise RuntimeError("actor.use_ref=false: there is no reference model")
+        for chunk in chunks:
+            chunk.eval()
+        shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
+        mbs, seq_len = micro_batches(shard, self.cfg.micro_batch_size, self._pad_multiple)
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+            logp = self._response_logprobs(mb, logits) * mb.response_mask
+            return logits.new_zeros(()), {"logprobs": logp}
+
+        outputs = self._run_schedule(chunks, mbs, seq_len, loss_fn, forward_only=True)
+        return self._result(torch.cat([o["logprobs"] for o in outputs]) if outputs else None)
+
+    @property
+    def _pad_multiple(self) -> int:
+        return self.layout.tp if self.layout.sequence_parallel else 1
+
+    # ------------------------------------------------------------------------------------------- update
+    def update(self, batch: TrainBatch) -> RankResult:
+        """PPO-clip update over `actor.mini_batches` mini-batches x `actor.ppo_epochs`; returns mean metrics."""
+        for chunk in self.ddp_chunks:
+            chunk.train()
+        dp_rank, dp_size = self.pg.dp.rank(), self.pg.dp.size()
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(self.cfg.ppo_epochs):
+            for mini in batch.chunks(self.cfg.mini_batches):
+                # Loss normaliser over the whole mini-batch (every dp rank), so micro-batch losses add up to the
+                # mini-batch loss. x dp: Megatron's DDP averages gradients over dp, we want their sum.
+                tokens = float(mini.response_mask.sum())
+                denominator = tokens if self.cfg.loss_agg_mode == "token-mean" else float(mini.size)
+                shard = mini.shard(dp_rank, dp_size)
+                mbs, seq_len = micro_batches(shard, self.cfg.micro_batch_size, self._pad_multiple)
+                scale = dp_size * len(mbs)
+
+                def loss_fn(mb: MicroBatch, logits: torch.Tensor, denominator=denominator, scale=scale):
+                    return self._policy_loss(mb, logits, denominator, scale)
+
+                for chunk in self.ddp_chunks:
+                    chunk.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                outputs = self._run_schedule(self.ddp_chunks, mbs, seq_len, loss_fn, forward_only=False)
+                ok, grad_norm, _ = self.optimizer.step()
+                metrics = _sum_metrics(outputs)
+                metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+                metrics["actor/update_ok"] = float(bool(ok))
+                for key, value in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + value
+                steps += 1
+        return self._result({k: v / steps for k, v in totals.items()})
+
+    def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor, denominator: float, scale: float):
+        cfg = self.cfg
+        logp = self._response_logprobs(mb, logits)
+        mask = mb.response_mask
+        out = ppo_clip_loss(
+            logp,
+            mb.tensors["old_logprobs"],
+            mb.tensors["advantages"],
+            mask,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            loss_agg_mode=cfg.loss_agg_mode,
+            max_response_len=mask.shape[1],
+            agg_denominator=denominator,
+        )
+        loss = out.loss
+        # Metrics are token-weighted sums here and divided by the token count in the controller.
+        weight = float(mask.sum())
+        metrics = {f"actor/{k}": float(v.detach() if torch.is_tensor(v) else v) * weight for k, v in out.metrics.items()}
+        # loss x denominator = this micro-batch's summed token losses (token-mean) or sequence losses.
+        metrics["actor/pg_loss"] = float(out.loss.detach()) * denominator
+        if "ref_logprobs" in mb.tensors:
+            kl = kl_loss(logp, mb.tensors["ref_logprobs"], mask, kind=cfg.kl_loss_type,
+                         loss_agg_mode=cfg.loss_agg_mode, max_response_len=mask.shape[1], agg_denominator=denominator)
+            metrics["actor/kl_loss"] = float(kl.detach()) * denominator
+            if cfg.kl_loss_coef:
+                loss = loss + cfg.kl_loss_coef * kl
+        entropy = vocab_parallel_entropy(logits, self.vocab_size, self.pg.tp).gather(1, mb.gather_index)
+        metrics["actor/entropy"] = float((entropy * mask).sum())
+        metrics["_tokens"] = weight
+        return loss * scale, metrics
+
+    # ------------------------------------------------------------------------------------------- export
+    @torch.no_grad()
+    def export_hf(self) -> list[tuple[str, torch.Tensor]]:
+        """HF-named full tensors owned by this rank (collective over TP/ETP groups: call on every rank)."""
+        return [
+            (name, tensor.detach().cpu().clone())
+            for name, tensor in export_hf_weights(self.chunks, self.contexts, self.weight_map, self.pg.tp,
+                                                  self.pg.expt_tp)
+        ]
+
+
+def _sum_metrics(outputs: list[dict[str, float]]) -> dict[str, float]:
+    """Token-weighted metric sums of the micro-batches -> means over this rank's tokens, keeping the token count."""
+    if not outputs:
+        return {}
+    tokens = sum(o["_tokens"] for o in outputs)
+    keys = {k for o in outputs for k in o if k != "_tokens"}
+    out = {k: sum(o.get(k, 0.0) for o in outputs) / max(tokens, 1.0) for k in keys}
+    out["_tokens"] = tokens
+    return out
+
+
+def _hf_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
+    if model_cfg.path:
+        import json
+
+        with open(os.path.join(model_cfg.path, "config.json")) as f:
+            return json.load(f)
+    return dict(model_cfg.hf_config)

@@ -1,0 +1,232 @@
+"""The typed configuration tree of a run: one dataclass per group, each field documented, each group validating itself (`validate()`).
+
+Hydra composes YAML from configs/ over this schema (registered in the ConfigStore as `rl_schema`), so a key that does not
+exist is refused by name. `to_config(cfg)` turns the composed DictConfig into these dataclasses, running every
+`validate()`; errors name the field and the expected value.
+
+    python -m mcore_rl.train actor.layout.ep=2 rollout.n=8 trainer.steps=40
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mcore_rl.parallel.layout import ParallelLayout
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the field and what was expected."""
+
+
+def _check(ok: bool, name: str, value: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: expected {expected}")
+
+
+def _positive(name: str, value: Any) -> None:
+    _check(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "a positive integer")
+
+
+@dataclass
+class LayoutConfig:
+    """Parallel layout of a Megatron model (dp is derived from the world size)."""
+
+    tp: int = 1  #: tensor-parallel size
+    pp: int = 1  #: pipeline-parallel size
+    cp: int = 1  #: context-parallel size (GPU only)
+    ep: int = 1  #: expert-parallel size
+    etp: int | None = None  #: expert tensor-parallel size (null = tp)
+    vpp: int | None = None  #: virtual pipeline stages per pipeline rank (null = off)
+    sequence_parallel: bool = False  #: shard activations along the sequence in TP regions (MoE + tp>1 needs it)
+
+    def to_layout(self) -> ParallelLayout:
+        return ParallelLayout(self.tp, self.pp, self.cp, self.ep, self.etp, self.vpp, self.sequence_parallel)
+
+    def validate(self) -> None:
+        self.to_layout()  # ParallelLayout validates sizes and names the field
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: str | None = None  #: HF checkpoint dir (config.json + safetensors); null = random init from hf_config
+    hf_config: dict[str, Any] = field(default_factory=dict)  #: HF config used when path is null
+    tokenizer: str | None = None  #: tokenizer dir; null = the tiny offline tokenizer, written into the run dir
+    dtype: str = "float32"  #: parameter dtype: float32 | bfloat16
+    make_vocab_size_divisible_by: int = 64  #: Megatron pads the vocab to a multiple of this x tp
+    max_sequence_length: int = 512  #: longest prompt + response
+    init_seed: int = 1234  #: seed of the random initialisation when path is null
+
+    def validate(self) -> None:
+        _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32 or bfloat16")
+        _check(bool(self.path) or bool(self.hf_config), "model.path", self.path, "a checkpoint dir or model.hf_config")
+        _positive("model.max_sequence_length", self.max_sequence_length)
+
+
+@dataclass
+class OptimConfig:
+    """Adam settings of Megatron's optimizer."""
+
+    lr: float = 1e-3  #: learning rate (constant)
+    weight_decay: float = 0.0  #: decoupled weight decay
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  #: global gradient-norm clip
+
+    def validate(self) -> None:
+        _check(self.lr > 0, "actor.optim.lr", self.lr, "> 0")
+        _check(self.clip_grad >= 0, "actor.optim.clip_grad", self.clip_grad, ">= 0")
+
+
+@dataclass
+class ActorConfig:
+    """The Megatron actor (and its colocated frozen reference)."""
+
+    world_size: int = 2  #: number of Megatron ranks (Ray actors)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    micro_batch_size: int = 16  #: samples per micro-batch on one data-parallel rank
+    mini_batches: int = 2  #: optimizer steps per RL step (the batch is split into this many mini-batches)
+    ppo_epochs: int = 1  #: passes over the batch per RL step
+    clip_ratio_low: float = 0.2  #: PPO clip epsilon below 1
+    clip_ratio_high: float = 0.28  #: PPO clip epsilon above 1 (DAPO clip-higher)
+    clip_ratio_c: float = 3.0  #: dual-clip bound for negative advantages
+    loss_agg_mode: str = "token-mean"  #: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    kl_loss_coef: float = 0.0  #: weight of the KL(policy || ref) loss term (GRPO's kl_loss)
+    kl_loss_type: str = "low_var_kl"  #: k1 | k2 | low_var_kl (k3) | abs
+    entropy_coef: float = 0.0  #: entropy bonus weight
+    use_ref: bool = True  #: keep a frozen reference model for KL
+    num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
+
+    def validate(self) -> None:
+        for name in ("world_size", "micro_batch_size", "mini_batches", "ppo_epochs"):
+            _positive(f"actor.{name}", getattr(self, name))
+        _check(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", self.clip_ratio_low, "in [0, 1)")
+        _check(self.clip_ratio_high >= 0, "actor.clip_ratio_high", self.clip_ratio_high, ">= 0")
+        self.optim.validate()
+        modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+        _check(self.loss_agg_mode in modes, "actor.loss_agg_mode", self.loss_agg_mode, f"one of {modes}")
+        kls = ("k1", "k2", "low_var_kl", "k3", "abs")
+        _check(self.kl_loss_type in kls, "actor.kl_loss_type", self.kl_loss_type, f"one of {kls}")
+        self.layout.validate()
+        self.layout.to_layout().check_world_size(self.world_size)
+
+
+@dataclass
+class RolloutConfig:
+    """Generation."""
+
+    engine: str = "hf"  #: hf (embedded transformers engine, CPU/GPU) | sglang (GPU)
+    n: int = 8  #: samples per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    num_cpus: float = 1.0  #: Ray CPUs reserved for the engine
+    seed: int = 0  #: sampling seed (step number is added)
+
+    def validate(self) -> None:
+        _check(self.engine in ("hf", "sglang"), "rollout.engine", self.engine, "hf or sglang")
+        _positive("rollout.n", self.n)
+        _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _check(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
+        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation."""
+
+    adv_estimator: str = "grpo"  #: grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | ...
+    norm_adv_by_std: bool = True  #: GRPO: divide by the group std (false = Dr.GRPO)
+    gamma: float = 1.0
+    lam: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    """Prompts."""
+
+    train_files: list[str] = field(default_factory=list)  #: parquet files in verl's schema; empty = synthetic task
+    synthetic_task: str = "copy_digit"  #: task written into the run dir when train_files is empty
+    synthetic_num_prompts: int = 512
+    batch_size: int = 8  #: prompts per RL step
+    max_prompt_length: int = 64  #: longer prompts are refused (overlong=error) or dropped
+    overlong: str = "error"  #: error | drop
+    shuffle: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        _positive("data.batch_size", self.batch_size)
+        _check(self.overlong in ("error", "drop"), "data.overlong", self.overlong, "error or drop")
+
+
+@dataclass
+class RewardConfig:
+    """Reward function (verl's custom_reward_function: path + name), else built-ins by data_source."""
+
+    path: str | None = None
+    name: str | None = None
+    num_threads: int = 1
+    timeout_s: float | None = None
+
+
+@dataclass
+class TrainerConfig:
+    """The run."""
+
+    steps: int = 40  #: RL steps
+    runtime: str = "cpu"  #: cpu (gloo, opt-in) | cuda (NCCL)
+    run_dir: str = "runs/latest"  #: metrics.jsonl and artifacts go here
+    seed: int = 0
+    ray_address: str | None = None  #: null = start a local Ray
+    ray_num_cpus: int | None = None  #: logical CPUs for a local Ray (null = enough for the actors)
+
+    def validate(self) -> None:
+        _positive("trainer.steps", self.steps)
+        _check(self.runtime in ("cpu", "cuda"), "trainer.runtime", self.runtime, "cpu or cuda")
+
+
+@dataclass
+class RLConfig:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def validate(self) -> None:
+        for group in (self.model, self.actor, self.rollout, self.data, self.trainer):
+            group.validate()
+        total = self.data.batch_size * self.rollout.n
+        dp = self.actor.layout.to_layout().dp(self.actor.world_size)
+        _check(
+            total % (self.actor.mini_batches * dp) == 0,
+            "actor.mini_batches",
+            self.actor.mini_batches,
+            f"a divisor of data.batch_size*rollout.n/dp = {total}/{dp}",
+        )
+
+
+def register_schema() -> None:
+    """Register the schema with Hydra's ConfigStore (configs/*.yaml list `rl_schema` first in their defaults)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="rl_schema", node=RLConfig)
+
+
+def to_config(cfg: Any) -> RLConfig:
+    """Composed DictConfig -> RLConfig, running every group's validation."""
+    from omegaconf import OmegaConf
+
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, RLConfig):
+        raise ConfigError("the composed config is not an RLConfig: does configs/*.yaml list rl_schema first?")
+    obj.validate()
+    return obj

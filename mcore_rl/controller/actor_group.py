@@ -1,0 +1,75 @@
+"""The Megatron actor ranks as Ray actors that form one torch.distributed group.
+
+    group = ActorGroup(cfg.model, cfg.actor, runtime="cpu")
+    results = group.call("logprobs", batch)          # every rank, in step
+    logp = group.gather_dp(results)                   # outputs concatenated in data-parallel order
+
+Rank 0's Ray actor picks the rendezvous address (its node IP and a free port); the others join it. Ray runs a
+synchronous actor's methods one at a time on one thread, so every rank enters each collective in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+import torch
+
+from mcore_rl.actor.megatron_actor import MegatronActor, RankResult
+from mcore_rl.config import ActorConfig, ModelConfig
+
+
+@ray.remote
+class _Rendezvous:
+    """Runs on the node of rank 0 and returns an address/port the ranks can meet at."""
+
+    def address(self) -> tuple[str, int]:
+        from mcore_rl.parallel.groups import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+
+class ActorGroup:
+    """N Ray actors, one Megatron rank each."""
+
+    def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, runtime: str, seed: int = 0) -> None:
+        world = actor_cfg.world_size
+        num_gpus = 1 if runtime == "cuda" else 0
+        addr, port = ray.get(_Rendezvous.options(num_cpus=0).remote().address.remote())
+        remote_cls = ray.remote(MegatronActor).options(num_cpus=actor_cfg.num_cpus_per_rank, num_gpus=num_gpus)
+        self.handles = [
+            remote_cls.remote(rank, world, addr, port, model_cfg, actor_cfg, runtime, seed) for rank in range(world)
+        ]
+        self.world_size = world
+        self.ranks = self.call("ping")
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Call `method` on every rank with the same arguments (put once in the object store) and wait for all."""
+        refs = [ray.put(a) for a in args]
+        kw_refs = {k: ray.put(v) for k, v in kwargs.items()}
+        return ray.get([getattr(h, method).remote(*refs, **kw_refs) for h in self.handles])
+
+    @staticmethod
+    def gather_dp(results: list[RankResult]) -> Any:
+        """Outputs of the ranks that hold them, in dp order: tensors concatenated, dicts returned as a list."""
+        held = sorted((r for r in results if r.holds_output), key=lambda r: r.dp_rank)
+        if not held:
+            raise RuntimeError("no actor rank returned an output")
+        payloads = [r.payload for r in held]
+        if isinstance(payloads[0], torch.Tensor):
+            return torch.cat(payloads)
+        return payloads
+
+    def export_hf(self) -> list[tuple[str, torch.Tensor]]:
+        """All HF-named tensors of the policy, each exactly once (from the rank that owns it)."""
+        named: list[tuple[str, torch.Tensor]] = []
+        for part in self.call("export_hf"):
+            named.extend(part)
+        names = [n for n, _ in named]
+        if len(set(names)) != len(names):
+            raise RuntimeError("export produced a tensor name twice: ownership of shards is wrong")
+        return named
+
+    def shutdown(self) -> None:
+        for handle in self.handles:
+            ray.kill(handle)
