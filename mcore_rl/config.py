@@ -204,6 +204,7 @@ class RLConfig:
     def validate(self) -> None:
         for group in (self.model, self.actor, self.rollout, self.data, self.trainer):
             group.validate()
+        self.check_model()
         total = self.data.batch_size * self.rollout.n
         dp = self.actor.layout.to_layout().dp(self.actor.world_size)
         _check(
@@ -212,6 +213,25 @@ class RLConfig:
             self.actor.mini_batches,
             f"a divisor of data.batch_size*rollout.n/dp = {total}/{dp}",
         )
+
+
+    def check_model(self) -> None:
+        """Refuse an unknown model_type or a layout that does not divide the model, before any process starts."""
+        import json
+        import os
+
+        from mcore_rl.models.base import HFConfig, get_family
+
+        if self.model.path:
+            config_path = os.path.join(self.model.path, "config.json")
+            if not os.path.isfile(config_path):
+                raise ConfigError(f"model.path={self.model.path!r}: {config_path} does not exist")
+            with open(config_path) as f:
+                hf = HFConfig(json.load(f))
+        else:
+            hf = HFConfig(self.model.hf_config)
+        family = get_family(hf.model_type)
+        self.actor.layout.to_layout().validate(self.actor.world_size, family.shape(hf))
 
 
 def register_schema() -> None:

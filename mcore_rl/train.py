@@ -135,12 +135,19 @@ register_schema()
 
 @hydra.main(config_path="pkg://mcore_rl.configs", config_name="default", version_base=None)
 def main(dcfg: DictConfig) -> None:
+    import ray
+
     try:
         cfg = to_config(dcfg)
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
-    summary = run(cfg)
+    try:
+        summary = run(cfg)
+    except (ValueError, ray.exceptions.RayError) as err:
+        # Bad checkpoints, datasets or reward functions surface here (from this process or from a Ray worker).
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
     with open(os.path.join(cfg.trainer.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f)
 
