@@ -1,0 +1,159 @@
+"""Shared helper of the family parity and conversion tests: HF checkpoint -> Megatron under a layout -> logits + export.
+
+    results = run_on_ranks(parity_rank, world, (hf_dir, [layout_a, layout_b], input_ids))
+    logits, exported = results[0][i]        # rank 0 returns, per layout, the full logits and the exported HF tensors
+
+Each rank builds its Megatron chunks for the layout, fills them from the HF safetensors through the family's weight
+map, runs Megatron's pipeline schedule forward-only (so PP goes through the real p2p path), and captures the logits on
+the last stage with a hook on the output layer; the TP vocabulary shards are all-gathered. The weights are then
+exported back with `export_hf_weights` and every rank's (name, tensor) pairs are gathered to rank 0, where PP stages
+and EP ranks together make up the whole HF state dict. Several layouts of the same world size run in one spawn, since
+starting ranks (imports) costs more than a tiny model's forward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def forward_logits(chunks: list[torch.nn.Module], pg: Any, input_ids: torch.Tensor) -> list[torch.Tensor] | None:
+    """Run the pipeline schedule forward-only; on the last stage return every output-layer call as [b, s, vocab].
+
+    A model with MTP layers calls the output layer once per MTP depth and then for the main head (Megatron 0.16.1
+    needs labels to run MTP, so labels are the inputs); the list holds those calls in order, the main logits last.
+    Other stages return None. The vocabulary is gathered over TP; padding rows are kept.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    config = chunks[0].config
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    captured: list[torch.Tensor] = []
+    last = chunks[-1]
+    hook = None
+    if getattr(last, "post_process", False):
+        hook = last.output_layer.register_forward_hook(lambda m, i, out: captured.append(out[0].detach()))
+    mtp = config.mtp_num_layers is not None
+
+    def forward_step(data_iterator, model):  # noqa: ANN001, ANN202 - Megatron's callback signature
+        ids = next(data_iterator)
+        out = model(input_ids=ids, position_ids=position_ids, attention_mask=None, labels=ids if mtp else None)
+
+        def loss_func(output: torch.Tensor):  # noqa: ANN202
+            return output.float().sum() * 0.0, {}
+
+        return out, loss_func
+
+    vpp = len(chunks)
+    schedule = get_forward_backward_func(pp_size=pg.pp.size(), vp_size=vpp if vpp > 1 else None)
+    iterators = [iter([input_ids]) for _ in chunks] if vpp > 1 else iter([input_ids])
+    for chunk in chunks:
+        chunk.eval()
+    # The pipelined schedules take process groups only together with a p2p communicator on the same PP group.
+    p2p = P2PCommunicator(pp_group=pg.pp, config=config) if pg.pp.size() > 1 else None
+    with torch.no_grad():
+        schedule(
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=chunks if vpp > 1 else chunks[0],
+            num_microbatches=1,
+            seq_length=seq,
+            micro_batch_size=batch,
+            forward_only=True,
+            pg_collection=pg,
+            p2p_communicator=p2p,
+        )
+    if hook is None:
+        return None
+    hook.remove()
+    out = []
+    for logits in captured:  # [s, b, vocab / tp]
+        shards = [torch.empty_like(logits) for _ in range(pg.tp.size())]
+        dist.all_gather(shards, logits.contiguous(), group=pg.tp)
+        out.append(torch.cat(shards, dim=-1).transpose(0, 1).contiguous())
+    return out
+
+
+def gather_export(chunks: list[torch.nn.Module], contexts: list, weight_map: Any, pg: Any) -> dict | None:
+    """Export every rank's share of the HF tensors and gather them to global rank 0 (None elsewhere).
+
+    A name emitted by two ranks (the MTP stage keeps a copy of the embedding) must carry the same values.
+    """
+    from mcore_rl.resharding.weight_map import export_hf_weights
+
+    local = {name: t.clone() for name, t in export_hf_weights(chunks, contexts, weight_map, pg.tp, pg.expt_tp)}
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        for name, t in part.items():
+            if name in merged and not torch.equal(merged[name], t):
+                raise AssertionError(f"{name} exported by two ranks with different values")
+            merged[name] = t
+    return merged
+
+
+def build_and_load(hf_dir: str | Path, layout: Any, divisible_by: int = 16, **overrides: Any) -> tuple:
+    """Groups for `layout`, this rank's chunks built and filled from the HF checkpoint: (chunks, contexts, spec, pg)."""
+    from mcore_rl.models.base import HFConfig
+    from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
+    from mcore_rl.parallel.groups import initialize_model_parallel
+    from mcore_rl.resharding.hf_io import HFCheckpointReader
+    from mcore_rl.resharding.weight_map import load_hf_weights
+
+    pg = initialize_model_parallel(layout)
+    reader = HFCheckpointReader(hf_dir)
+    spec = ModelSpec(
+        HFConfig(reader.config), layout, make_vocab_size_divisible_by=divisible_by, config_overrides=overrides
+    )
+    chunks, contexts = build_gpt_chunks(spec, pg)
+    load_hf_weights(chunks, contexts, spec.weight_map(), reader.read)
+    return chunks, contexts, spec, pg
+
+
+def parity_rank(
+    rank: int, world: int, hf_dir: str, layouts: list, input_ids: torch.Tensor, export: bool = True
+) -> list[tuple[list[torch.Tensor] | None, dict | None]]:
+    """Per layout: (logits from the last stage's TP rank 0 of DP replica 0, or None; exported HF dict on rank 0)."""
+    results = []
+    for layout in layouts:
+        chunks, contexts, spec, pg = build_and_load(hf_dir, layout)
+        logits = forward_logits(chunks, pg, input_ids)
+        keep = logits is not None and pg.tp.rank() == 0 and pg.dp.rank() == 0
+        exported = gather_export(chunks, contexts, spec.weight_map(), pg) if export else None
+        results.append((logits if keep else None, exported))
+    return results
+
+
+def collect(results: list, num_layouts: int) -> list[tuple[list[torch.Tensor], dict | None]]:
+    """Per layout, the logits (from whichever rank returned them) and rank 0's export."""
+    out = []
+    for i in range(num_layouts):
+        logits = next(r[i][0] for r in results if r[i][0] is not None)
+        out.append((logits, results[0][i][1]))
+    return out
+
+
+def hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory (small test checkpoints only)."""
+    from mcore_rl.resharding.hf_io import HFCheckpointReader
+
+    reader = HFCheckpointReader(hf_dir)
+    return {name: reader.read(name).clone() for name in reader.names()}
+
+
+def assert_bit_exact(exported: dict[str, torch.Tensor], original: dict[str, torch.Tensor]) -> None:
+    """The exported HF tensors equal the original checkpoint's, names, dtypes and bits."""
+    missing, extra = sorted(set(original) - set(exported)), sorted(set(exported) - set(original))
+    assert not missing and not extra, f"missing from export: {missing[:5]}, unexpected: {extra[:5]}"
+    for name, t in original.items():
+        got = exported[name]
+        assert got.dtype == t.dtype and got.shape == t.shape, f"{name}: {got.dtype}{tuple(got.shape)} vs {t.dtype}"
+        assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), f"{name} differs"
