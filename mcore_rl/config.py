@@ -1,7 +1,8 @@
-"""The typed configuration tree of a run: one dataclass per group, each field documented, each group validating itself (`validate()`).
+"""The typed configuration tree of a run: one dataclass per group, each field documented, each group validating
+itself (`validate()`).
 
-Hydra composes YAML from configs/ over this schema (registered in the ConfigStore as `rl_schema`), so a key that does not
-exist is refused by name. `to_config(cfg)` turns the composed DictConfig into these dataclasses, running every
+Hydra composes YAML from configs/ over this schema (registered in the ConfigStore as `rl_schema`), so a key that
+does not exist is refused by name. `to_config(cfg)` turns the composed DictConfig into these dataclasses, running every
 `validate()`; errors name the field and the expected value.
 
     python -m mcore_rl.train actor.layout.ep=2 rollout.n=8 trainer.steps=40
@@ -94,7 +95,9 @@ class ActorConfig:
     clip_ratio_low: float = 0.2  #: PPO clip epsilon below 1
     clip_ratio_high: float = 0.28  #: PPO clip epsilon above 1 (DAPO clip-higher)
     clip_ratio_c: float = 3.0  #: dual-clip bound for negative advantages
-    loss_agg_mode: str = "token-mean"  #: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode: str = (
+        "token-mean"  #: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    )
     kl_loss_coef: float = 0.0  #: weight of the KL(policy || ref) loss term (GRPO's kl_loss)
     kl_loss_type: str = "low_var_kl"  #: k1 | k2 | low_var_kl (k3) | abs
     entropy_coef: float = 0.0  #: entropy bonus weight
@@ -213,7 +216,6 @@ class RLConfig:
             self.actor.mini_batches,
             f"a divisor of data.batch_size*rollout.n/dp = {total}/{dp}",
         )
-
 
     def check_model(self) -> None:
         """Refuse an unknown model_type or a layout that does not divide the model, before any process starts."""

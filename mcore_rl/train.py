@@ -23,7 +23,7 @@ from mcore_rl.config import RLConfig, register_schema, to_config
 
 
 def setup_data(cfg: RLConfig) -> tuple[Any, Any]:
-    """The tokenizer and prompt loader; writes the tiny tokenizer and the synthetic parquet into the run dir if asked."""
+    """The tokenizer and prompt loader; writes the tiny tokenizer and synthetic parquet into the run dir if asked."""
     from transformers import AutoTokenizer
 
     from mcore_rl.data.dataset import PromptDataset, PromptLoader
@@ -46,7 +46,6 @@ def setup_data(cfg: RLConfig) -> tuple[Any, Any]:
 def run(cfg: RLConfig) -> dict[str, float]:
     """Run the whole job; returns the summary figures."""
     import ray
-    import torch
 
     from mcore_rl.algorithms import compute_advantages, kl_penalty, masked_mean
     from mcore_rl.controller.actor_group import ActorGroup
@@ -58,16 +57,28 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     tokenizer, loader = setup_data(cfg)
-    reward = RewardManager(build_reward_fn(cfg.reward.path, cfg.reward.name), num_threads=cfg.reward.num_threads,
-                           timeout_s=cfg.reward.timeout_s)
+    reward = RewardManager(
+        build_reward_fn(cfg.reward.path, cfg.reward.name),
+        num_threads=cfg.reward.num_threads,
+        timeout_s=cfg.reward.timeout_s,
+    )
     if not ray.is_initialized():
-        cpus = cfg.trainer.ray_num_cpus or int(cfg.actor.world_size * cfg.actor.num_cpus_per_rank
-                                               + cfg.rollout.num_cpus + 1)
-        ray.init(address=cfg.trainer.ray_address, num_cpus=None if cfg.trainer.ray_address else cpus,
-                 include_dashboard=False, log_to_driver=True)
+        cpus = cfg.trainer.ray_num_cpus or int(
+            cfg.actor.world_size * cfg.actor.num_cpus_per_rank + cfg.rollout.num_cpus + 1
+        )
+        ray.init(
+            address=cfg.trainer.ray_address,
+            num_cpus=None if cfg.trainer.ray_address else cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+        )
     actor = ActorGroup(cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed)
-    engine = create_rollout_engine_actor(_engine_model(cfg), num_cpus=cfg.rollout.num_cpus,
-                                         dtype=cfg.model.dtype, device="cuda" if cfg.trainer.runtime == "cuda" else "cpu")
+    engine = create_rollout_engine_actor(
+        _engine_model(cfg),
+        num_cpus=cfg.rollout.num_cpus,
+        dtype=cfg.model.dtype,
+        device="cuda" if cfg.trainer.runtime == "cuda" else "cpu",
+    )
     ray.get(engine.update_weights_from_tensors.remote(actor.export_hf()))  # engine starts from the actor's weights
     log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"))
     eos = [tokenizer.eos_token_id]
@@ -76,15 +87,22 @@ def run(cfg: RLConfig) -> dict[str, float]:
     for step in range(1, cfg.trainer.steps + 1):
         timer = log.timer()
         prompts = next(loader)
-        samples = ray.get(engine.generate.remote(
-            [p["prompt_token_ids"] for p in prompts], n=cfg.rollout.n, temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens, eos_token_ids=eos,
-            seed=cfg.rollout.seed + step))
+        samples = ray.get(
+            engine.generate.remote(
+                [p["prompt_token_ids"] for p in prompts],
+                n=cfg.rollout.n,
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                eos_token_ids=eos,
+                seed=cfg.rollout.seed + step,
+            )
+        )
         timer.lap("time/generate")
 
-        repeat = lambda key: [p[key] for p in prompts for _ in range(cfg.rollout.n)]  # noqa: E731
+        per_sample = {k: [p[k] for p in prompts for _ in range(cfg.rollout.n)] for k in _PROMPT_FIELDS}
         texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-        scored = reward.score(texts, repeat("data_source"), repeat("ground_truth"), repeat("extra_info"))
+        scored = reward.score(texts, *(per_sample[k] for k in _PROMPT_FIELDS))
         batch, group_ids = samples_to_batch(samples, cfg.rollout.n)
         timer.lap("time/reward")
 
@@ -93,8 +111,13 @@ def run(cfg: RLConfig) -> dict[str, float]:
             batch.tensors["ref_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch, use_ref=True))
         timer.lap("time/logprobs")
 
-        adv = compute_advantages(cfg.algorithm.adv_estimator, rewards=scored.scores, response_mask=batch.response_mask,
-                                 group_ids=group_ids, norm_by_std=cfg.algorithm.norm_adv_by_std)
+        adv = compute_advantages(
+            cfg.algorithm.adv_estimator,
+            rewards=scored.scores,
+            response_mask=batch.response_mask,
+            group_ids=group_ids,
+            norm_by_std=cfg.algorithm.norm_adv_by_std,
+        )
         batch.tensors["advantages"] = adv.advantages
         update = reduce_rank_metrics(ActorGroup.gather_dp(actor.call("update", batch)))
         timer.lap("time/update")
@@ -103,18 +126,27 @@ def run(cfg: RLConfig) -> dict[str, float]:
         timer.lap("time/sync")
 
         mask = batch.response_mask
-        kl = masked_mean(kl_penalty(batch.tensors["old_logprobs"], batch.tensors.get("ref_logprobs",
-                         batch.tensors["old_logprobs"]), "low_var_kl"), mask)
+        kl = masked_mean(
+            kl_penalty(
+                batch.tensors["old_logprobs"],
+                batch.tensors.get("ref_logprobs", batch.tensors["old_logprobs"]),
+                "low_var_kl",
+            ),
+            mask,
+        )
         mismatch = masked_mean((batch.tensors["old_logprobs"] - batch.tensors["rollout_logprobs"]).abs(), mask)
-        log.write(step, {
-            "reward/mean": float(scored.scores.mean()),
-            "response/length": float(mask.sum(1).mean()),
-            "actor/kl_ref": float(kl),
-            "rollout/logprob_abs_diff": float(mismatch),
-            "weight_version": version,
-            **{k: v for k, v in update.items() if k in _SHOWN},
-            **timer.laps,
-        })
+        log.write(
+            step,
+            {
+                "reward/mean": float(scored.scores.mean()),
+                "response/length": float(mask.sum(1).mean()),
+                "actor/kl_ref": float(kl),
+                "rollout/logprob_abs_diff": float(mismatch),
+                "weight_version": version,
+                **{k: v for k, v in update.items() if k in _SHOWN},
+                **timer.laps,
+            },
+        )
 
     summary = log.summary(seconds=time.time() - start)
     actor.shutdown()
@@ -122,6 +154,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     return summary
 
 
+_PROMPT_FIELDS = ("data_source", "ground_truth", "extra_info")
 _SHOWN = ("actor/pg_loss", "actor/clip_frac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss")
 
 

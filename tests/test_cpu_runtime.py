@@ -54,11 +54,30 @@ def _step_rank(rank, world):
     from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
 
-    hf = dict(model_type="qwen3_moe", vocab_size=50, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-              num_experts_per_tok=2, norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6)
-    actor = MegatronActor(rank, world, "127.0.0.1", 0, ModelConfig(hf_config=hf),
-                          ActorConfig(world_size=2, layout=LayoutConfig(ep=2), use_ref=False, mini_batches=1))
+    hf = dict(
+        model_type="qwen3_moe",
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+    )
+    actor = MegatronActor(
+        rank,
+        world,
+        "127.0.0.1",
+        0,
+        ModelConfig(hf_config=hf),
+        ActorConfig(world_size=2, layout=LayoutConfig(ep=2), use_ref=False, mini_batches=1),
+    )
     return {n: p.detach().clone() for n, p in actor.chunks[0].named_parameters() if "experts" not in n}
 
 

@@ -6,8 +6,15 @@ import pytest
 
 from mcore_rl.parallel.layout import LayoutError, ModelShape, ParallelLayout
 
-QWEN3_235B = ModelShape(num_layers=94, num_attention_heads=64, num_query_groups=4, vocab_size=151936, num_experts=128,
-                        ffn_hidden_size=12288, moe_ffn_hidden_size=1536)
+QWEN3_235B = ModelShape(
+    num_layers=94,
+    num_attention_heads=64,
+    num_query_groups=4,
+    vocab_size=151936,
+    num_experts=128,
+    ffn_hidden_size=12288,
+    moe_ffn_hidden_size=1536,
+)
 
 
 @pytest.mark.parametrize(
@@ -68,8 +75,9 @@ def test_rank_groups_equal_megatrons_rank_generator(world, sizes):
 
     layout = ParallelLayout(**sizes)
     dense = RankGenerator(tp=layout.tp, ep=1, dp=layout.dp(world), pp=layout.pp, cp=layout.cp, order="tp-cp-ep-dp-pp")
-    expert = RankGenerator(tp=layout.expert_tp, ep=layout.ep, dp=layout.expert_dp(world), pp=layout.pp, cp=1,
-                           order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(
+        tp=layout.expert_tp, ep=layout.ep, dp=layout.expert_dp(world), pp=layout.pp, cp=1, order="tp-cp-ep-dp-pp"
+    )
     for axis in ("tp", "cp", "dp", "pp"):
         assert layout.group_ranks(axis, world) == sorted(dense.get_ranks(axis)), axis
     for axis, megatron_axis in (("etp", "tp"), ("ep", "ep"), ("edp", "dp")):

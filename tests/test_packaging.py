@@ -1,4 +1,4 @@
-"""parallel/, resharding/ and kernels/ install inside the mcore_rl namespace, for both a regular and an editable install.
+"""parallel/, resharding/ and kernels/ install inside the mcore_rl namespace, for a regular and an editable install.
 
 Nothing may install a top-level `parallel`, `resharding` or `kernels` package (`kernels` is another PyPI project).
 """
@@ -14,7 +14,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = (
-    "import mcore_rl.parallel.layout, mcore_rl.resharding.weight_map, mcore_rl.kernels.fp8_blockwise, mcore_rl.configs\n"
+    "import mcore_rl.parallel.layout, mcore_rl.resharding.weight_map, mcore_rl.kernels.fp8_blockwise\n"
+    "import mcore_rl.configs\n"
     "import importlib.util, sys\n"
     "print(mcore_rl.parallel.layout.__file__)\n"
     "print(all(importlib.util.find_spec(n) is None for n in ('parallel', 'resharding', 'kernels')))\n"
@@ -41,9 +42,21 @@ def test_editable_install_imports_mapped_folders_from_the_checkout(tmp_path: Pat
 def test_regular_install_puts_mapped_folders_under_mcore_rl(tmp_path: Path):
     wheel_dir, target = tmp_path / "wheel", tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir),
-         str(ROOT)],
-        check=True, timeout=300, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheel_dir),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+        capture_output=True,
     )
     (wheel,) = wheel_dir.glob("mcore_rl-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -52,7 +65,9 @@ def test_regular_install_puts_mapped_folders_under_mcore_rl(tmp_path: Path):
     assert not any(n.split("/")[0] in ("parallel", "resharding", "kernels") for n in names)
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-        check=True, timeout=300, capture_output=True,
+        check=True,
+        timeout=300,
+        capture_output=True,
     )
     site_packages = [p for p in sys.path if p.endswith("site-packages")]
     path, no_top_level = _probe(":".join([str(target), *site_packages]), tmp_path)

@@ -26,9 +26,20 @@ def tiny_qwen3_moe(path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        norm_topk_prob=True, max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.2,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
     )
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).float()
@@ -76,8 +87,9 @@ def _megatron_rank(rank: int, world: int, layout: ParallelLayout, path: str, ids
     load_hf_weights(chunks, contexts, spec.weight_map(), reader.read)
     config = chunks[0].config
     config.finalize_model_grads_func = finalize_model_grads
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), chunks[0],
-                                    pg_collection=pg)
+    model = DistributedDataParallel(
+        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), chunks[0], pg_collection=pg
+    )
     dp, dp_rank = pg.dp.size(), pg.dp.rank()
     local = ids.chunk(dp)[dp_rank]
     tp = pg.tp.size()
@@ -90,8 +102,9 @@ def _megatron_rank(rank: int, world: int, layout: ParallelLayout, path: str, ids
     def run(forward_only: bool):
         def forward_step(data_iterator, model):
             batch = next(data_iterator)
-            out = model(input_ids=batch, position_ids=torch.arange(batch.shape[1]).expand_as(batch),
-                        attention_mask=None)
+            out = model(
+                input_ids=batch, position_ids=torch.arange(batch.shape[1]).expand_as(batch), attention_mask=None
+            )
 
             def loss_func(logits):
                 logp = vocab_parallel_logprobs(logits[:, :-1], batch[:, 1:], VOCAB, pg.tp)

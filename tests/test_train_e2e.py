@@ -26,8 +26,17 @@ def test_three_step_run_completes_and_writes_metrics(tmp_path: Path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3]
-    for key in ("reward/mean", "response/length", "actor/pg_loss", "actor/clip_frac", "actor/kl_ref",
-                "time/generate", "time/logprobs", "time/update", "time/sync"):
+    for key in (
+        "reward/mean",
+        "response/length",
+        "actor/pg_loss",
+        "actor/clip_frac",
+        "actor/kl_ref",
+        "time/generate",
+        "time/logprobs",
+        "time/update",
+        "time/sync",
+    ):
         assert key in lines[0], key
     # the engine is synced after every update: one version for the initial load, then one per step
     assert [r["weight_version"] for r in lines] == [2, 3, 4]

@@ -89,4 +89,3 @@ def micro_batches(batch: TrainBatch, micro_batch_size: int, pad_multiple: int = 
         positions = torch.arange(seq_len).expand(b, seq_len).contiguous()
         out.append(MicroBatch(tokens, positions, targets, gather, part.response_mask, part.tensors))
     return out, seq_len
-

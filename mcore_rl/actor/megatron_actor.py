@@ -96,11 +96,14 @@ class MegatronActor:
         reader = HFCheckpointReader(path)
         used = load_hf_weights(self.chunks, self.contexts, self.weight_map, reader.read)
         shape = self.spec.family.shape(self.spec.hf)
-        unexpected = [n for n in reader.names() if not self.weight_map.is_known_hf(n, shape.num_layers,
-                                                                                  shape.num_experts)]
+        unexpected = [
+            n for n in reader.names() if not self.weight_map.is_known_hf(n, shape.num_layers, shape.num_experts)
+        ]
         if unexpected:
-            raise WeightMapError(f"{path}: unexpected tensors not in the {self.spec.hf.model_type} weight map: "
-                                 f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+            raise WeightMapError(
+                f"{path}: unexpected tensors not in the {self.spec.hf.model_type} weight map: "
+                f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+            )
         del used
 
     def _wrap_ddp_and_optimizer(self) -> None:
@@ -244,12 +247,21 @@ class MegatronActor:
         loss = out.loss
         # Metrics are token-weighted sums here and divided by the token count in the controller.
         weight = float(mask.sum())
-        metrics = {f"actor/{k}": float(v.detach() if torch.is_tensor(v) else v) * weight for k, v in out.metrics.items()}
+        metrics = {
+            f"actor/{k}": float(v.detach() if torch.is_tensor(v) else v) * weight for k, v in out.metrics.items()
+        }
         # loss x denominator = this micro-batch's summed token losses (token-mean) or sequence losses.
         metrics["actor/pg_loss"] = float(out.loss.detach()) * denominator
         if "ref_logprobs" in mb.tensors:
-            kl = kl_loss(logp, mb.tensors["ref_logprobs"], mask, kind=cfg.kl_loss_type,
-                         loss_agg_mode=cfg.loss_agg_mode, max_response_len=mask.shape[1], agg_denominator=denominator)
+            kl = kl_loss(
+                logp,
+                mb.tensors["ref_logprobs"],
+                mask,
+                kind=cfg.kl_loss_type,
+                loss_agg_mode=cfg.loss_agg_mode,
+                max_response_len=mask.shape[1],
+                agg_denominator=denominator,
+            )
             metrics["actor/kl_loss"] = float(kl.detach()) * denominator
             if cfg.kl_loss_coef:
                 loss = loss + cfg.kl_loss_coef * kl
@@ -264,8 +276,9 @@ class MegatronActor:
         """HF-named full tensors owned by this rank (collective over TP/ETP groups: call on every rank)."""
         return [
             (name, tensor.detach().cpu().clone())
-            for name, tensor in export_hf_weights(self.chunks, self.contexts, self.weight_map, self.pg.tp,
-                                                  self.pg.expt_tp)
+            for name, tensor in export_hf_weights(
+                self.chunks, self.contexts, self.weight_map, self.pg.tp, self.pg.expt_tp
+            )
         ]
 
 

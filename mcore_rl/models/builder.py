@@ -40,9 +40,7 @@ class ModelSpec:
         return padded_vocab_size(self.hf.req("vocab_size"), self.make_vocab_size_divisible_by, self.layout.tp)
 
     def transformer_config(self) -> Any:
-        return self.family.transformer_config(
-            self.hf, self.layout, self.runtime, self.dtype, **self.config_overrides
-        )
+        return self.family.transformer_config(self.hf, self.layout, self.runtime, self.dtype, **self.config_overrides)
 
     def weight_map(self) -> WeightMap:
         return self.family.weight_map(self.hf, self.padded_vocab)
@@ -88,7 +86,8 @@ def build_gpt_chunks(spec: ModelSpec, pg_collection: Any) -> tuple[list[torch.nn
                 ep_rank=pg_collection.ep.rank(),
                 num_local_experts=num_experts // ep_size if num_experts else 0,
                 layer_offset=get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank),
-                owns_dense=pg_collection.tp.rank() == 0 and pg_collection.cp.rank() == 0
+                owns_dense=pg_collection.tp.rank() == 0
+                and pg_collection.cp.rank() == 0
                 and pg_collection.dp.rank() == 0,
                 owns_experts=pg_collection.expt_tp.rank() == 0 and pg_collection.expt_dp.rank() == 0,
             )

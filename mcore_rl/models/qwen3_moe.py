@@ -162,4 +162,3 @@ class Qwen3MoeFamily(ModelFamily):
         rules = embedding_rules(hf, padded_vocab) + attention_rules(hf) + qk_norm_rules() + dense_mlp_rules()
         rules += [Rule(L + "mlp.router.weight", H + "mlp.gate.weight", Replicated())] + expert_rules()
         return WeightMap(rules, ignore_hf=(r".*rotary_emb\.inv_freq$",))
-
