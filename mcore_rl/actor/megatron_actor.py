@@ -190,6 +190,31 @@ class MegatronActor:
         outputs = self._run_schedule(chunks, mbs, seq_len, loss_fn, forward_only=True)
         return self._result(torch.cat([o["logprobs"] for o in outputs]) if outputs else None)
 
+    @torch.no_grad()
+    def forward_logits(self, tokens: torch.Tensor) -> RankResult:
+        """Full-vocabulary logits [B_dp, T, vocab] of this rank's dp shard of `tokens` (TP-gathered, padding trimmed).
+
+        For parity checks against the rollout engine and HF; not used in training.
+        """
+        for chunk in self.ddp_chunks:
+            chunk.eval()
+        shard = tokens.chunk(self.pg.dp.size())[self.pg.dp.rank()]
+        tp = self.pg.tp.size()
+
+        def forward_step(data_iterator: Iterator[torch.Tensor], model: torch.nn.Module):
+            ids = next(data_iterator)
+            out = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+
+            def gather(logits: torch.Tensor):
+                parts = [torch.empty_like(logits) for _ in range(tp)]
+                torch.distributed.all_gather(parts, logits.contiguous(), group=self.pg.tp)
+                return logits.new_zeros(()), {"logits": torch.cat(parts, -1)[..., : self.vocab_size]}
+
+            return out, gather
+
+        outputs = run_schedule(self.ddp_chunks, forward_step, [shard], shard.shape[1], shard.shape[0], self.pg, True)
+        return self._result(outputs[0]["logits"] if outputs else None)
+
     @property
     def _pad_multiple(self) -> int:
         return self.layout.tp if self.layout.sequence_parallel else 1
