@@ -25,6 +25,14 @@ class Transform:
     #: how many HF tensors this Megatron tensor is made of
     num_hf: int = 1
 
+    def axis_for(self, local_shape: torch.Size) -> str | None:
+        """The axis a Megatron tensor of `local_shape` is split along on this rank (most transforms: `axis`).
+
+        A transform whose layout depends on the module class (e.g. MLA's down projections: column-parallel in the
+        local spec, replicated in Transformer Engine's) decides from the local shape.
+        """
+        return self.axis
+
     def to_megatron(self, hf: list[torch.Tensor], shard: int, num_shards: int) -> torch.Tensor:
         raise NotImplementedError
 

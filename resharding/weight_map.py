@@ -38,6 +38,9 @@ class Rule:
     transform: Transform
     #: skip this tensor on export (e.g. an output layer tied to the embedding)
     export: bool = True
+    #: HF names holding copies of hf[0]: written on export, never read on load (DeepSeek's MTP layers repeat the
+    #: embedding and the output head under their own names)
+    aliases: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.hf, str):
@@ -88,7 +91,7 @@ class WeightMap:
 
     def __post_init__(self) -> None:
         self._compiled = [(_pattern(r.mcore), r) for r in self.rules]
-        self._compiled_hf = [(_pattern(name), r) for r in self.rules for name in r.hf]
+        self._compiled_hf = [(_pattern(name), r) for r in self.rules for name in r.hf + r.aliases]
         self._ignored = [re.compile(p) for p in self.ignore_hf]
 
     def match(self, mcore_name: str) -> tuple[Rule, dict[str, int]]:
@@ -99,14 +102,14 @@ class WeightMap:
                 return rule, {k: int(v) for k, v in m.groupdict().items()}
         raise WeightMapError(f"Megatron tensor {mcore_name!r} has no rule in the weight map")
 
-    def hf_names(self, rule: Rule, local: dict[str, int], ctx: ShardContext) -> list[str]:
-        """HF names for a rule, with local layer/expert indices turned global."""
+    def hf_names(self, rule: Rule, local: dict[str, int], ctx: ShardContext, aliases: bool = False) -> list[str]:
+        """HF names for a rule (or its aliases), with local layer/expert indices turned global."""
         fields: dict[str, int] = {}
         if "layer" in local:
             fields["layer"] = local["layer"] + ctx.layer_offset
         if "expert" in local:
             fields["expert"] = local["expert"] + ctx.ep_rank * ctx.num_local_experts
-        return [name.format(**fields) for name in rule.hf]
+        return [name.format(**fields) for name in (rule.aliases if aliases else rule.hf)]
 
     def is_known_hf(self, name: str, num_layers: int, num_experts: int) -> bool:
         """Whether an HF checkpoint name belongs to this model (right pattern, indices in range) or is ignored."""
@@ -116,10 +119,11 @@ class WeightMap:
             m = pattern.match(name)
             if m:
                 idx = m.groupdict()
+                # Out of range for this pattern; another may still match (an MTP layer's literal index).
                 if "layer" in idx and int(idx["layer"]) >= num_layers:
-                    return False
+                    continue
                 if "expert" in idx and int(idx["expert"]) >= num_experts:
-                    return False
+                    continue
                 return True
         return False
 
@@ -152,10 +156,8 @@ def load_hf_weights(
                 try:
                     hf.append(read_hf(hf_name))
                 except KeyError:
-                    raise WeightMapError(
-                        f"HF tensor {hf_name!r} is missing (needed for Megatron {name!r})"
-                    ) from None
-            shard, num_shards = ctx.shard_of(rule.transform.axis)
+                    raise WeightMapError(f"HF tensor {hf_name!r} is missing (needed for Megatron {name!r})") from None
+            shard, num_shards = ctx.shard_of(rule.transform.axis_for(tensor.shape))
             try:
                 value = rule.transform.to_megatron(hf, shard, num_shards)
             except ValueError as err:
@@ -186,7 +188,7 @@ def export_hf_weights(
     for chunk, ctx in zip(chunks, contexts):
         for name, tensor in _local_tensors(chunk):
             rule, local = weight_map.match(name)
-            axis = rule.transform.axis
+            axis = rule.transform.axis_for(tensor.shape)
             group, size = (tp_group, ctx.tp_size) if axis == "tp" else (etp_group, ctx.etp_size)
             local_value = tensor.detach()
             if axis is not None and size > 1:
@@ -197,5 +199,7 @@ def export_hf_weights(
             owner = ctx.owns_experts if rule.is_expert else ctx.owns_dense
             if not owner or not rule.export:
                 continue
-            for hf_name, value in zip(weight_map.hf_names(rule, local, ctx), rule.transform.to_hf(shards)):
-                yield hf_name, value
+            values = rule.transform.to_hf(shards)
+            yield from zip(weight_map.hf_names(rule, local, ctx), values)
+            for hf_name in weight_map.hf_names(rule, local, ctx, aliases=True):
+                yield hf_name, values[0]

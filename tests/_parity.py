@@ -37,7 +37,8 @@ def forward_logits(chunks: list[torch.nn.Module], pg: Any, input_ids: torch.Tens
     last = chunks[-1]
     hook = None
     if getattr(last, "post_process", False):
-        hook = last.output_layer.register_forward_hook(lambda m, i, out: captured.append(out[0].detach()))
+        # Clone: with labels, Megatron's vocab-parallel cross entropy edits the logits in place afterwards.
+        hook = last.output_layer.register_forward_hook(lambda m, i, out: captured.append(out[0].detach().clone()))
     mtp = config.mtp_num_layers is not None
 
     def forward_step(data_iterator, model):  # noqa: ANN001, ANN202 - Megatron's callback signature
@@ -157,3 +158,133 @@ def assert_bit_exact(exported: dict[str, torch.Tensor], original: dict[str, torc
         got = exported[name]
         assert got.dtype == t.dtype and got.shape == t.shape, f"{name}: {got.dtype}{tuple(got.shape)} vs {t.dtype}"
         assert torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), f"{name} differs"
+
+
+DEEPSEEK_TINY = dict(
+    vocab_size=100,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=4,
+    n_group=4,
+    topk_group=2,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    num_nextn_predict_layers=1,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
+
+def _randomise_routing(module: torch.nn.Module) -> None:
+    """Router weights with std 1 (top-k margins dwarf fp32 rounding: no routing ties), a random expert-bias buffer,
+    and random norm weights (HF initialises them to ones, which would hide a swapped norm)."""
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+        for name, b in module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
+
+
+def _per_expert(prefix: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5 keeps experts fused ([E, 2I, H] gate_up, [E, H, I] down); checkpoints hold one tensor each."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            base = prefix + name[: -len("gate_up_proj")]
+            for e, w in enumerate(t):
+                gate, up = w.chunk(2, dim=0)
+                out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate.clone(), up.clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            base = prefix + name[: -len("down_proj")]
+            for e, w in enumerate(t):
+                out[f"{base}{e}.down_proj.weight"] = w.clone()
+        else:
+            out[prefix + name] = t.clone()
+    return out
+
+
+def tiny_deepseek_v3(path: str | Path, input_ids: torch.Tensor, seed: int = 0, **overrides: Any) -> dict[str, Any]:
+    """Save a tiny random DeepSeek-V3 (with DeepSeek-format MTP layers) to `path`; return reference outputs.
+
+    transformers' DeepseekV3ForCausalLM has no MTP modules, so the MTP layer is built here from its decoder layer
+    class and norms and written under model.layers.{L + i}.* with the embed_tokens / shared_head copies DeepSeek's
+    checkpoints carry. Returns {"logits", "mtp_logits" (list, one per MTP layer), "model"}.
+    """
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3RMSNorm
+
+    from mcore_rl.resharding.hf_io import HFCheckpointWriter
+
+    config = DeepseekV3Config(**{**DEEPSEEK_TINY, **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(config).float().eval()
+    _randomise_routing(model)
+    model.save_pretrained(path)
+    num_layers, num_mtp = config.num_hidden_layers, config.num_nextn_predict_layers
+    with torch.no_grad():
+        out = model(input_ids, output_hidden_states=True)
+    result: dict[str, Any] = {"logits": out.logits, "mtp_logits": [], "model": model}
+    if not num_mtp:
+        return result
+    state = hf_state(path)
+    hidden = out.hidden_states[-1]  # the final-normed hidden state (transformers ties it to last_hidden_state)
+    ids = input_ids
+    batch, seq = ids.shape
+    position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+    for i in range(num_mtp):
+        layer = DeepseekV3DecoderLayer(config, layer_idx=num_layers + i).float().eval()
+        with torch.no_grad():  # a bare layer skips the model's init (its expert tensors are torch.empty)
+            for p in layer.parameters():
+                p.normal_(0.0, config.initializer_range)
+        _randomise_routing(layer)
+        norms = {n: DeepseekV3RMSNorm(config.hidden_size, config.rms_norm_eps) for n in ("enorm", "hnorm", "post")}
+        eh_proj = torch.nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        with torch.no_grad():
+            for norm in norms.values():
+                norm.weight.normal_(1.0, 0.1)
+            # Megatron's MTP rolls the tokens left by one and zero-fills the last position.
+            ids = torch.roll(ids, -1, dims=-1)
+            ids[:, -1] = 0
+            x = eh_proj(torch.cat([norms["enorm"](model.model.embed_tokens(ids)), norms["hnorm"](hidden)], dim=-1))
+            cos_sin = model.model.rotary_emb(x, position_ids)
+            causal = torch.full((seq, seq), float("-inf")).triu(1)[None, None]
+            x = layer(x, attention_mask=causal, position_ids=position_ids, position_embeddings=cos_sin)
+            hidden = norms["post"](x)
+            result["mtp_logits"].append(model.lm_head(hidden))
+        prefix = f"model.layers.{num_layers + i}."
+        state |= _per_expert(prefix, layer.state_dict())
+        state |= {
+            prefix + "enorm.weight": norms["enorm"].weight.detach().clone(),
+            prefix + "hnorm.weight": norms["hnorm"].weight.detach().clone(),
+            prefix + "eh_proj.weight": eh_proj.weight.detach().clone(),
+            prefix + "shared_head.norm.weight": norms["post"].weight.detach().clone(),
+            prefix + "embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+            prefix + "shared_head.head.weight": state["lm_head.weight"].clone(),
+        }
+    import json
+
+    config_json = json.loads((Path(path) / "config.json").read_text())
+    with HFCheckpointWriter(path, max_shard_bytes=64 << 10, overwrite=True) as writer:
+        for name in sorted(state):
+            writer.add(name, state[name])
+        writer.write_config(config_json)
+        writer.copy_side_files(path)
+    return result

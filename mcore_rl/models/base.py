@@ -1,8 +1,8 @@
 """What every model family provides, the registry keyed by HF `model_type`, and HF-config reading helpers.
 
 A family is one file in mcore_rl/models/ holding all knowledge of one architecture: HF config -> Megatron
-`TransformerConfig` (built in exactly one place) and the declarative HF <-> Megatron weight map. The registry is keyed by
-the HF `model_type` string, never by substring matching of names.
+`TransformerConfig` (built in exactly one place) and the declarative HF <-> Megatron weight map. The registry is keyed
+by the HF `model_type` string, never by substring matching of names.
 """
 
 from __future__ import annotations
@@ -150,4 +150,4 @@ def megatron_common_fields(layout: ParallelLayout, dtype: torch.dtype, te: bool)
 def _import_families() -> None:
     # Importing a family module registers it. Listed explicitly: the registry is keyed by model_type, and the set of
     # families is a decision, not a directory scan.
-    from mcore_rl.models import qwen3_moe  # noqa: F401
+    from mcore_rl.models import deepseek_v3, llama, qwen2, qwen3, qwen3_moe  # noqa: F401

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from mcore_rl.models.base import HFConfig, ModelFamily, get_family, padded_vocab_size
-from mcore_rl.models.spec import decoder_block_spec
+from mcore_rl.models.spec import decoder_block_spec, mtp_block_spec
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.resharding.weight_map import ShardContext, WeightMap
 
@@ -64,16 +64,19 @@ def build_gpt_chunks(spec: ModelSpec, pg_collection: Any) -> tuple[list[torch.nn
         vp_stage = vstage if vpp > 1 else None
         pre = pp_rank == 0 and vstage == 0
         post = pp_rank == pp_size - 1 and vstage == vpp - 1
+        block_spec = decoder_block_spec(config, spec.runtime, vp_stage=vp_stage, pp_rank=pp_rank)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=decoder_block_spec(config, spec.runtime, vp_stage=vp_stage, pp_rank=pp_rank),
+            transformer_layer_spec=block_spec,
             vocab_size=spec.padded_vocab,
             max_sequence_length=spec.max_sequence_length,
             pre_process=pre,
             post_process=post,
             share_embeddings_and_output_weights=tied,
             position_embedding_type="rope",
-            rotary_base=int(spec.hf.rope_theta()),
+            # MLA builds its own rotary embedding (rope or yarn) from the config; GQA families use rope_theta.
+            rotary_base=int(config.rotary_base) if config.multi_latent_attention else int(spec.hf.rope_theta()),
+            mtp_block_spec=mtp_block_spec(config, block_spec, spec.runtime, vp_stage=vp_stage, pp_rank=pp_rank),
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )

@@ -79,4 +79,51 @@ def decoder_block_spec(config: Any, runtime: str, vp_stage: int | None = None, p
         return spec
     # Specs are shared module-level objects in Megatron: copy before editing.
     spec = copy.deepcopy(spec)
+    if getattr(config, "multi_latent_attention", False):
+        import megatron.core.transformer.multi_latent_attention as mla
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        _swap_norms(spec, (DotProductAttention,), local_mla_core_attention())
+        if not transformer_engine_available():
+            # 0.16.1 binds TELinear to a MagicMock when TE is absent yet sets HAVE_TE, and MLA's __init__ then calls
+            # isinstance(linear_proj, <MagicMock>), which raises. Without TE no module can be a TELinear.
+            mla.HAVE_TE = False
     return _swap_norms(spec, (WrappedTorchNorm, torch.nn.RMSNorm), SequenceParallelRMSNorm)
+
+
+def local_mla_core_attention() -> type:
+    """Megatron's local DotProductAttention, accepting the k/v head sizes MLA passes (megatron-core 0.16.1).
+
+    MLA builds its core attention with k_channels / v_channels, which only TE's attention accepts; the local class's
+    math (baddbmm with the given softmax scale, softmax, bmm) already handles q/k and v head sizes that differ, and
+    its output reshape uses kv_channels, which the DeepSeek family sets to v_head_dim.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLACoreAttention(DotProductAttention):
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None, **kw: Any):
+            super().__init__(*args, **kw)
+
+    return LocalMLACoreAttention
+
+
+def mtp_block_spec(
+    config: Any, block_spec: Any, runtime: str, vp_stage: int | None = None, pp_rank: int | None = None
+) -> Any:
+    """The multi-token-prediction block spec of this stage: None without MTP layers or off the last stage.
+
+    Megatron builds each MTP layer around the decoder's last layer spec plus its own norms (enorm, hnorm, final),
+    which get the same norm swap as the decoder on CPU.
+    """
+    if not getattr(config, "mtp_num_layers", None):
+        return None
+    import copy
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    te = use_te_spec(runtime)
+    spec = get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=te, vp_stage=vp_stage, pp_rank=pp_rank)
+    if spec is None or te:
+        return spec
+    return _swap_norms(copy.deepcopy(spec), (WrappedTorchNorm, torch.nn.RMSNorm), SequenceParallelRMSNorm)
