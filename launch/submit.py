@@ -1,0 +1,501 @@
+"""Submit an RL job to Slurm with a Ray cluster spanning its nodes, check it first, or run it locally.
+
+    python launch/submit.py --nodes 32 --gpus-per-node 8 --partition gpu --time 24:00:00 --job-name qwen3 \
+        [--account A] [--cpus-per-node C] [--dry-run] [--local] [--run-dir DIR] \
+        [--nccl-socket-ifname ib0] [--nccl-ib-hca mlx5] [--env KEY=VAL ...] \
+        -- --config-name qwen3_235b_a22b_32n model.path=/ckpt/Qwen3-235B-A22B
+
+Everything after `--` is passed to `python -m mcore_rl.train` (Hydra overrides; `--config-name X` picks a recipe
+from configs/). Before anything is written, the config is composed in-process and checked against N x G:
+
+- World size rule: the actor's `actor.world_size` ranks must fit on the N*G GPUs. If they take all of them, the
+  rollout engines share those GPUs (colocated mode); if fewer, the rollout engines get the remaining GPUs. More is
+  refused. (trainer.runtime=cpu jobs skip the GPU checks.)
+- Memory per GPU (mcore_rl/models/estimate.py): params per rank = dense / (tp*pp) + experts / (ep*etp*pp);
+  bf16 weights (2 B) + fp32 main grads (4 B) + fp32 Adam master+m+v (12 B, divided by dp / expert-dp because the
+  distributed optimizer is assumed on; --no-distributed-optimizer turns that off) + a bf16 reference copy when
+  actor.use_ref + activations under full recomputation + 4 GiB CUDA context/NCCL. More than --gpu-memory-gb is refused.
+
+The sbatch script (written to <run_dir>/<job-name>.sbatch, via a temp file + rename):
+- `srun --overlap --nodes=1 --ntasks=1 -w <head>` runs `ray start --head --block` on the first node; once its GCS
+  answers, one `srun --overlap` step runs `ray start --address=<head>:<port> --block` on each other node (never
+  before the head: workers that start first give up). `--overlap` lets these steps share the allocation with the
+  driver and with each other (without it Slurm queues the second step behind the first).
+- It waits until N nodes with N*G GPUs are registered (ray.nodes()), or fails after RAY_WAIT_TIMEOUT s (default 600)
+  naming the counts it saw; the node list is written to <run_dir>/ray_nodes.json.
+- It exports the NCCL/Gloo settings, runs `python -m mcore_rl.train trainer.ray_address=<head:port> <overrides>` on
+  the batch host (Slurm runs the batch script on the first node, which is the Ray head), and stops Ray on exit, on
+  failure and on scancel (trap EXIT, TERM, INT: the srun steps are signalled; each `ray start --block` then stops the
+  Ray processes it started, and Slurm reaps what is left of the steps).
+
+Port scheme (two jobs sharing nodes never collide unless their job ids are equal modulo 100):
+    slot = SLURM_JOB_ID % 100;  base = 10000 + 220 * slot         (10000 .. 31999)
+    base+0 GCS, +1 node manager, +2 object manager, +3 ray client server, +4 dashboard agent grpc,
+    +5 dashboard agent http, +6 metrics export, +7 runtime-env agent; workers bind base+20 .. base+219.
+    The dashboard is off. All ports stay below Linux's default ephemeral range (32768-60999), so outgoing
+    connections cannot take them. Each job also gets its own Ray temp dir, /tmp/ray_j<SLURM_JOB_ID>.
+
+Exit codes: 0 ok; 2 bad input (usage, zero nodes, unknown partition, a config or layout that does not fit); 1 the
+environment (sbatch missing or failing) or, with --local, the training run's own non-zero code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script from a checkout: import the package beside launch/
+    sys.path.insert(0, REPO)
+
+PORT_SLOTS = 100
+PORT_BLOCK = 220
+PORT_FLOOR = 10000
+WORKER_PORT_OFFSET = 20
+GIB = 1024**3
+
+
+class SubmitError(Exception):
+    """Bad input or environment; `code` is the process exit status."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def ray_ports(job_id: int) -> dict[str, int]:
+    """The Ray ports of one Slurm job (the scheme in the module docstring; the sbatch script computes the same)."""
+    base = PORT_FLOOR + PORT_BLOCK * (job_id % PORT_SLOTS)
+    return {
+        "GCS_PORT": base,
+        "NODE_MANAGER_PORT": base + 1,
+        "OBJECT_MANAGER_PORT": base + 2,
+        "CLIENT_SERVER_PORT": base + 3,
+        "AGENT_GRPC_PORT": base + 4,
+        "AGENT_HTTP_PORT": base + 5,
+        "METRICS_PORT": base + 6,
+        "RUNTIME_ENV_PORT": base + 7,
+        "MIN_WORKER_PORT": base + WORKER_PORT_OFFSET,
+        "MAX_WORKER_PORT": base + PORT_BLOCK - 1,
+    }
+
+
+def port_block() -> str:
+    """The bash lines that derive the ports from SLURM_JOB_ID (mirrors `ray_ports`)."""
+    lines = [
+        f"PORT_BASE=$(( {PORT_FLOOR} + {PORT_BLOCK} * (SLURM_JOB_ID % {PORT_SLOTS}) ))",
+    ]
+    for name, port in ray_ports(0).items():
+        lines.append(f"{name}=$(( PORT_BASE + {port - PORT_FLOOR} ))")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------- the config check
+
+
+@dataclass
+class CheckReport:
+    """What the dry-run check found: printable lines, and the run dir of the composed config."""
+
+    lines: list[str] = field(default_factory=list)
+    run_dir: str = "runs/latest"
+
+
+def split_config_name(overrides: list[str]) -> tuple[str, list[str]]:
+    """Pull Hydra's `--config-name X` / `--config-name=X` / `-cn X` out of the overrides (default: "default")."""
+    name, rest, i = "default", [], 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if arg in ("--config-name", "-cn") and i + 1 < len(overrides):
+            name, i = overrides[i + 1], i + 2
+            continue
+        if arg.startswith("--config-name="):
+            name = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return name, rest
+
+
+def compose_config(overrides: list[str]) -> Any:
+    """Compose and validate the run's config exactly as `python -m mcore_rl.train <overrides>` would."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from mcore_rl.config import register_schema, to_config
+
+    register_schema()
+    name, rest = split_config_name(overrides)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module("mcore_rl.configs", version_base=None):
+            dcfg = compose(config_name=name, overrides=rest)
+        return to_config(dcfg)
+    except Exception as err:  # Hydra's override/composition errors and ConfigError/LayoutError: all bad input
+        raise SubmitError(f"config error: {err}") from None
+
+
+def _hf_dict(cfg: Any) -> dict[str, Any]:
+    if cfg.model.path:
+        with open(os.path.join(cfg.model.path, "config.json")) as f:
+            return json.load(f)
+    return dict(cfg.model.hf_config)
+
+
+def check_config(
+    cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float, distributed_optimizer: bool = True
+) -> CheckReport:
+    """World size and per-GPU memory of the actor against N x G; SubmitError naming the figures when it cannot fit."""
+    from mcore_rl.models.estimate import count_params, estimate_memory
+
+    report = CheckReport(run_dir=cfg.trainer.run_dir)
+    gpus = nodes * gpus_per_node
+    world = cfg.actor.world_size
+    lay = cfg.actor.layout
+    hf = _hf_dict(cfg)
+    counts = count_params(hf)
+    report.lines.append(
+        f"model: {hf.get('model_type')} {counts.total / 1e9:.1f} B params "
+        f"(dense {counts.dense / 1e9:.1f} B, routed experts {counts.expert / 1e9:.1f} B)"
+    )
+    report.lines.append(
+        f"actor: world_size={world} layout tp={lay.tp} pp={lay.pp} cp={lay.cp} ep={lay.ep} "
+        f"etp={lay.etp if lay.etp is not None else lay.tp} vpp={lay.vpp} sp={lay.sequence_parallel}"
+    )
+    if cfg.trainer.runtime != "cuda":
+        report.lines.append(
+            f"trainer.runtime={cfg.trainer.runtime}: GPU world-size and memory checks skipped "
+            f"({nodes} node(s) x {gpus_per_node} GPU(s))"
+        )
+        return report
+    if gpus == 0:
+        raise SubmitError(f"trainer.runtime=cuda needs GPUs, but --nodes {nodes} x --gpus-per-node 0 gives none")
+    if world > gpus:
+        raise SubmitError(
+            f"actor.world_size={world} does not fit on {nodes} nodes x {gpus_per_node} GPUs = {gpus} GPUs"
+        )
+    if world == gpus:
+        report.lines.append(f"placement: actor uses all {gpus} GPUs; rollout ({cfg.rollout.engine}) colocated on them")
+    else:
+        report.lines.append(
+            f"placement: actor {world} GPUs, rollout ({cfg.rollout.engine}) gets the other {gpus - world} GPUs"
+        )
+    est = estimate_memory(
+        hf,
+        world,
+        tp=lay.tp,
+        pp=lay.pp,
+        cp=lay.cp,
+        ep=lay.ep,
+        etp=lay.etp,
+        vpp=lay.vpp,
+        micro_batch=cfg.actor.micro_batch_size,
+        seq_len=cfg.model.max_sequence_length,
+        distributed_optimizer=distributed_optimizer,
+        use_ref=cfg.actor.use_ref,
+    )
+    report.lines.append(
+        f"memory per GPU (estimate; micro_batch={cfg.actor.micro_batch_size}, seq={cfg.model.max_sequence_length}, "
+        "full recompute):"
+    )
+    report.lines.append(est.describe())
+    limit = gpu_memory_gb * GIB
+    if est.total > limit:
+        raise SubmitError(
+            "layout does not fit in GPU memory: estimated "
+            f"{est.total / GIB:.1f} GiB per GPU > --gpu-memory-gb {gpu_memory_gb:g} GiB\n"
+            + "\n".join(report.lines)
+            + "\nraise tp/pp/ep (or etp), or enable the distributed optimizer"
+        )
+    report.lines.append(f"fits: {est.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB per GPU")
+    return report
+
+
+# ------------------------------------------------------------------------------------------------- the sbatch script
+
+
+def comm_env(args: argparse.Namespace) -> dict[str, str]:
+    """NCCL/Gloo settings from the flags, then --env KEY=VAL (later wins)."""
+    env: dict[str, str] = {}
+    for key, value in (
+        ("NCCL_SOCKET_IFNAME", args.nccl_socket_ifname),
+        ("GLOO_SOCKET_IFNAME", args.gloo_socket_ifname or args.nccl_socket_ifname),
+        ("NCCL_IB_HCA", args.nccl_ib_hca),
+        ("NCCL_NET_GDR_LEVEL", args.nccl_net_gdr_level),
+    ):
+        if value:
+            env[key] = value
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise SubmitError(f"--env {item!r}: expected KEY=VALUE")
+        env[key] = value
+    return env
+
+
+# Run inside the job by wait_for_ray: poll ray.nodes() until the expected nodes and GPUs are alive, or time out.
+WAIT_SNIPPET = r"""import json, sys, time
+import ray
+addr, out = sys.argv[1], sys.argv[5]
+want_nodes, want_gpus, timeout = int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+deadline, seen = time.time() + timeout, (0, 0.0, 0.0)
+while time.time() < deadline:
+    try:  # ray.init fails until the head's GCS answers
+        if not ray.is_initialized():
+            ray.init(address=addr, log_to_driver=False, logging_level="ERROR")
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        res = [n["Resources"] for n in alive]
+        seen = (len(alive), sum(r.get("GPU", 0) for r in res), sum(r.get("CPU", 0) for r in res))
+        if seen[0] >= want_nodes and seen[1] >= want_gpus:
+            print(f"submit: Ray has {seen[0]} nodes, {seen[1]:g} GPUs, {seen[2]:g} CPUs", flush=True)
+            nodes = [{"node": n["NodeManagerHostname"], "ip": n["NodeManagerAddress"], "resources": n["Resources"]}
+                     for n in alive]
+            with open(out, "w") as f:
+                json.dump(nodes, f)
+            sys.exit(0)
+    except Exception:
+        pass
+    time.sleep(2)
+print(f"submit: error: Ray at {addr} registered {seen[0]}/{want_nodes} nodes, {seen[1]:g}/{want_gpus:g} GPUs, "
+      f"{seen[2]:g} CPUs after {timeout:g} s (RAY_WAIT_TIMEOUT); see the Ray logs under /tmp/ray_j* on each node",
+      file=sys.stderr)
+sys.exit(1)
+"""
+
+
+def render_script(args: argparse.Namespace, overrides: list[str], run_dir: str) -> str:
+    """The sbatch script text."""
+    q = shlex.quote
+    directives = [
+        f"#SBATCH --job-name={args.job_name}",
+        f"#SBATCH --nodes={args.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --partition={args.partition}",
+        f"#SBATCH --time={args.time}",
+        f"#SBATCH --output={run_dir}/slurm-%j.out",
+        f"#SBATCH --chdir={REPO}",
+    ]
+    if args.gpus_per_node:
+        directives.append(f"#SBATCH --gpus-per-node={args.gpus_per_node}")
+    if args.cpus_per_node:
+        directives.append(f"#SBATCH --cpus-per-task={args.cpus_per_node}")
+    if args.account:
+        directives.append(f"#SBATCH --account={args.account}")
+    exports = "\n".join(f"export {k}={q(v)}" for k, v in comm_env(args).items()) or "# (no NCCL/Gloo settings given)"
+    python = sys.executable
+    ray_bin = os.path.join(os.path.dirname(python), "ray")
+    train = " ".join(q(a) for a in [python, "-m", "mcore_rl.train", *overrides])
+    cpus = str(args.cpus_per_node) if args.cpus_per_node else "${SLURM_CPUS_ON_NODE:-1}"
+    return f"""#!/bin/bash
+# Written by launch/submit.py: Ray head + workers over this allocation, then the RL driver on the head.
+{chr(10).join(directives)}
+set -euo pipefail
+
+PYTHON={q(python)}
+RAY={q(ray_bin)}
+RUN_DIR={q(run_dir)}
+NNODES={args.nodes}
+GPUS_PER_NODE={args.gpus_per_node}
+CPUS_PER_NODE={cpus}
+RAY_WAIT_TIMEOUT=${{RAY_WAIT_TIMEOUT:-600}}
+mkdir -p "$RUN_DIR"
+
+# NCCL / Gloo settings (exported before srun, which propagates the environment to every step)
+{exports}
+
+# Ports from SLURM_JOB_ID: jobs sharing nodes get disjoint blocks (see launch/submit.py)
+{port_block()}
+RAY_TMP=/tmp/ray_j${{SLURM_JOB_ID}}
+RAY_PORT_ARGS=(--node-manager-port=$NODE_MANAGER_PORT --object-manager-port=$OBJECT_MANAGER_PORT \\
+  --ray-client-server-port=$CLIENT_SERVER_PORT --dashboard-agent-grpc-port=$AGENT_GRPC_PORT \\
+  --dashboard-agent-listen-port=$AGENT_HTTP_PORT --metrics-export-port=$METRICS_PORT \\
+  --runtime-env-agent-port=$RUNTIME_ENV_PORT --min-worker-port=$MIN_WORKER_PORT --max-worker-port=$MAX_WORKER_PORT \\
+  --num-cpus=$CPUS_PER_NODE --num-gpus=$GPUS_PER_NODE --temp-dir=$RAY_TMP --disable-usage-stats)
+
+HEAD_PID=""; WORKERS_PID=""; TRAIN_PID=""
+cleanup() {{
+  local rc=$?
+  trap - EXIT TERM INT
+  echo "submit: stopping Ray (exit code $rc)"
+  [ -n "$TRAIN_PID" ] && kill -TERM "$TRAIN_PID" 2>/dev/null || true
+  # srun forwards SIGTERM to its `ray start --block` tasks, which stop the Ray processes they started. No `ray stop`:
+  # it would kill every Ray of this user on the node, including other jobs sharing it.
+  for pid in $WORKERS_PID $HEAD_PID; do kill -TERM "$pid" 2>/dev/null || true; done
+  for _ in $(seq 30); do
+    alive=0; for pid in $WORKERS_PID $HEAD_PID; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break; sleep 1
+  done
+  exit $rc
+}}
+trap cleanup EXIT
+trap 'exit 143' TERM   # scancel
+trap 'exit 130' INT
+
+wait_for_ray() {{  # wait_for_ray NODES GPUS: until Ray at $RAY_ADDRESS has them, or fail naming what it saw
+  "$PYTHON" - "$RAY_ADDRESS" "$1" "$2" "$RAY_WAIT_TIMEOUT" "$RUN_DIR/ray_nodes.json" <<'PY'
+{WAIT_SNIPPET}PY
+}}
+
+NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
+HEAD=${{NODES[0]}}
+HEAD_IP=$(srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" hostname -I | awk '{{print $1}}')
+export RAY_ADDRESS=$HEAD_IP:$GCS_PORT
+echo "submit: job $SLURM_JOB_ID head $HEAD ($RAY_ADDRESS), ${{#NODES[@]}} nodes, ports $PORT_BASE..$MAX_WORKER_PORT"
+
+srun --overlap --nodes=1 --ntasks=1 -w "$HEAD" \\
+  "$RAY" start --head --block --node-ip-address="$HEAD_IP" --port=$GCS_PORT --include-dashboard=false \\
+  "${{RAY_PORT_ARGS[@]}}" &
+HEAD_PID=$!
+wait_for_ray 1 0   # workers that start before the head's GCS answers give up, so start them after
+
+if [ "$NNODES" -gt 1 ]; then
+  srun --overlap --nodes=$((NNODES - 1)) --ntasks=$((NNODES - 1)) --ntasks-per-node=1 --exclude="$HEAD" \\
+    "$RAY" start --block --address="$RAY_ADDRESS" "${{RAY_PORT_ARGS[@]}}" &
+  WORKERS_PID=$!
+fi
+wait_for_ray "$NNODES" $((NNODES * GPUS_PER_NODE))
+
+# The batch script runs on the first node of the allocation, i.e. on the Ray head. Run the driver in the background
+# and `wait` for it, so that scancel's SIGTERM reaches the trap at once instead of after the driver exits.
+{train} trainer.ray_address="$RAY_ADDRESS" &
+TRAIN_PID=$!
+wait $TRAIN_PID
+"""
+
+
+def write_script(run_dir: str, job_name: str, text: str) -> str:
+    """Write the script atomically (temp file in the same dir + rename) and return its path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, f"{job_name}.sbatch")
+    fd, tmp = tempfile.mkstemp(dir=run_dir, prefix=f".{job_name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, path)
+    return path
+
+
+def check_partition(partition: str) -> None:
+    """Refuse a partition sinfo does not list (skipped when sinfo is absent)."""
+    sinfo = shutil.which("sinfo")
+    if not sinfo:
+        return
+    res = subprocess.run([sinfo, "-h", "-o", "%P"], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SubmitError(f"sinfo failed ({res.returncode}): {res.stderr.strip()}", code=1)
+    known = sorted({p.strip().rstrip("*") for p in res.stdout.split() if p.strip()})
+    if partition not in known:
+        raise SubmitError(f"unknown partition {partition!r}; sinfo lists: {', '.join(known) or '(none)'}")
+
+
+def submit(script: str) -> int:
+    """sbatch the script; returns the job id."""
+    sbatch = shutil.which("sbatch")
+    if not sbatch:
+        raise SubmitError("sbatch not found on PATH: run on a Slurm login node or use --local/--dry-run", code=1)
+    res = subprocess.run([sbatch, "--parsable", script], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SubmitError(f"sbatch failed ({res.returncode}): {res.stderr.strip()}", code=1)
+    match = re.match(r"\s*(\d+)", res.stdout)
+    if not match:
+        raise SubmitError(f"could not read a job id from sbatch's output: {res.stdout!r}", code=1)
+    return int(match.group(1))
+
+
+def run_local(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Run the driver here without Slurm (it starts its own local Ray), with the same NCCL/Gloo environment."""
+    env = dict(os.environ, **comm_env(args))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "mcore_rl.train", *overrides]
+    print("submit: local run:", " ".join(shlex.quote(c) for c in cmd), flush=True)
+    return subprocess.run(cmd, env=env, cwd=REPO).returncode
+
+
+# --------------------------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch/submit.py",
+        description="Submit an mcore_rl job to Slurm with Ray across its nodes (or --dry-run / --local).",
+        epilog="Everything after `--` goes to `python -m mcore_rl.train` (Hydra overrides; `--config-name X`).",
+    )
+    p.add_argument("--nodes", type=int, required=True, help="number of nodes N (> 0)")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node G (>= 0; 0 for CPU jobs)")
+    p.add_argument("--partition", required=True, help="Slurm partition (checked with sinfo when present)")
+    p.add_argument("--time", required=True, help="Slurm time limit, e.g. 24:00:00")
+    p.add_argument("--job-name", required=True, help="Slurm job name; the script is <run_dir>/<job-name>.sbatch")
+    p.add_argument("--account", help="Slurm account")
+    p.add_argument("--cpus-per-node", type=int, help="CPUs per node given to Slurm and Ray (default: Slurm's)")
+    p.add_argument("--run-dir", help="where the script and slurm-<id>.out go (default: the config's trainer.run_dir)")
+    p.add_argument("--dry-run", action="store_true", help="check the config against N x G and print the script")
+    p.add_argument("--local", action="store_true", help="run here without Slurm (the driver starts a local Ray)")
+    p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GPU memory in GiB (default 80)")
+    p.add_argument(
+        "--no-distributed-optimizer",
+        dest="distributed_optimizer",
+        action="store_false",
+        help="estimate without Megatron's distributed optimizer (Adam state not sharded over dp)",
+    )
+    p.add_argument("--nccl-socket-ifname", help="NCCL_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME unless given)")
+    p.add_argument("--gloo-socket-ifname", help="GLOO_SOCKET_IFNAME")
+    p.add_argument("--nccl-ib-hca", help="NCCL_IB_HCA, e.g. mlx5_0,mlx5_1 or ^mlx5_4")
+    p.add_argument("--nccl-net-gdr-level", help="NCCL_NET_GDR_LEVEL, e.g. PHB or SYS")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VAL", help="extra exported variable (repeat)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, check, then print (--dry-run), run (--local) or submit; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, overrides = argv[:cut], argv[cut + 1 :]
+    args = build_parser().parse_args(argv)
+    try:
+        if args.nodes < 1:
+            raise SubmitError(f"--nodes must be a positive integer, got {args.nodes}")
+        if args.gpus_per_node < 0:
+            raise SubmitError(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}")
+        if args.cpus_per_node is not None and args.cpus_per_node < 1:
+            raise SubmitError(f"--cpus-per-node must be a positive integer, got {args.cpus_per_node}")
+        if args.dry_run and args.local:
+            raise SubmitError("--dry-run and --local exclude each other")
+        comm_env(args)  # refuse a malformed --env early
+        cfg = compose_config(overrides)
+        report = check_config(cfg, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.distributed_optimizer)
+        for line in report.lines:
+            print(line)
+        if args.local:
+            return run_local(args, overrides)
+        run_dir = args.run_dir or report.run_dir
+        run_dir = run_dir if os.path.isabs(run_dir) else os.path.abspath(os.path.join(REPO, run_dir))
+        check_partition(args.partition)
+        text = render_script(args, overrides, run_dir)
+        if args.dry_run:
+            print(f"--- sbatch script (dry run: not written, not submitted; would go to {run_dir}) ---")
+            print(text)
+            return 0
+        if not shutil.which("sbatch"):
+            raise SubmitError("sbatch not found on PATH: run on a Slurm login node or use --local/--dry-run", code=1)
+        script = write_script(run_dir, args.job_name, text)
+        job_id = submit(script)
+        print(f"submitted job {job_id}: {script}; log {run_dir}/slurm-{job_id}.out; ports {ray_ports(job_id)}")
+        return 0
+    except SubmitError as err:
+        print(f"submit: error: {err}", file=sys.stderr)
+        return err.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
