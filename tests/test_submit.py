@@ -1,0 +1,176 @@
+"""launch/submit.py without Slurm: the sbatch script, the dry-run checks of the 32-node recipes, refusals, --local.
+
+.venv/bin/pytest tests/test_submit.py            # add -m "not slow" to skip the --local training run
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBMIT = os.path.join(REPO, "launch", "submit.py")
+CLUSTER = ["--nodes", "32", "--gpus-per-node", "8", "--partition", "gpu", "--time", "1:00:00", "--job-name", "t"]
+
+
+def run_submit(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the CLI as a user would; returns the completed process (text output)."""
+    return subprocess.run(
+        [sys.executable, SUBMIT, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout
+    )
+
+
+def script_of(stdout: str) -> str:
+    return stdout[stdout.index("#!/bin/bash") :]
+
+
+def test_dry_run_prints_the_script() -> None:
+    res = run_submit(*CLUSTER, "--dry-run", "--nccl-socket-ifname", "ib0", "--nccl-ib-hca", "mlx5", "--env", "A=b c",
+                     "--", "--config-name", "qwen3_235b_a22b_32n")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    script = script_of(res.stdout)
+    assert "#SBATCH --nodes=32" in script and "#SBATCH --gpus-per-node=8" in script
+    assert 'srun --overlap --nodes=1 --ntasks=1 -w "$HEAD"' in script
+    assert "start --head --block" in script
+    assert "srun --overlap --nodes=$((NNODES - 1))" in script and '--address="$RAY_ADDRESS"' in script
+    assert "PORT_BASE=$(( 10000 + 220 * (SLURM_JOB_ID % 100) ))" in script
+    assert "--min-worker-port=$MIN_WORKER_PORT" in script and "--include-dashboard=false" in script
+    assert "trap cleanup EXIT" in script and "trap 'exit 143' TERM" in script and "INT" in script
+    assert "export NCCL_SOCKET_IFNAME=ib0" in script and "export GLOO_SOCKET_IFNAME=ib0" in script
+    assert "export NCCL_IB_HCA=mlx5" in script and "export A='b c'" in script
+    assert 'mcore_rl.train --config-name qwen3_235b_a22b_32n trainer.ray_address="$RAY_ADDRESS"' in script
+    assert not os.path.exists(os.path.join(REPO, "runs", "qwen3_235b_a22b_32n", "t.sbatch"))  # dry run writes nothing
+    check = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.parametrize(
+    "recipe,model", [("qwen3_235b_a22b_32n", "qwen3_moe 235.1 B"), ("deepseek_v3_671b_32n", "deepseek_v3 671.0 B")]
+)
+def test_dry_run_recipes_fit_32x8(recipe: str, model: str) -> None:
+    res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", recipe)
+    assert res.returncode == 0, res.stderr
+    assert model in res.stdout
+    assert "total per GPU:" in res.stdout and "params per rank:" in res.stdout
+    assert "fits:" in res.stdout and "of 80.0 GiB per GPU" in res.stdout
+
+
+def test_layout_that_cannot_fit_is_refused_with_figures() -> None:
+    res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "deepseek_v3_671b_32n",
+                     "actor.layout.tp=1", "actor.layout.pp=1", "actor.layout.ep=1", "actor.layout.etp=1",
+                     "actor.layout.sequence_parallel=false", "actor.mini_batches=2")  # fmt: skip
+    assert res.returncode == 2
+    assert "layout does not fit in GPU memory" in res.stderr
+    assert "GiB per GPU > --gpu-memory-gb 80 GiB" in res.stderr and "params per rank: 671.03 B" in res.stderr
+    assert "#!/bin/bash" not in res.stdout
+
+
+def test_smaller_gpu_memory_refuses_a_recipe() -> None:
+    res = run_submit(*CLUSTER, "--dry-run", "--gpu-memory-gb", "40", "--", "--config-name", "deepseek_v3_671b_32n")
+    assert res.returncode == 2 and "> --gpu-memory-gb 40 GiB" in res.stderr
+
+
+def test_world_size_larger_than_the_allocation_is_refused() -> None:
+    args = ["--nodes", "16", "--gpus-per-node", "8", "--partition", "gpu", "--time", "1:00:00", "--job-name", "t"]
+    res = run_submit(*args, "--dry-run", "--", "--config-name", "qwen3_235b_a22b_32n")
+    assert res.returncode == 2
+    assert "actor.world_size=256 does not fit on 16 nodes x 8 GPUs = 128 GPUs" in res.stderr
+
+
+def test_bad_layout_is_a_config_error() -> None:
+    res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "qwen3_235b_a22b_32n", "actor.layout.pp=4")
+    assert res.returncode == 2 and "config error" in res.stderr and "num_layers=94" in res.stderr
+
+
+@pytest.mark.parametrize("nodes", ["0", "-3"])
+def test_zero_or_negative_nodes_refused(nodes: str) -> None:
+    res = run_submit("--nodes", nodes, *CLUSTER[2:], "--dry-run")
+    assert res.returncode == 2 and "--nodes must be a positive integer" in res.stderr
+
+
+def test_missing_argument_is_usage_error() -> None:
+    res = run_submit("--nodes", "1", "--dry-run")
+    assert res.returncode == 2 and "required" in res.stderr
+
+
+def test_missing_sbatch_refused(tmp_path) -> None:
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + "/usr/bin:/bin")
+    if any(os.path.exists(os.path.join(d, "sbatch")) for d in env["PATH"].split(os.pathsep)):
+        env["PATH"] = os.path.dirname(sys.executable)  # a Slurm host: strip sbatch from PATH entirely
+    res = run_submit("--nodes", "1", "--gpus-per-node", "0", "--partition", "p", "--time", "5", "--job-name", "t",
+                     "--run-dir", str(tmp_path), env=env)  # fmt: skip
+    assert res.returncode == 1
+    assert "sbatch not found on PATH: run on a Slurm login node or use --local/--dry-run" in res.stderr
+    assert not os.path.exists(tmp_path / "t.sbatch")
+
+
+def test_unknown_partition_refused(tmp_path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sinfo").write_text("#!/bin/sh\nprintf 'debug*\\ngpu\\n'\n")
+    (fake / "sinfo").chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    base = ["--nodes", "1", "--gpus-per-node", "0", "--time", "5", "--job-name", "t", "--dry-run"]
+    res = run_submit(*base, "--partition", "nope", env=env)
+    assert res.returncode == 2 and "unknown partition 'nope'; sinfo lists: debug, gpu" in res.stderr
+    assert run_submit(*base, "--partition", "debug", env=env).returncode == 0  # the default marker '*' is stripped
+
+
+def test_submit_writes_script_and_parses_job_id(tmp_path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\necho '4242;cluster'\n")
+    (fake / "sbatch").chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    run_dir = tmp_path / "run"
+    res = run_submit("--nodes", "1", "--gpus-per-node", "0", "--partition", "p", "--time", "5", "--job-name", "j",
+                     "--run-dir", str(run_dir), "--", "trainer.steps=2", env=env)  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "submitted job 4242" in res.stdout
+    script = run_dir / "j.sbatch"
+    assert script.exists() and "trainer.steps=2" in script.read_text()
+    assert (tmp_path / "args").read_text().split() == ["--parsable", str(script)]
+    assert [p.name for p in run_dir.iterdir()] == ["j.sbatch"]  # the temp file was renamed, nothing left behind
+
+
+def _bash_ports(job_id: int) -> dict[str, int]:
+    sys.path.insert(0, os.path.join(REPO, "launch"))
+    import submit
+
+    names = list(submit.ray_ports(0))
+    out = subprocess.run(
+        ["bash", "-c", submit.port_block() + "\necho " + " ".join(f"${n}" for n in names)],
+        env=dict(os.environ, SLURM_JOB_ID=str(job_id)),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    return dict(zip(names, map(int, out)))
+
+
+def test_ports_differ_between_jobs_and_bash_matches_python() -> None:
+    sys.path.insert(0, os.path.join(REPO, "launch"))
+    import submit
+
+    a, b = _bash_ports(123456), _bash_ports(123457)
+    assert a == submit.ray_ports(123456) and b == submit.ray_ports(123457)
+    assert not set(a.values()) & set(range(b["GCS_PORT"], b["MAX_WORKER_PORT"] + 1))  # disjoint blocks
+    for job in (0, 99, 123456):
+        ports = submit.ray_ports(job)
+        assert 1024 < ports["GCS_PORT"] and ports["MAX_WORKER_PORT"] < 32768  # below the ephemeral range
+        assert len(set(ports.values())) == len(ports)
+
+
+@pytest.mark.slow
+def test_local_run_writes_metrics(tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    res = run_submit("--nodes", "1", "--gpus-per-node", "0", "--partition", "local", "--time", "5", "--job-name",
+                     "l", "--local", "--", "trainer.steps=2", "data.batch_size=4", "rollout.n=4",
+                     f"trainer.run_dir={run_dir}", timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and "reward/mean" in json.loads(lines[-1])
