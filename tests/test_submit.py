@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -17,8 +18,25 @@ SUBMIT = os.path.join(REPO, "launch", "submit.py")
 CLUSTER = ["--nodes", "32", "--gpus-per-node", "8", "--partition", "gpu", "--time", "1:00:00", "--job-name", "t"]
 
 
+_FAKE_BIN: str | None = None
+
+
+def default_env() -> dict[str, str]:
+    """os.environ with a fake `sinfo` listing partitions gpu, local, p first on PATH: the checks must not depend on
+    whether this machine runs a Slurm controller (and which partitions it has)."""
+    global _FAKE_BIN
+    if _FAKE_BIN is None:
+        _FAKE_BIN = tempfile.mkdtemp(prefix="fake_sinfo_")
+        path = os.path.join(_FAKE_BIN, "sinfo")
+        with open(path, "w") as f:
+            f.write("#!/bin/sh\nprintf 'gpu*\\nlocal\\np\\n'\n")
+        os.chmod(path, 0o755)
+    return dict(os.environ, PATH=_FAKE_BIN + os.pathsep + os.environ["PATH"])
+
+
 def run_submit(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the CLI as a user would; returns the completed process (text output)."""
+    env = default_env() if env is None else env
     return subprocess.run(
         [sys.executable, SUBMIT, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout
     )
@@ -125,7 +143,7 @@ def test_submit_writes_script_and_parses_job_id(tmp_path) -> None:
     fake.mkdir()
     (fake / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/args\necho '4242;cluster'\n")
     (fake / "sbatch").chmod(0o755)
-    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{default_env()['PATH']}")
     run_dir = tmp_path / "run"
     res = run_submit("--nodes", "1", "--gpus-per-node", "0", "--partition", "p", "--time", "5", "--job-name", "j",
                      "--run-dir", str(run_dir), "--", "trainer.steps=2", env=env)  # fmt: skip
