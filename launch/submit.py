@@ -1,7 +1,7 @@
 """Submit an RL job to Slurm with a Ray cluster spanning its nodes, check it first, or run it locally.
 
     python launch/submit.py --nodes 32 --gpus-per-node 8 --partition gpu --time 24:00:00 --job-name qwen3 \
-        [--account A] [--cpus-per-node C] [--dry-run] [--local] [--run-dir DIR] \
+        [--account A] [--cpus-per-node C] [--ray-num-cpus R] [--dry-run] [--local] [--run-dir DIR] \
         [--nccl-socket-ifname ib0] [--nccl-ib-hca mlx5] [--env KEY=VAL ...] \
         -- --config-name qwen3_235b_a22b_32n model.path=/ckpt/Qwen3-235B-A22B
 
@@ -32,6 +32,7 @@ Port scheme (two jobs sharing nodes never collide unless their job ids are equal
     slot = SLURM_JOB_ID % 100;  base = 10000 + 220 * slot         (10000 .. 31999)
     base+0 GCS, +1 node manager, +2 object manager, +3 ray client server, +4 dashboard agent grpc,
     +5 dashboard agent http, +6 metrics export, +7 runtime-env agent; workers bind base+20 .. base+219.
+    Each job also gets its own Ray auth token (RAY_AUTH_MODE=token, RAY_AUTH_TOKEN in the job's environment).
     The dashboard is off. All ports stay below Linux's default ephemeral range (32768-60999), so outgoing
     connections cannot take them. Each job also gets its own Ray temp dir, /tmp/ray_j<SLURM_JOB_ID>.
 
@@ -294,7 +295,8 @@ def render_script(args: argparse.Namespace, overrides: list[str], run_dir: str) 
     python = sys.executable
     ray_bin = os.path.join(os.path.dirname(python), "ray")
     train = " ".join(q(a) for a in [python, "-m", "mcore_rl.train", *overrides])
-    cpus = str(args.cpus_per_node) if args.cpus_per_node else "${SLURM_CPUS_ON_NODE:-1}"
+    # Ray's CPUs are logical (they only gate scheduling): --ray-num-cpus may exceed the cores Slurm gives
+    cpus = str(args.ray_num_cpus or args.cpus_per_node or "${SLURM_CPUS_ON_NODE:-1}")
     return f"""#!/bin/bash
 # Written by launch/submit.py: Ray head + workers over this allocation, then the RL driver on the head.
 {chr(10).join(directives)}
@@ -315,6 +317,10 @@ mkdir -p "$RUN_DIR"
 # Ports from SLURM_JOB_ID: jobs sharing nodes get disjoint blocks (see launch/submit.py)
 {port_block()}
 RAY_TMP=/tmp/ray_j${{SLURM_JOB_ID}}
+# Ray >= 2.5x enables token authentication. A per-job token in the environment (srun passes it to every step and the
+# driver inherits it) needs no shared ~/.ray/auth_token and keeps jobs sharing nodes out of each other's clusters.
+export RAY_AUTH_MODE=${{RAY_AUTH_MODE:-token}}
+export RAY_AUTH_TOKEN=${{RAY_AUTH_TOKEN:-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')}}
 RAY_PORT_ARGS=(--node-manager-port=$NODE_MANAGER_PORT --object-manager-port=$OBJECT_MANAGER_PORT \\
   --ray-client-server-port=$CLIENT_SERVER_PORT --dashboard-agent-grpc-port=$AGENT_GRPC_PORT \\
   --dashboard-agent-listen-port=$AGENT_HTTP_PORT --metrics-export-port=$METRICS_PORT \\
@@ -436,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job-name", required=True, help="Slurm job name; the script is <run_dir>/<job-name>.sbatch")
     p.add_argument("--account", help="Slurm account")
     p.add_argument("--cpus-per-node", type=int, help="CPUs per node given to Slurm and Ray (default: Slurm's)")
+    p.add_argument(
+        "--ray-num-cpus", type=int, help="logical CPUs each Ray node advertises (default: --cpus-per-node or Slurm's)"
+    )
     p.add_argument("--run-dir", help="where the script and slurm-<id>.out go (default: the config's trainer.run_dir)")
     p.add_argument("--dry-run", action="store_true", help="check the config against N x G and print the script")
     p.add_argument("--local", action="store_true", help="run here without Slurm (the driver starts a local Ray)")
@@ -467,8 +476,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SubmitError(f"--nodes must be a positive integer, got {args.nodes}")
         if args.gpus_per_node < 0:
             raise SubmitError(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}")
-        if args.cpus_per_node is not None and args.cpus_per_node < 1:
-            raise SubmitError(f"--cpus-per-node must be a positive integer, got {args.cpus_per_node}")
+        for flag in ("cpus_per_node", "ray_num_cpus"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise SubmitError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
         if args.dry_run and args.local:
             raise SubmitError("--dry-run and --local exclude each other")
         comm_env(args)  # refuse a malformed --env early
