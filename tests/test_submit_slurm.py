@@ -1,0 +1,77 @@
+"""launch/submit.py on a real Slurm: a one-node cluster on this machine (tools/slurm_local.sh), the tiny CPU job.
+
+    sudo tools/slurm_local.sh && .venv/bin/pytest tests/test_submit_slurm.py
+
+Skips, saying why, when slurmctld is not installed or the local cluster cannot be started (not root, no munge).
+One node only: two slurmd in network namespaces were not attempted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SUBMIT = os.path.join(REPO, "launch", "submit.py")
+
+pytestmark = pytest.mark.slow
+
+
+def _cluster_up() -> bool:
+    res = subprocess.run(["sinfo", "-h", "-o", "%P %t"], capture_output=True, text=True)
+    return res.returncode == 0 and bool(re.search(r"^debug\*? (idle|mix|alloc)", res.stdout, re.M))
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    """A running one-node Slurm with partition `debug` (started with tools/slurm_local.sh when needed)."""
+    if not shutil.which("slurmctld"):
+        pytest.skip("slurmctld is not installed (apt-get install slurm-wlm munge, or run tools/slurm_local.sh)")
+    if not _cluster_up():
+        if os.geteuid() != 0:
+            pytest.skip("no local Slurm is running and starting one (tools/slurm_local.sh) needs root")
+        res = subprocess.run(["bash", os.path.join(REPO, "tools", "slurm_local.sh")], capture_output=True, text=True)
+        if res.returncode != 0 or not _cluster_up():
+            pytest.skip(f"tools/slurm_local.sh could not start a local Slurm: {res.stderr[-500:]}")
+
+
+def _job_state(job_id: int) -> str:
+    out = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
+    match = re.search(r"JobState=(\w+)", out)
+    return match.group(1) if match else "UNKNOWN"
+
+
+def test_tiny_job_through_slurm_and_ray(slurm: None, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, SUBMIT, "--nodes", "1", "--gpus-per-node", "0", "--ray-num-cpus", "4",
+         "--partition", "debug", "--time", "10:00", "--job-name", "tiny", "--run-dir", str(run_dir),
+         "--", "trainer.steps=2", "data.batch_size=4", "rollout.n=4", f"trainer.run_dir={run_dir}"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    job_id = int(re.search(r"submitted job (\d+)", res.stdout).group(1))
+    deadline = time.time() + 300
+    state = _job_state(job_id)
+    while state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.time() < deadline:
+        time.sleep(3)
+        state = _job_state(job_id)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert state == "COMPLETED", f"job {job_id} ended {state}:\n{log[-4000:]}"
+    nodes = json.loads((run_dir / "ray_nodes.json").read_text())
+    assert len(nodes) == 1 and nodes[0]["resources"]["CPU"] == 4.0  # Ray saw the node
+    assert "submit: Ray has 1 nodes" in log and "submit: stopping Ray (exit code 0)" in log
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and "reward/mean" in json.loads(lines[-1])
+    # the per-job ports were used, and the job's Ray processes are gone
+    assert f"ports {10000 + 220 * (job_id % 100)}.." in log
+    time.sleep(2)
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"/tmp/ray_j{job_id}" not in ps
