@@ -152,6 +152,11 @@ def _hf_dict(cfg: Any) -> dict[str, Any]:
     return dict(cfg.model.hf_config)
 
 
+def _count(n: float) -> str:
+    """A parameter count in B (>= 0.1 B) or M, so tiny test models do not print as 0.0 B."""
+    return f"{n / 1e9:.1f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
+
+
 def check_config(
     cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float, distributed_optimizer: bool = True
 ) -> CheckReport:
@@ -165,8 +170,8 @@ def check_config(
     hf = _hf_dict(cfg)
     counts = count_params(hf)
     report.lines.append(
-        f"model: {hf.get('model_type')} {counts.total / 1e9:.1f} B params "
-        f"(dense {counts.dense / 1e9:.1f} B, routed experts {counts.expert / 1e9:.1f} B)"
+        f"model: {hf.get('model_type')} {_count(counts.total)} params "
+        f"(dense {_count(counts.dense)}, routed experts {_count(counts.expert)})"
     )
     report.lines.append(
         f"actor: world_size={world} layout tp={lay.tp} pp={lay.pp} cp={lay.cp} ep={lay.ep} "

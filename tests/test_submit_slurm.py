@@ -75,3 +75,29 @@ def test_tiny_job_through_slurm_and_ray(slurm: None, tmp_path) -> None:
     time.sleep(2)
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert f"/tmp/ray_j{job_id}" not in ps
+
+
+def test_scancel_stops_ray(slurm: None, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    res = subprocess.run(
+        [sys.executable, SUBMIT, "--nodes", "1", "--gpus-per-node", "0", "--ray-num-cpus", "4",
+         "--partition", "debug", "--time", "10:00", "--job-name", "cancel", "--run-dir", str(run_dir),
+         "--", "trainer.steps=100000", f"trainer.run_dir={run_dir}"],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    job_id = int(re.search(r"submitted job (\d+)", res.stdout).group(1))
+    deadline = time.time() + 180
+    while not (run_dir / "ray_nodes.json").exists() and time.time() < deadline:
+        time.sleep(2)
+    assert (run_dir / "ray_nodes.json").exists(), "Ray never came up"
+    subprocess.run(["scancel", str(job_id)], check=True)
+    deadline = time.time() + 120
+    while _job_state(job_id) not in ("CANCELLED", "COMPLETED", "FAILED", "UNKNOWN") and time.time() < deadline:
+        time.sleep(2)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert "submit: stopping Ray (exit code 143)" in log  # the TERM trap ran the cleanup
+    deadline = time.time() + 60  # `ray start --block` drains for up to 30 s after SIGTERM
+    while f"/tmp/ray_j{job_id}" in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout:
+        assert time.time() < deadline, f"Ray processes of job {job_id} still running after scancel"
+        time.sleep(2)
