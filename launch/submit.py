@@ -220,7 +220,8 @@ def check_config(
             "layout does not fit in GPU memory: estimated "
             f"{est.total / GIB:.1f} GiB per GPU > --gpu-memory-gb {gpu_memory_gb:g} GiB\n"
             + "\n".join(report.lines)
-            + "\nraise tp/pp/ep (or etp), or enable the distributed optimizer"
+            + "\nraise tp/pp/ep (or etp)"
+            + ("" if distributed_optimizer else ", or drop --no-distributed-optimizer")
         )
     report.lines.append(f"fits: {est.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB per GPU")
     return report
