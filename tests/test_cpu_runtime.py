@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from tiny_models import tiny_qwen3_moe
 
 from mcore_rl.parallel.cpu_runtime import CpuRNGStatesTracker
 
@@ -54,22 +55,7 @@ def _step_rank(rank, world):
     from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
 
-    hf = dict(
-        model_type="qwen3_moe",
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-    )
+    hf = tiny_qwen3_moe(vocab_size=50)
     actor = MegatronActor(
         rank,
         world,

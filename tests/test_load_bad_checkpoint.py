@@ -1,4 +1,4 @@
-"""Loading an HF checkpoint into the Megatron actor: missing or unexpected tensors are named, and the run exits non-zero.
+"""Loading an HF checkpoint into the Megatron actor: missing or unexpected tensors are named; the run exits non-zero.
 
 A real transformers Qwen3-MoE checkpoint is written with save_pretrained, then damaged with safetensors itself.
 """
@@ -12,32 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-TINY = dict(
-    vocab_size=63,
-    hidden_size=32,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    max_position_embeddings=128,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+from tiny_models import tiny_qwen3_moe_transformers
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
     path = tmp_path_factory.mktemp("ckpt")
     torch.manual_seed(0)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY)).save_pretrained(path)
+    Qwen3MoeForCausalLM(tiny_qwen3_moe_transformers(vocab_size=63, eos_token_id=2, pad_token_id=0)).save_pretrained(
+        path
+    )
     return path
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_qwen3_moe_transformers
 
 from mcore_rl.parallel.harness import run_on_ranks
 from mcore_rl.parallel.layout import ParallelLayout
@@ -23,24 +24,9 @@ VOCAB = 100
 
 def tiny_qwen3_moe(path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Save a tiny random Qwen3-MoE to `path`; return input ids, its logits, and its logits after one SGD step."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-    )
+    cfg = tiny_qwen3_moe_transformers(vocab_size=VOCAB, initializer_range=0.2)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).float()
     with torch.no_grad():

@@ -9,28 +9,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from tiny_models import tiny_qwen3_moe
 
 from mcore_rl.parallel.harness import run_on_ranks
 
-HF = dict(
-    model_type="qwen3_moe",
-    vocab_size=70,
-    hidden_size=32,
-    intermediate_size=64,
-    moe_intermediate_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    num_experts=4,
-    num_experts_per_tok=2,
-    norm_topk_prob=True,
-    rope_theta=10000.0,
-    rms_norm_eps=1e-6,
-    initializer_range=0.5,
-    tie_word_embeddings=False,
-    max_position_embeddings=64,
-)
+HF = tiny_qwen3_moe(vocab_size=70, initializer_range=0.5, max_position_embeddings=64)
 
 
 def _sync_rank(rank: int, world: int, layout_kwargs: dict, ids: torch.Tensor):
