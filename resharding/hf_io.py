@@ -278,27 +278,75 @@ def write_safetensors(
     return 8 + len(raw) + offset
 
 
+def prepare_output(out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Refuse an existing `out_dir` (unless overwrite) and create the empty `<out>.tmp-<pid>` to write into."""
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out}: output directory exists (pass overwrite / --overwrite to replace it)")
+    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def move_into_place(tmp: Path, out: Path) -> Path:
+    """Rename the finished `tmp` to `out`, replacing an existing `out` (the caller checked overwrite)."""
+    old = None
+    if out.exists():
+        old = out.parent / f"{out.name}.old-{os.getpid()}"
+        out.rename(old)
+    tmp.rename(out)
+    if old is not None:
+        shutil.rmtree(old)
+    return out
+
+
+def publish(tmp: Path, out: Path, parts: list[tuple[str, list[str], int]]) -> Path:
+    """Name the shard files model-0000X-of-0000N in `parts` order, write the index, move `tmp` to `out`.
+
+    `parts` are (file in tmp, tensor names, bytes), possibly from several writers (one per rank).
+    """
+    total = len(parts)
+    weight_map: dict[str, str] = {}
+    for i, (file, names, _) in enumerate(parts, start=1):
+        final = f"model-{i:05d}-of-{total:05d}.safetensors"
+        (tmp / file).rename(tmp / final)
+        for name in names:
+            if name in weight_map:
+                raise CheckpointError(f"{out}: tensor {name!r} written twice")
+            weight_map[name] = final
+    index = {"metadata": {"total_size": sum(p[2] for p in parts)}, "weight_map": dict(sorted(weight_map.items()))}
+    (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    return move_into_place(tmp, out)
+
+
 class HFCheckpointWriter:
     """Writes an HF checkpoint shard by shard into `<out>.tmp-<pid>`, renamed to `<out>` by `close()`.
 
     At most one shard's tensors are held. Shards are named model-0000X-of-0000N.safetensors at close, when N is known.
+    With `tmp_dir` the writer is one of several (one per rank) filling a directory a coordinator prepared: `finish()`
+    returns its parts, and the coordinator calls `publish` with every writer's parts.
     """
 
-    def __init__(self, out_dir: str | Path, max_shard_bytes: int = 5 * 10**9, overwrite: bool = False) -> None:
+    def __init__(
+        self,
+        out_dir: str | Path,
+        max_shard_bytes: int = 5 * 10**9,
+        overwrite: bool = False,
+        *,
+        tmp_dir: str | Path | None = None,
+        part_prefix: str = "part-",
+    ) -> None:
         self.out = Path(out_dir)
-        if self.out.exists() and not overwrite:
-            raise CheckpointError(f"{self.out}: output directory exists (pass overwrite / --overwrite to replace it)")
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
-        self.tmp = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}"
-        if self.tmp.exists():
-            shutil.rmtree(self.tmp)
-        self.tmp.mkdir(parents=True)
+        self.tmp = prepare_output(self.out, overwrite) if tmp_dir is None else Path(tmp_dir)
         self.max_shard_bytes = max_shard_bytes
-        self.overwrite = overwrite
+        self.part_prefix = part_prefix
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
-        self._shards: list[list[str]] = []
+        self._parts: list[tuple[str, list[str], int]] = []
         self._seen: set[str] = set()
         self.total_bytes = 0
         self._closed = False
@@ -318,9 +366,9 @@ class HFCheckpointWriter:
     def _flush(self) -> None:
         if not self._pending:
             return
-        index = len(self._shards) + 1
-        write_safetensors(self.tmp / f"part-{index:05d}.safetensors", self._pending)
-        self._shards.append(list(self._pending))
+        file = f"{self.part_prefix}{len(self._parts) + 1:05d}.safetensors"
+        write_safetensors(self.tmp / file, self._pending)
+        self._parts.append((file, list(self._pending), self._pending_bytes))
         self._pending, self._pending_bytes = {}, 0
 
     def write_config(self, config: dict[str, Any], name: str = "config.json") -> None:
@@ -329,38 +377,18 @@ class HFCheckpointWriter:
 
     def copy_side_files(self, src_dir: str | Path, files: list[Path] | None = None) -> list[str]:
         """Copy generation config / tokenizer / remote-code files from `src_dir`; returns the names copied."""
-        src = Path(src_dir)
-        if files is None:
-            files = [p for pattern in SIDE_FILE_PATTERNS for p in src.glob(pattern) if p.is_file()]
-        copied = []
-        for p in files:
-            if p.name in ("config.json", INDEX_NAME) or p.name.endswith(".safetensors"):
-                continue
-            shutil.copy2(p, self.tmp / p.name)
-            copied.append(p.name)
-        return sorted(copied)
+        return copy_side_files(src_dir, self.tmp, files)
+
+    def finish(self) -> list[tuple[str, list[str], int]]:
+        """Write the last shard; return this writer's parts (file, tensor names, bytes) for `publish`."""
+        self._flush()
+        return list(self._parts)
 
     def close(self) -> Path:
         """Write the last shard and the index, rename shards to their final names, move the directory into place."""
-        if self._closed:
-            return self.out
-        self._flush()
-        total = len(self._shards)
-        weight_map: dict[str, str] = {}
-        for i, names in enumerate(self._shards, start=1):
-            final = f"model-{i:05d}-of-{total:05d}.safetensors"
-            (self.tmp / f"part-{i:05d}.safetensors").rename(self.tmp / final)
-            weight_map.update((n, final) for n in names)
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        old = None
-        if self.out.exists():
-            old = self.out.parent / f"{self.out.name}.old-{os.getpid()}"
-            self.out.rename(old)
-        self.tmp.rename(self.out)
-        if old is not None:
-            shutil.rmtree(old)
-        self._closed = True
+        if not self._closed:
+            publish(self.tmp, self.out, self.finish())
+            self._closed = True
         return self.out
 
     def abort(self) -> None:
@@ -377,3 +405,17 @@ class HFCheckpointWriter:
             self.close()
         else:
             self.abort()
+
+
+def copy_side_files(src_dir: str | Path, dst_dir: str | Path, files: list[Path] | None = None) -> list[str]:
+    """Copy generation config / tokenizer / remote-code files from `src_dir` into `dst_dir`; returns the names."""
+    src, dst = Path(src_dir), Path(dst_dir)
+    if files is None:
+        files = [p for pattern in SIDE_FILE_PATTERNS for p in src.glob(pattern) if p.is_file()]
+    copied = []
+    for p in files:
+        if p.name in ("config.json", INDEX_NAME) or p.name.endswith(".safetensors"):
+            continue
+        shutil.copy2(p, dst / p.name)
+        copied.append(p.name)
+    return sorted(set(copied))

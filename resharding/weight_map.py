@@ -187,6 +187,8 @@ def export_hf_weights(
     """
     for chunk, ctx in zip(chunks, contexts):
         for name, tensor in _local_tensors(chunk):
+            if name == "embedding.word_embeddings.weight" and not getattr(chunk, "pre_process", True):
+                continue  # the MTP stage's copy of the first stage's embedding (Megatron ties the two)
             rule, local = weight_map.match(name)
             axis = rule.transform.axis_for(tensor.shape)
             group, size = (tp_group, ctx.tp_size) if axis == "tp" else (etp_group, ctx.etp_size)

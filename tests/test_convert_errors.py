@@ -1,0 +1,118 @@
+"""tools/convert_checkpoint.py refuses bad input with exit status 2, names the file or tensor, and leaves no output.
+
+    .venv/bin/pytest -q tests/test_convert_errors.py
+
+Most checks run in the parent before any rank starts (config, inventory, dtypes, layout, output directory); a
+missing or misshapen tensor is found by the rank that needs it and reported the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _parity import hf_state
+
+from mcore_rl.resharding.hf_io import HFCheckpointWriter
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+import convert_checkpoint  # noqa: E402
+
+
+@pytest.fixture()
+def llama(tmp_path: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    path = tmp_path / "llama"
+    LlamaForCausalLM(config).float().save_pretrained(path)
+    return path
+
+
+def _rewrite(path: Path, change) -> None:
+    """Rewrite the checkpoint's tensors through `change(state)` (one shard, config kept)."""
+    state, config = hf_state(path), json.loads((path / "config.json").read_text())
+    change(state)
+    with HFCheckpointWriter(path, overwrite=True) as writer:
+        for name, t in state.items():
+            writer.add(name, t)
+        writer.write_config(config)
+
+
+def _fails(capsys: pytest.CaptureFixture, *argv, match: str) -> None:
+    assert convert_checkpoint.main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err, err
+
+
+def test_unsupported_model_type_lists_supported(llama: Path, tmp_path: Path, capsys) -> None:
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps(dict(config, model_type="gpt_bigcode")))
+    _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", tmp_path / "o", match="supported: deepseek_v3, llama, qwen2")
+
+
+def test_existing_output_directory_refused(llama: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "o").mkdir()
+    _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", tmp_path / "o", match="exists")
+
+
+def test_truncated_file_named(llama: Path, tmp_path: Path, capsys) -> None:
+    shard = llama / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-100])
+    _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", tmp_path / "o", match="model.safetensors: tensor")
+
+
+def test_unexpected_tensor_named(llama: Path, tmp_path: Path, capsys) -> None:
+    _rewrite(llama, lambda s: s.__setitem__("model.layers.7.mlp.gate_proj.weight", torch.zeros(2, 2)))
+    _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", tmp_path / "o", match="model.layers.7.mlp.gate_proj.weight")
+
+
+def test_dtype_disagreeing_with_config_named(llama: Path, tmp_path: Path, capsys) -> None:
+    _rewrite(llama, lambda s: s.__setitem__("model.norm.weight", s["model.norm.weight"].half()))
+    _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", tmp_path / "o", match="model.norm.weight")
+
+
+def test_layout_that_does_not_divide_the_model(llama: Path, tmp_path: Path, capsys) -> None:
+    _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", tmp_path / "o", "--tp", 3, match="not divisible by tp=3")
+    _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", tmp_path / "o", "--ep", 2, match="no experts")
+
+
+def test_not_an_mcore_checkpoint(llama: Path, tmp_path: Path, capsys) -> None:
+    _fails(capsys, "mcore-to-hf", "--mcore", llama, "--out", tmp_path / "o", match="metadata.json: missing")
+
+
+def test_missing_and_misshapen_tensors_found_by_ranks_leave_no_output(llama: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "o"
+    _rewrite(llama, lambda s: s.pop("model.layers.1.mlp.down_proj.weight"))
+    _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", out, match="'model.layers.1.mlp.down_proj.weight' is missing")
+    assert not out.exists() and not list(tmp_path.glob("o.tmp-*"))
+    _rewrite(llama, lambda s: s.__setitem__("model.layers.1.mlp.down_proj.weight", torch.zeros(16, 16)))
+    _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", out, match="model.layers.1.mlp.down_proj.weight")
+    assert not out.exists() and not list(tmp_path.glob("o.tmp-*"))
+
+
+def test_cli_help_and_exit_status(llama: Path, tmp_path: Path) -> None:
+    script = str(TOOLS / "convert_checkpoint.py")
+    done = subprocess.run([sys.executable, script, "hf-to-mcore", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--ep" in done.stdout and "--nproc" in done.stdout
+    (tmp_path / "o").mkdir()
+    done = subprocess.run(
+        [sys.executable, script, "hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "exists" in done.stderr
