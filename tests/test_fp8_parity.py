@@ -106,6 +106,26 @@ def test_qwen3_moe_passes_and_json_holds_every_figure(checkpoints, tmp_path):
     assert report["activation_quantization_modelled"] is False
 
 
+@pytest.mark.slow
+def test_megatron_checkpoint_gives_the_same_figures_as_its_hf_source(checkpoints, tmp_path):
+    convert = TOOL.parent / "convert_checkpoint.py"
+    mcore = tmp_path / "mcore"
+    done = subprocess.run(
+        [sys.executable, str(convert), "hf-to-mcore", "--hf", str(checkpoints["qwen3_moe"]), "--out", str(mcore),
+         "--ep", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    figures = []
+    for source in (["--hf", str(checkpoints["qwen3_moe"])], ["--mcore", str(mcore)]):
+        out = tmp_path / f"{source[0][2:]}.json"
+        result = run_tool(*source, *RANDOM, *LOOSE, "--attribution", "weight-error", "--json", str(out))
+        assert result.returncode == 0, result.stdout + result.stderr
+        figures.append(json.loads(out.read_text())["metrics"])
+    # Conversion is bit-exact, so quantisation and logprobs are the same to the last digit.
+    assert figures[0] == figures[1]
+
+
 def test_deepseek_v3_passes_with_mla_and_shared_experts(checkpoints, tmp_path):
     out = tmp_path / "parity.json"
     args = ("--hf", str(checkpoints["deepseek_v3"]), *RANDOM, *LOOSE, "--dtype", "fp32", "--json", str(out))
@@ -171,7 +191,7 @@ def test_parquet_chat_prompts(checkpoints, tmp_path):
         (["--hf", "{qwen3_moe}", *RANDOM, "--max-mean-abs", "-1"], "--max-mean-abs must be a finite number >= 0"),
         (["--hf", "{qwen3_moe}", *RANDOM, "--min-top1", "1.5"], r"--min-top1 must be in [0, 1]"),
         (["--hf", "{qwen3_moe}"], "give --prompts FILE or --random-prompts N"),
-        (["--mcore", "/some/dir", *RANDOM], "convert with tools/convert_checkpoint.py mcore-to-hf first"),
+        (["--mcore", "/some/dir", *RANDOM], "--mcore /some/dir: no such directory"),
         (["--hf", "{qwen3_moe}", *RANDOM, "--include", "norm"], "input_layernorm.weight: shape (64,) cannot be"),
         (["--hf", "{qwen3_moe}", *RANDOM, "--corrupt-scale", "lm_head.weight"], "not one of the quantised tensors"),
         (["--hf", "{deepseek_v3}", "--prompts", "{jsonl}"], "needs a tokenizer"),

@@ -37,7 +37,9 @@ import argparse
 import json
 import math
 import re
+import subprocess
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Any
@@ -57,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--hf", type=Path, help="BF16/FP32 HF checkpoint directory (config.json + *.safetensors)")
-    src.add_argument("--mcore", type=Path, help="Megatron checkpoint: not yet supported (convert to HF first)")
+    src.add_argument(
+        "--mcore", type=Path, help="Megatron torch_dist checkpoint (from convert_checkpoint.py hf-to-mcore)"
+    )
     prompts = p.add_mutually_exclusive_group()
     prompts.add_argument(
         "--prompts",
@@ -88,8 +92,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     """Check arguments and files before anything heavy is imported; raise InputError naming the culprit."""
-    if args.mcore is not None:
-        raise InputError("--mcore: not yet supported: convert with tools/convert_checkpoint.py mcore-to-hf first")
     for name in ("max_mean_abs", "max_p99_abs", "max_kl"):
         value = getattr(args, name)
         if not math.isfinite(value) or value < 0:
@@ -357,12 +359,27 @@ def verdict(metrics: dict[str, float], args: argparse.Namespace) -> tuple[dict[s
     return thresholds, failures
 
 
+def mcore_to_hf(mcore: Path, out: Path) -> Path:
+    """Megatron checkpoint -> a temporary HF directory through tools/convert_checkpoint.py (same weight maps)."""
+    if not mcore.is_dir():
+        raise InputError(f"--mcore {mcore}: no such directory")
+    convert = Path(__file__).resolve().parent / "convert_checkpoint.py"
+    cmd = [sys.executable, str(convert), "mcore-to-hf", "--mcore", str(mcore), "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise InputError(f"--mcore {mcore}: conversion to HF failed: {done.stderr.strip()[-800:]}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: returns the exit status."""
     args = parse_args(argv)
     try:
-        validate(args)
-        report = run(args)
+        with tempfile.TemporaryDirectory(prefix="fp8_parity_") as tmp:
+            if args.mcore is not None:
+                args.hf = mcore_to_hf(args.mcore, Path(tmp) / "hf")
+            validate(args)
+            report = run(args)
     except InputError as err:
         print(f"fp8_parity: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
