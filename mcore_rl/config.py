@@ -89,7 +89,8 @@ class ActorConfig:
     world_size: int = 2  #: number of Megatron ranks (Ray actors)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    micro_batch_size: int = 16  #: samples per micro-batch on one data-parallel rank
+    micro_batch_size: int = 16  #: samples per micro-batch on one data-parallel rank (at most)
+    max_tokens_per_microbatch: int | None = None  #: token budget per micro-batch (padded length x samples); null = off
     mini_batches: int = 2  #: optimizer steps per RL step (the batch is split into this many mini-batches)
     ppo_epochs: int = 1  #: passes over the batch per RL step
     clip_ratio_low: float = 0.2  #: PPO clip epsilon below 1

@@ -63,14 +63,20 @@ class MicroBatch:
     tensors: dict[str, torch.Tensor]
 
 
-def micro_batches(batch: TrainBatch, micro_batch_size: int, pad_multiple: int = 1) -> tuple[list[MicroBatch], int]:
+def micro_batches(
+    batch: TrainBatch, micro_batch_size: int, pad_multiple: int = 1, max_tokens: int | None = None
+) -> tuple[list[MicroBatch], int]:
     """Cut a batch into micro-batches padded to one common length (a multiple of pad_multiple, e.g. tp for SP).
 
-    One length for all micro-batches of a schedule call: pipeline stages exchange fixed-shape activations.
+    One length for all micro-batches of a schedule call: pipeline stages exchange fixed-shape activations. With a token
+    budget, a micro-batch holds at most max(1, max_tokens // length) samples (and never more than micro_batch_size), so
+    long rollouts split into smaller micro-batches instead of running out of memory.
     """
     lengths = [len(p) + int(m.sum()) for p, m in zip(batch.prompts, batch.response_mask)]
     seq_len = max(lengths) + 1  # +1 keeps a target for the last real token
     seq_len = -(-seq_len // pad_multiple) * pad_multiple
+    if max_tokens:
+        micro_batch_size = max(1, min(micro_batch_size, max_tokens // seq_len))
     R = batch.responses.shape[1]
     out = []
     for start in range(0, batch.size, micro_batch_size):

@@ -181,7 +181,9 @@ class MegatronActor:
         for chunk in chunks:
             chunk.eval()
         shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
-        mbs, seq_len = micro_batches(shard, self.cfg.micro_batch_size, self._pad_multiple)
+        mbs, seq_len = micro_batches(
+            shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch
+        )
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             logp = self._response_logprobs(mb, logits) * mb.response_mask
@@ -234,7 +236,9 @@ class MegatronActor:
                 tokens = float(mini.response_mask.sum())
                 denominator = tokens if self.cfg.loss_agg_mode == "token-mean" else float(mini.size)
                 shard = mini.shard(dp_rank, dp_size)
-                mbs, seq_len = micro_batches(shard, self.cfg.micro_batch_size, self._pad_multiple)
+                mbs, seq_len = micro_batches(
+                    shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch
+                )
                 scale = dp_size * len(mbs)
 
                 def loss_fn(mb: MicroBatch, logits: torch.Tensor, denominator=denominator, scale=scale):

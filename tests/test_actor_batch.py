@@ -1,0 +1,57 @@
+"""The actor's batch layout: data-parallel shards, mini-batches, and where each response token's logprob is read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mcore_rl.actor.batch import TrainBatch, micro_batches
+
+
+def _batch() -> TrainBatch:
+    prompts = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
+    lengths = [2, 3, 1, 0]
+    responses = torch.zeros(4, 3, dtype=torch.long)
+    mask = torch.zeros(4, 3)
+    for i, n in enumerate(lengths):
+        responses[i, :n] = torch.arange(20 + 10 * i, 20 + 10 * i + n)
+        mask[i, :n] = 1
+    return TrainBatch(prompts, responses, mask, {"advantages": torch.arange(12.0).reshape(4, 3)})
+
+
+def test_logprob_positions_predict_the_response_tokens():
+    batch = _batch()
+    mbs, seq_len = micro_batches(batch, micro_batch_size=3)
+    assert [mb.tokens.shape[0] for mb in mbs] == [3, 1]
+    assert seq_len == max(len(p) + int(m.sum()) for p, m in zip(batch.prompts, batch.response_mask)) + 1
+    for start, mb in zip((0, 3), mbs):
+        # the output at gather_index[j] predicts targets[gather_index[j]], which must be response token j
+        read = mb.targets.gather(1, mb.gather_index)
+        part = batch.select(list(range(start, start + mb.tokens.shape[0])))
+        assert torch.equal(read * part.response_mask.long(), part.responses * part.response_mask.long())
+        # positions are 0..T-1 for right-padded sequences (RoPE sees no gaps)
+        assert torch.equal(mb.position_ids[0], torch.arange(seq_len))
+        assert torch.equal(mb.tensors["advantages"], part.tensors["advantages"])
+
+
+def test_token_budget_caps_samples_per_micro_batch():
+    batch = _batch()
+    mbs, seq_len = micro_batches(batch, micro_batch_size=4, max_tokens=2 * 6)
+    assert seq_len == 6 and [mb.tokens.shape[0] for mb in mbs] == [2, 2]
+    mbs, _ = micro_batches(batch, micro_batch_size=4, max_tokens=1)  # never fewer than one sample
+    assert [mb.tokens.shape[0] for mb in mbs] == [1, 1, 1, 1]
+
+
+def test_sequence_parallel_pads_to_a_multiple_of_tp():
+    _, seq_len = micro_batches(_batch(), micro_batch_size=4, pad_multiple=4)
+    assert seq_len % 4 == 0 and seq_len >= 6
+
+
+def test_dp_shards_and_mini_batches_concatenate_back_in_order():
+    batch = _batch()
+    shards = [batch.shard(r, 2) for r in range(2)]
+    assert sum((s.prompts for s in shards), []) == batch.prompts
+    assert torch.equal(torch.cat([s.responses for s in shards]), batch.responses)
+    assert [c.prompts for c in batch.chunks(2)] == [batch.prompts[:2], batch.prompts[2:]]
+    with pytest.raises(ValueError, match="does not split over dp=3"):
+        batch.shard(0, 3)
