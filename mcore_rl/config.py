@@ -96,9 +96,9 @@ class ActorConfig:
     clip_ratio_low: float = 0.2  #: PPO clip epsilon below 1
     clip_ratio_high: float = 0.28  #: PPO clip epsilon above 1 (DAPO clip-higher)
     clip_ratio_c: float = 3.0  #: dual-clip bound for negative advantages
-    loss_agg_mode: str = (
-        "token-mean"  #: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-    )
+    policy_loss: str = "ppo"  #: ppo (token ratio, clip-higher, dual-clip) | gspo (sequence ratio: clips ~3e-4/4e-4)
+    #: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode: str = "token-mean"
     kl_loss_coef: float = 0.0  #: weight of the KL(policy || ref) loss term (GRPO's kl_loss)
     kl_loss_type: str = "low_var_kl"  #: k1 | k2 | low_var_kl (k3) | abs
     entropy_coef: float = 0.0  #: entropy bonus weight
@@ -113,6 +113,7 @@ class ActorConfig:
         self.optim.validate()
         modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
         _check(self.loss_agg_mode in modes, "actor.loss_agg_mode", self.loss_agg_mode, f"one of {modes}")
+        _check(self.policy_loss in ("ppo", "gspo"), "actor.policy_loss", self.policy_loss, "ppo or gspo")
         kls = ("k1", "k2", "low_var_kl", "k3", "abs")
         _check(self.kl_loss_type in kls, "actor.kl_loss_type", self.kl_loss_type, f"one of {kls}")
         self.layout.validate()
@@ -143,10 +144,27 @@ class RolloutConfig:
 class AlgorithmConfig:
     """Advantage estimation."""
 
-    adv_estimator: str = "grpo"  #: grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | ...
+    adv_estimator: str = "grpo"  #: grpo | rloo | opo | reinforce_plus_plus | reinforce_plus_plus_baseline
     norm_adv_by_std: bool = True  #: GRPO: divide by the group std (false = Dr.GRPO)
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = 1.0  #: discount (REINFORCE++)
+    lam: float = 1.0  #: GAE lambda (PPO with a critic)
+
+    def validate(self) -> None:
+        pending = {"gae": "a critic (PPO)", "remax": "greedy baseline rollouts (ReMax)"}
+        if self.adv_estimator in pending:
+            raise ConfigError(
+                f"algorithm.adv_estimator={self.adv_estimator!r} needs {pending[self.adv_estimator]}, which the RL "
+                f"loop does not run yet; expected one of {OUTCOME_ESTIMATORS}"
+            )
+        _check(
+            self.adv_estimator in OUTCOME_ESTIMATORS,
+            "algorithm.adv_estimator",
+            self.adv_estimator,
+            f"one of {OUTCOME_ESTIMATORS}",
+        )
+
+
+OUTCOME_ESTIMATORS = ("grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 @dataclass
@@ -206,7 +224,7 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def validate(self) -> None:
-        for group in (self.model, self.actor, self.rollout, self.data, self.trainer):
+        for group in (self.model, self.actor, self.rollout, self.algorithm, self.data, self.trainer):
             group.validate()
         self.check_model()
         total = self.data.batch_size * self.rollout.n

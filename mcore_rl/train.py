@@ -47,9 +47,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
     """Run the whole job; returns the summary figures."""
     import ray
 
-    from mcore_rl.algorithms import compute_advantages, kl_penalty, masked_mean
+    from mcore_rl.algorithms import kl_penalty, masked_mean
     from mcore_rl.controller.actor_group import ActorGroup
-    from mcore_rl.controller.samples import reduce_rank_metrics, samples_to_batch
+    from mcore_rl.controller.samples import outcome_advantages, reduce_rank_metrics, samples_to_batch
     from mcore_rl.metrics.logger import MetricsLogger
     from mcore_rl.reward.loader import build_reward_fn
     from mcore_rl.reward.manager import RewardManager
@@ -111,14 +111,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             batch.tensors["ref_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch, use_ref=True))
         timer.lap("time/logprobs")
 
-        adv = compute_advantages(
-            cfg.algorithm.adv_estimator,
-            rewards=scored.scores,
-            response_mask=batch.response_mask,
-            group_ids=group_ids,
-            norm_by_std=cfg.algorithm.norm_adv_by_std,
-        )
-        batch.tensors["advantages"] = adv.advantages
+        batch.tensors["advantages"] = outcome_advantages(cfg.algorithm, scored.scores, batch.response_mask, group_ids)
         update = reduce_rank_metrics(ActorGroup.gather_dp(actor.call("update", batch)))
         timer.lap("time/update")
 

@@ -24,7 +24,7 @@ import torch
 from mcore_rl.actor.batch import MicroBatch, TrainBatch, micro_batches
 from mcore_rl.actor.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from mcore_rl.actor.schedule import run_schedule
-from mcore_rl.algorithms import kl_loss, ppo_clip_loss
+from mcore_rl.algorithms import get_policy_loss, kl_loss
 from mcore_rl.config import ActorConfig, ModelConfig
 from mcore_rl.models.base import HFConfig
 from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
@@ -261,14 +261,15 @@ class MegatronActor:
         cfg = self.cfg
         logp = self._response_logprobs(mb, logits)
         mask = mb.response_mask
-        out = ppo_clip_loss(
+        extra = {"clip_ratio_c": cfg.clip_ratio_c} if cfg.policy_loss == "ppo" else {}
+        out = get_policy_loss(cfg.policy_loss)(
             logp,
             mb.tensors["old_logprobs"],
             mb.tensors["advantages"],
             mask,
             clip_ratio_low=cfg.clip_ratio_low,
             clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c,
+            **extra,
             loss_agg_mode=cfg.loss_agg_mode,
             max_response_len=mask.shape[1],
             agg_denominator=denominator,
