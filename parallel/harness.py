@@ -10,6 +10,8 @@ comes back, or a RankFailed naming the first rank that raised, with its tracebac
 from __future__ import annotations
 
 import os
+import queue as queue_module
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,12 +53,24 @@ def run_on_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), timeou
         proc.start()
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    suspects: set[int] = set()
     try:
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=timeout_s)
+        while len(results) < world_size and not failures:
+            try:
+                rank, ok, payload = queue.get(timeout=min(1.0, max(deadline - time.monotonic(), 0.01)))
+            except queue_module.Empty:
+                if time.monotonic() >= deadline:
+                    raise
+                # A rank killed from outside (out of memory, a signal) never reports: without this check the
+                # parent would wait for the whole timeout. Two quiet polls in a row, so that a result still in
+                # the pipe from a rank that crashed at teardown is not misread.
+                dead = {r for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)}
+                for r in sorted(dead & suspects):
+                    failures[r] = f"exited with code {procs[r].exitcode} before reporting (killed: out of memory?)"
+                suspects = dead
+                continue
             (results if ok else failures)[rank] = payload
-            if failures:
-                break
     finally:
         for proc in procs:
             proc.join(timeout=5 if failures else 60)

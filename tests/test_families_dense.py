@@ -71,7 +71,6 @@ def test_dense_family_parity_and_round_trip(tmp_path: Path, model_type: str, tie
     for layout, (logits, exported) in zip(DENSE_LAYOUTS, results):
         got = logits[-1][..., :VOCAB]
         err = (got - ref).abs().max().item()
-        print(f"PARITY {model_type} {layout.describe()} {err:.2e}")
         assert err < ATOL, f"{model_type} {layout.describe()}: max |logits diff| {err:.2e} >= {ATOL}"
         assert_bit_exact(exported, original)
 

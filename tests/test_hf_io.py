@@ -20,6 +20,8 @@ from mcore_rl.resharding.hf_io import (
     HFCheckpointReader,
     HFCheckpointWriter,
     parse_size,
+    prepare_output,
+    publish,
     read_header,
 )
 
@@ -149,3 +151,25 @@ def test_parse_size() -> None:
     assert parse_size("1.5MB") == 1_500_000
     with pytest.raises(ValueError, match="cannot read size"):
         parse_size("five")
+
+
+def test_several_writers_publish_one_checkpoint(tmp_path: Path) -> None:
+    """Each rank writes its own parts into the shared temp dir; the coordinator numbers them and writes the index."""
+    out = tmp_path / "ckpt"
+    tmp = prepare_output(out)
+    tensors = list(_tensors().items())
+    parts = []
+    for rank, chunk in enumerate((tensors[:3], tensors[3:])):
+        writer = HFCheckpointWriter(out, max_shard_bytes=600, tmp_dir=tmp, part_prefix=f"rank{rank}-")
+        for name, t in chunk:
+            writer.add(name, t)
+        parts += writer.finish()
+    assert not out.exists()
+    (tmp / "config.json").write_text("{}")
+    publish(tmp, out, parts)
+    reader = HFCheckpointReader(out)
+    assert set(reader.names()) == set(_tensors()) and not tmp.exists()
+    assert (
+        sorted(p.name for p in out.glob("*.safetensors"))[-1]
+        == f"model-{len(parts):05d}-of-{len(parts):05d}.safetensors"
+    )

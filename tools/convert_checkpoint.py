@@ -65,6 +65,10 @@ QUANTIZE_RULE = re.compile(
 )
 
 
+#: statistics of the last `main` call in this process (per-rank peak RSS, bytes, world): read by bench_convert.py
+LAST_STATS: dict[str, Any] = {}
+
+
 class ConvertError(Exception):
     """Bad input: the message names the file, tensor or argument (exit status 2)."""
 
@@ -72,6 +76,12 @@ class ConvertError(Exception):
 # ----------------------------------------------------------------------------------------------------- helpers
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _rss_bytes() -> int:
+    """Resident memory right now (from /proc, no psutil)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def _hf_dtype(config: dict[str, Any]) -> str:
@@ -147,7 +157,14 @@ def check_inventory(reader: HFCheckpointReader, hf: HFConfig, weight_map: Any, s
 def _spec(config: dict[str, Any], layout: ParallelLayout, dtype: str, divisible_by: int) -> Any:
     from mcore_rl.models.builder import ModelSpec
 
-    return ModelSpec(HFConfig(config), layout, dtype=DTYPES[dtype], make_vocab_size_divisible_by=divisible_by)
+    # Every weight is overwritten by the load, so skip Megatron's random init (minutes of randn for a big model).
+    return ModelSpec(
+        HFConfig(config),
+        layout,
+        dtype=DTYPES[dtype],
+        make_vocab_size_divisible_by=divisible_by,
+        config_overrides={"perform_initialization": False},
+    )
 
 
 def _allow_save_without_psutil() -> None:
@@ -195,18 +212,23 @@ def hf_to_mcore_rank(
     spec = _spec(config, layout, dtype, div)
     torch.manual_seed(0)
     chunks, contexts = build_gpt_chunks(spec, pg)
+    rss, built = {"built": _rss_bytes()}, time.perf_counter()
     with tqdm(desc=f"rank 0/{world} load", unit="B", unit_scale=True, disable=rank != 0, file=sys.stderr) as bar:
         used = load_hf_weights(
             chunks, contexts, spec.weight_map(), fp8_aware_reader(reader, _fp8_block(reader.config), bar)
         )
     read_bytes = sum(reader.nbytes(n) for n in used)
     loaded = time.perf_counter()
+    rss["loaded"] = _rss_bytes()
     _allow_save_without_psutil()
     dist_checkpointing.save(_sharded_state_dict(chunks, pg), tmp)
+    rss["saved"] = _rss_bytes()
     return dict(
+        rss=rss,
         used=sorted(used),
         read_bytes=read_bytes,
-        load_s=loaded - start,
+        build_s=built - start,
+        load_s=loaded - built,
         save_s=time.perf_counter() - loaded,
         peak_rss=_peak_rss_bytes(),
     )
@@ -230,7 +252,9 @@ def mcore_to_hf_rank(
     spec = _spec(config, layout, meta["dtype"], meta["make_vocab_size_divisible_by"])
     torch.manual_seed(0)
     chunks, contexts = build_gpt_chunks(spec, pg)
+    rss, built = {"built": _rss_bytes()}, time.perf_counter()
     state = dist_checkpointing.load(_sharded_state_dict(chunks, pg), mcore_dir)
+    rss["loaded"] = _rss_bytes()
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
     del state
@@ -247,10 +271,13 @@ def mcore_to_hf_rank(
                 writer.add(name, tensor)
             bar.update(tensor.numel() * tensor.element_size())
     parts = writer.finish()
+    rss["exported"] = _rss_bytes()
     return dict(
+        rss=rss,
         parts=parts,
         written_bytes=writer.total_bytes,
-        load_s=loaded - start,
+        build_s=built - start,
+        load_s=loaded - built,
         export_s=time.perf_counter() - loaded,
         peak_rss=_peak_rss_bytes(),
     )
@@ -405,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
+    LAST_STATS.clear()
+    LAST_STATS.update(stats, seconds=seconds)
     peak = max(r["peak_rss"] for r in stats["ranks"])
     print(
         f"{args.command}: {stats['bytes'] / 1e9:.3f} GB on {stats['world']} rank(s) in {seconds:.1f} s "
