@@ -129,3 +129,37 @@ def test_fp8_import_dequantises_and_fp8_export_reproduces(deepseek, tmp_path: Pa
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
     w = dequantize_blockwise(exported[name], exported[name + "_scale_inv"], dtype=torch.float32)
     assert (w - hf_state(hf_dir)[name]).abs().max() < 0.1 * hf_state(hf_dir)[name].abs().max()
+
+
+def test_virtual_pipeline_checkpoint_loads_without_it(tmp_path: Path) -> None:
+    """hf-to-mcore under PP2 x VPP2 (layer offsets of interleaved stages), back to HF under PP1: bit exact."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    hf_dir, mcore, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
+    Qwen3ForCausalLM(config).float().save_pretrained(hf_dir)
+    assert _convert("hf-to-mcore", "--hf", hf_dir, "--out", mcore, "--pp", 2, "--vpp", 2) == 0
+    assert _convert("mcore-to-hf", "--mcore", mcore, "--out", back, "--pp", 1, "--vpp", 1) == 0
+    assert_bit_exact(hf_state(back), hf_state(hf_dir))
+
+
+def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """tools/bench_convert.py at a tiny size: both directions run and the report has rates, ratios and RSS."""
+    import bench_convert
+
+    argv = ["--size-gb", "0.01", "--layers", "4", "--experts", "8", "--nproc", "2", "--workdir", str(tmp_path / "b")]
+    assert bench_convert.main(argv) == 0
+    out = capsys.readouterr().out
+    for needle in ("hf-to-mcore", "mcore-to-hf", "raw GB/s", "ratio", "peak RSS"):
+        assert needle in out
+    assert not (tmp_path / "b").exists()
