@@ -145,3 +145,39 @@ def test_deepseek_v3_refuses_settings_without_megatron_equivalent(change: dict, 
     raw = dict(DEEPSEEK_TINY, model_type="deepseek_v3", **change)
     with pytest.raises(UnsupportedModel, match=match):
         get_family("deepseek_v3").transformer_config(HFConfig(raw), ParallelLayout(), "cpu", torch.float32)
+
+
+def test_deepseek_v3_release_config_translates() -> None:
+    """The config.json of the DeepSeek-V3 release maps onto Megatron field by field (no model is built)."""
+    raw = dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128,
+        num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+        moe_layer_freq=1, num_nextn_predict_layers=1, ep_size=1, aux_loss_alpha=0.001, seq_aux=True,
+        hidden_act="silu", attention_bias=False, rms_norm_eps=1e-6, rope_theta=10000, max_position_embeddings=163840,
+        rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32, beta_slow=1,
+                          mscale=1.0, mscale_all_dim=1.0),
+        torch_dtype="bfloat16", tie_word_embeddings=False,
+    )  # fmt: skip
+    family, hf = get_family("deepseek_v3"), HFConfig(raw)
+    layout = ParallelLayout(tp=8, pp=1, ep=64, etp=1, sequence_parallel=True)
+    layout.validate(512, family.shape(hf))
+    c = family.transformer_config(hf, layout, "cpu", torch.bfloat16)
+    assert c.moe_layer_freq == [0, 0, 0] + [1] * 58 and c.mtp_num_layers == 1
+    mla = (c.q_lora_rank, c.kv_lora_rank, c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim)
+    assert mla == (1536, 512, 128, 64, 128)
+    assert (c.rope_type, c.rotary_scaling_factor, c.mscale, c.mscale_all_dim) == ("yarn", 40.0, 1.0, 1.0)
+    assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor) == (8, 4, 2.5)
+    assert c.moe_router_enable_expert_bias and c.moe_router_score_function == "sigmoid"
+    assert c.moe_shared_expert_intermediate_size == 2048 and c.num_moe_experts == 256
+    weight_map = family.weight_map(hf, padded_vocab=129280)
+    for name in (
+        "model.layers.61.shared_head.head.weight",
+        "model.layers.61.mlp.experts.255.down_proj.weight",
+        "model.layers.3.mlp.gate.e_score_correction_bias",
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+    ):
+        assert weight_map.is_known_hf(name, 61, 256), name
+    assert not weight_map.is_known_hf("model.layers.62.enorm.weight", 61, 256)
