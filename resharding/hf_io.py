@@ -8,10 +8,11 @@
         writer.copy_side_files("Qwen3-30B-A3B/")            # generation config, tokenizer files
     # out/ appears only here, renamed from out.tmp-<pid>; an exception or a kill leaves no out/
 
-Memory: the reader maps files through `safetensors.safe_open` (zero-copy views) and drops a file's mapping after
-`remap_bytes` have been read through it, so resident file pages stay bounded while the converter walks a 700 GB
-checkpoint. The writer holds at most one shard's tensors and serialises them itself (header, then each tensor's bytes
-straight from its storage), which avoids the second in-memory copy that `safetensors.torch.save_file` makes.
+Memory: the reader maps files through `safetensors.safe_open` (zero-copy views) and drops every mapping once
+`remap_bytes` have been read through them (all files together), so resident file pages stay bounded while the
+converter walks a 700 GB checkpoint in whatever order its weight map asks. The writer holds at most one shard's
+tensors and serialises them itself (header, then each tensor's bytes straight from its storage), which avoids the
+second in-memory copy that `safetensors.torch.save_file` makes.
 
 The safetensors format: 8-byte little-endian header length N, N bytes of JSON
 {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}, then the data region.
@@ -152,7 +153,7 @@ class HFCheckpointReader:
         self._file_of: dict[str, str] = {}
         self._info: dict[str, dict[str, Any]] = {}
         self._handles: dict[str, Any] = {}
-        self._read_since_open: dict[str, int] = {}
+        self._mapped_bytes = 0
         index_path = self.dir / INDEX_NAME
         if index_path.is_file():
             try:
@@ -217,13 +218,14 @@ class HFCheckpointReader:
         handle = self._handles.get(file)
         if handle is None:
             handle = self._handles[file] = safe_open(str(self.dir / file), framework="pt", device="cpu")
-            self._read_since_open[file] = 0
         tensor = handle.get_tensor(name)
-        self._read_since_open[file] += self.nbytes(name)
-        if self._read_since_open[file] >= self.remap_bytes:
-            # Dropping the handle unmaps the file once the tensors viewing it die, which returns the touched pages;
-            # a mapping kept for the whole walk would count every page of the file as resident.
-            del self._handles[file]
+        self._mapped_bytes += self.nbytes(name)
+        if self._mapped_bytes >= self.remap_bytes:
+            # Dropping the handles unmaps the files once the tensors viewing them die, which returns the touched
+            # pages. The budget is global: a converter reading every layer's experts touches every file, and a
+            # window per file would let resident pages grow with the number of files.
+            self._handles.clear()
+            self._mapped_bytes = 0
         return tensor
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

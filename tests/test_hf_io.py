@@ -173,3 +173,16 @@ def test_several_writers_publish_one_checkpoint(tmp_path: Path) -> None:
         sorted(p.name for p in out.glob("*.safetensors"))[-1]
         == f"model-{len(parts):05d}-of-{len(parts):05d}.safetensors"
     )
+
+
+def test_reader_mappings_bounded_across_files(tmp_path: Path) -> None:
+    """Mappings are dropped once `remap_bytes` were read through all files together, not per file."""
+    out = _write(tmp_path / "ckpt", max_shard_bytes=300)
+    reader = HFCheckpointReader(out, remap_bytes=1500)
+    held = []
+    for name in reader.names():
+        held.append(reader.read(name))  # tensors outlive the handle that produced them
+        assert reader._mapped_bytes < 1500
+    assert len({str(reader.file_of(n)) for n in reader.names()}) > 2
+    for name, t in zip(reader.names(), held):
+        assert torch.equal(t.view(torch.uint8), _tensors()[name].view(torch.uint8))
