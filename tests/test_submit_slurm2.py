@@ -78,14 +78,19 @@ def test_tiny_job_on_two_nodes(slurm2: None) -> None:
         )  # fmt: skip
         assert res.returncode == 0, res.stderr
         job_id = int(re.search(r"submitted job (\d+)", res.stdout).group(1))
-        deadline = time.time() + 300
+        deadline = time.time() + 150  # about 40 s when it works; a hang (see below) is cut short
         state = _job_state(job_id)
         while state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.time() < deadline:
             time.sleep(3)
             state = _job_state(job_id)
         log_path = os.path.join(run_dir, f"slurm-{job_id}.out")
         log = open(log_path).read() if os.path.exists(log_path) else "(no log)"
-        assert state == "COMPLETED", f"job {job_id} ended {state}:\n{log[-4000:]}"
+        if state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            subprocess.run(["scancel", str(job_id)], capture_output=True)
+            time.sleep(5)
+        # A known way to hang here: ActorGroup's _Rendezvous actor (num_cpus=0) lands on one node and picks that
+        # node's address while rank 0 lands on the other, so rank 0's TCPStore never meets its clients.
+        assert state == "COMPLETED", f"job {job_id} ended {state} (cancelled if still running):\n{log[-4000:]}"
         out = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True).stdout
         assert re.search(r"\bNodeList=n\[1-2\]", out), out  # Slurm gave the job both nodes
         # Ray saw both nodes, each at its own namespace's address, the head on n1
