@@ -3,7 +3,7 @@
     sudo tools/slurm_local.sh && .venv/bin/pytest tests/test_submit_slurm.py
 
 Skips, saying why, when slurmctld is not installed or the local cluster cannot be started (not root, no munge).
-One node only: two slurmd in network namespaces were not attempted.
+One node here; tests/test_submit_slurm2.py runs the same job on two nodes in network namespaces.
 """
 
 from __future__ import annotations

@@ -1,11 +1,17 @@
 #!/bin/bash
-# Install (Debian slurm-wlm + munge) and start a one-node Slurm cluster on this machine, for tests/test_submit_slurm.py.
+# Install (Debian slurm-wlm + munge) and start a local Slurm cluster on this machine: one node (tests/test_submit_slurm.py)
+# or two nodes in network namespaces (tests/test_submit_slurm2.py).
 #
 #   sudo tools/slurm_local.sh            # install if needed, write /etc/slurm/slurm.conf, start munged/slurmctld/slurmd
-#   sudo tools/slurm_local.sh stop       # stop the daemons this script started (by their pid files)
+#   sudo tools/slurm_local.sh stop       # stop the daemons this script started (by their pid files), both modes
+#   sudo tools/slurm_local.sh start2     # two nodes n1, n2, each slurmd in its own network namespace (below)
+#   sudo tools/slurm_local.sh stop2      # stop them; remove the namespaces, veths, bridge, per-node /tmp and spool
 #
-# One node only: the node is this machine (its short hostname), all its CPUs, no GPUs (no gres), partition "debug".
-# Two nodes in network namespaces were not attempted (time). Runs as root: SlurmUser=root keeps the container simple.
+# One-node mode: the node is this machine (its short hostname), all its CPUs, no GPUs (no gres), partition "debug".
+# Two-node mode: n1 = 10.77.0.11 (netns mcrl-n1), n2 = 10.77.0.12 (mcrl-n2), slurmctld at 10.77.0.1 on bridge mcrl-br;
+# each node has all the CPUs and half the memory, and a private /tmp; run dirs must be outside /tmp (e.g. /var/tmp).
+# Debian's slurmd (22.05) runs twice on one host with `-N nX` and %n in its spool/pid/log paths, no rebuild needed.
+# The modes exclude each other: each one's start stops the other. Runs as root: SlurmUser=root keeps it simple.
 # No cgroups in containers: proctrack/linuxproc and task/none.
 set -euo pipefail
 
