@@ -15,7 +15,8 @@ run:
 
 and prints GB/s for each, the ratio conversion / raw read of the same input files, and the peak RSS (getrusage
 ru_maxrss) of every conversion rank and of this process. Free disk is checked first (three copies of the checkpoint
-are written); when it is short the size is reduced to fit and the report says so. Nothing is verified numerically
+are written) and so is memory (each rank peaks near 0.45 GiB + twice its share of the model); when either is
+short the size is reduced to fit and the report says so. Nothing is verified numerically
 here (tests/test_convert.py does that); the output is spot-checked by name count.
 """
 
@@ -166,6 +167,14 @@ def raw_read(files: list[Path]) -> tuple[int, float]:
     return total, time.perf_counter() - start
 
 
+def _mem_available() -> int:
+    """MemAvailable from /proc/meminfo, bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 40
+
+
 def _files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file())
 
@@ -189,6 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     if 3.3 * size > free:  # HF in, torch_dist, HF out, plus slack
         size = free / 3.3 * 0.9
         note = f" (reduced from {args.size_gb:.1f} GB: {free / GB:.1f} GB free)"
+    # Each rank peaks near 0.45 GiB of imports plus twice its share of the model (measured: Megatron's torch_dist
+    # clones the two halves of every GLU fc1 when saving and merges them into new tensors when loading).
+    available = _mem_available()
+    fits = (0.75 * available / args.nproc - 0.45 * 2**30) / 2.0 * args.nproc
+    if size > fits:
+        note += f" (reduced from {size / GB:.1f} GB to fit {available / 2**30:.1f} GiB of available memory)"
+        size = fits
     width = moe_width_for(size, args.layers, args.experts)
     config = deepseek_like_config(args.layers, args.experts, width)
     shard = convert_checkpoint.parse_size(args.shard_size)
