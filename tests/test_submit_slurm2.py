@@ -75,6 +75,9 @@ def test_tiny_job_on_two_nodes(slurm2: None) -> None:
              "--partition", "debug", "--time", "10:00", "--job-name", "tiny2", "--run-dir", run_dir,
              "--", "trainer.steps=2", "data.batch_size=4", "rollout.n=4", f"trainer.run_dir={run_dir}"],
             capture_output=True, text=True, cwd=REPO, timeout=120,
+            # sbatch exports this to the job: if a Ray node dies at startup (Ray gives a raylet 30 s to register,
+            # which a loaded 2-core machine can exceed), wait_for_ray fails after 90 s instead of the default 600
+            env=dict(os.environ, RAY_WAIT_TIMEOUT="90"),
         )  # fmt: skip
         assert res.returncode == 0, res.stderr
         job_id = int(re.search(r"submitted job (\d+)", res.stdout).group(1))
