@@ -9,6 +9,7 @@ comes back, or a RankFailed naming the first rank that raised, with its tracebac
 
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_module
 import time
@@ -16,6 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from mcore_rl.parallel.groups import destroy_model_parallel, free_port, init_distributed
@@ -30,7 +32,11 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: Sequen
     try:
         init_distributed("cpu", rank, world_size, "127.0.0.1", port, timeout_s=300)
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Bytes, not tensors: torch.multiprocessing would share tensor storage through file descriptors that vanish
+        # when this process exits, racing the parent's read.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, True, buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -70,7 +76,10 @@ def run_on_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), timeou
                     failures[r] = f"exited with code {procs[r].exitcode} before reporting (killed: out of memory?)"
                 suspects = dead
                 continue
-            (results if ok else failures)[rank] = payload
+            if ok:
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                failures[rank] = payload
     finally:
         for proc in procs:
             proc.join(timeout=5 if failures else 60)

@@ -24,11 +24,10 @@ def _sync_rank(rank: int, world: int, layout_kwargs: dict, ids: torch.Tensor):
     actor = MegatronActor(
         rank,
         world,
-        "127.0.0.1",
-        0,
         ModelConfig(hf_config=HF),
         ActorConfig(world_size=world, layout=LayoutConfig(**layout_kwargs), use_ref=False),
     )
+    actor.initialize("127.0.0.1", 0)  # the harness already started torch.distributed
     named = actor.export_hf()
     parts = [None] * world
     dist.all_gather_object(parts, named)

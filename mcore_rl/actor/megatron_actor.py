@@ -51,16 +51,27 @@ class MegatronActor:
         self,
         rank: int,
         world_size: int,
-        master_addr: str,
-        master_port: int,
         model_cfg: ModelConfig,
         actor_cfg: ActorConfig,
         runtime: str = "cpu",
         seed: int = 0,
     ) -> None:
         torch.set_num_threads(int(os.environ.get("MCORE_RL_THREADS_PER_RANK", "1")))
-        init_distributed(runtime, rank, world_size, master_addr, master_port)
-        self.rank, self.cfg, self.model_cfg = rank, actor_cfg, model_cfg
+        self.rank, self.world_size, self.runtime, self.seed = rank, world_size, runtime, seed
+        self.cfg, self.model_cfg = actor_cfg, model_cfg
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This rank's node address and a port free on it: asked of rank 0, which hosts torch.distributed's store."""
+        import ray
+
+        from mcore_rl.parallel.groups import free_port
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1", free_port()
+
+    def initialize(self, master_addr: str, master_port: int) -> None:
+        """Join the process group at rank 0's address, build the model(s) and the optimizer (all ranks together)."""
+        runtime, actor_cfg, model_cfg = self.runtime, self.cfg, self.model_cfg
+        init_distributed(runtime, self.rank, self.world_size, master_addr, master_port)
         self.layout = actor_cfg.layout.to_layout()
         hf = HFConfig(_hf_config_dict(model_cfg))
         self.spec = ModelSpec(

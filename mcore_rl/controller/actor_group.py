@@ -4,8 +4,9 @@
     results = group.call("logprobs", batch)          # every rank, in step
     logp = group.gather_dp(results)                   # outputs concatenated in data-parallel order
 
-Rank 0's Ray actor picks the rendezvous address (its node IP and a free port); the others join it. Ray runs a
-synchronous actor's methods one at a time on one thread, so every rank enters each collective in the same order.
+Rank 0's Ray actor names the rendezvous address (its own node IP and a free port there); every rank then joins it.
+Ray runs a synchronous actor's methods one at a time on one thread, so every rank enters each collective in the same
+order.
 """
 
 from __future__ import annotations
@@ -19,27 +20,18 @@ from mcore_rl.actor.megatron_actor import MegatronActor, RankResult
 from mcore_rl.config import ActorConfig, ModelConfig
 
 
-@ray.remote
-class _Rendezvous:
-    """Runs on the node of rank 0 and returns an address/port the ranks can meet at."""
-
-    def address(self) -> tuple[str, int]:
-        from mcore_rl.parallel.groups import free_port
-
-        return ray.util.get_node_ip_address(), free_port()
-
-
 class ActorGroup:
     """N Ray actors, one Megatron rank each."""
 
     def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, runtime: str, seed: int = 0) -> None:
         world = actor_cfg.world_size
         num_gpus = 1 if runtime == "cuda" else 0
-        addr, port = ray.get(_Rendezvous.options(num_cpus=0).remote().address.remote())
         remote_cls = ray.remote(MegatronActor).options(num_cpus=actor_cfg.num_cpus_per_rank, num_gpus=num_gpus)
-        self.handles = [
-            remote_cls.remote(rank, world, addr, port, model_cfg, actor_cfg, runtime, seed) for rank in range(world)
-        ]
+        self.handles = [remote_cls.remote(rank, world, model_cfg, actor_cfg, runtime, seed) for rank in range(world)]
+        # Rank 0 hosts torch.distributed's TCP store, so the address must be its own node's, asked of rank 0 itself
+        # (Ray places actors on any node with room).
+        addr, port = ray.get(self.handles[0].rendezvous_address.remote())
+        ray.get([h.initialize.remote(addr, port) for h in self.handles])
         self.world_size = world
         self.ranks = self.call("ping")
 
