@@ -249,13 +249,27 @@ def comm_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-# Run inside the job by wait_for_ray: poll ray.nodes() until the expected nodes and GPUs are alive, or time out.
-WAIT_SNIPPET = r"""import json, sys, time
+# Run inside the job by wait_for_ray: poll ray.nodes() until the expected nodes and GPUs are alive, or time out; fail
+# at once when one of the `ray start` srun steps (pids after the 5 fixed arguments) has already exited, e.g. a head that
+# timed out during its own start-up, instead of waiting out RAY_WAIT_TIMEOUT.
+WAIT_SNIPPET = r"""import json, os, sys, time
 import ray
 addr, out = sys.argv[1], sys.argv[5]
 want_nodes, want_gpus, timeout = int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+steps = [int(p) for p in sys.argv[6:] if p]
+def exited(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 deadline, seen = time.time() + timeout, (0, 0.0, 0.0)
 while time.time() < deadline:
+    dead = [p for p in steps if exited(p)]
+    if dead:
+        print(f"submit: error: the `ray start` srun step(s) {dead} exited before Ray had {want_nodes} nodes "
+              f"(seen {seen[0]}); see the Ray logs under /tmp/ray_j* on each node", file=sys.stderr)
+        sys.exit(1)
     try:  # ray.init fails until the head's GCS answers
         if not ray.is_initialized():
             ray.init(address=addr, log_to_driver=False, logging_level="ERROR")
@@ -353,7 +367,7 @@ trap 'exit 143' TERM   # scancel
 trap 'exit 130' INT
 
 wait_for_ray() {{  # wait_for_ray NODES GPUS: until Ray at $RAY_ADDRESS has them, or fail naming what it saw
-  "$PYTHON" - "$RAY_ADDRESS" "$1" "$2" "$RAY_WAIT_TIMEOUT" "$RUN_DIR/ray_nodes.json" <<'PY'
+  "$PYTHON" - "$RAY_ADDRESS" "$1" "$2" "$RAY_WAIT_TIMEOUT" "$RUN_DIR/ray_nodes.json" $HEAD_PID $WORKERS_PID <<'PY'
 {WAIT_SNIPPET}PY
 }}
 
