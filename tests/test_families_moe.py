@@ -181,3 +181,14 @@ def test_deepseek_v3_release_config_translates() -> None:
     ):
         assert weight_map.is_known_hf(name, 61, 256), name
     assert not weight_map.is_known_hf("model.layers.62.enorm.weight", 61, 256)
+
+
+def test_qwen3_moe_refuses_attention_bias_it_cannot_represent():
+    from tiny_models import tiny_qwen3_moe
+
+    from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family
+
+    with pytest.raises(UnsupportedModel, match="attention_bias=True is not supported"):
+        get_family("qwen3_moe").transformer_config(
+            HFConfig(tiny_qwen3_moe(attention_bias=True)), ParallelLayout(), "cpu", torch.float32
+        )

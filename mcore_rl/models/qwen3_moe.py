@@ -118,6 +118,9 @@ class Qwen3MoeFamily(ModelFamily):
         from megatron.core.transformer import TransformerConfig
 
         hf.refuse_unless("hidden_act", "silu", "Megatron's SwiGLU uses silu")
+        # HF's attention_bias also biases o_proj; Megatron's add_qkv_bias covers q/k/v only, and add_bias_linear would
+        # add biases to every linear layer (experts included). Refused rather than dropping o_proj's bias.
+        hf.refuse_unless("attention_bias", False, "Qwen3-MoE's attention_bias also biases o_proj; Megatron cannot")
         hf.refuse_unless("use_sliding_window", False, "sliding-window attention has no Megatron equivalent here")
         hf.rope_theta()  # refuses rope scaling early
         heads = hf.req("num_attention_heads")
@@ -135,7 +138,7 @@ class Qwen3MoeFamily(ModelFamily):
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
-            add_qkv_bias=bool(hf.get("attention_bias", False)),
+            add_qkv_bias=False,
             hidden_dropout=0.0,
             attention_dropout=float(hf.get("attention_dropout", 0.0)),
             init_method_std=hf.get("initializer_range", 0.02),
