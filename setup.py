@@ -46,6 +46,8 @@ setup(
         "nvidia-ml-py>=12",
         "transformers>=4.51",
         "tqdm>=4.66",
+        # megatron-core's torch_dist writer imports psutil in its worker processes; without it a save hangs.
+        "psutil>=5.9",
         "numpy",
     ],
     extras_require={

@@ -168,20 +168,6 @@ def _spec(config: dict[str, Any], layout: ParallelLayout, dtype: str, divisible_
     )
 
 
-def _allow_save_without_psutil() -> None:
-    """Stub megatron-core 0.16.1's psutil memory probe when psutil is absent.
-
-    The torch_dist writer calls psutil only to log its workers' memory at debug level, and a writer worker that dies
-    on the missing import leaves its rank waiting forever.
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("psutil") is None:
-        from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-        filesystem_async._process_memory = lambda: 0
-
-
 def _share_cores(world: int) -> None:
     """Give each rank its share of the cores: ranks that each start one intra-op thread per core oversubscribe
     the machine, and the spinning OpenMP threads made copies ~20x slower (4 ranks on 2 cores, measured)."""
@@ -228,7 +214,6 @@ def hf_to_mcore_rank(
     read_bytes = sum(reader.nbytes(n) for n in used)
     loaded = time.perf_counter()
     rss["loaded"] = _rss_bytes()
-    _allow_save_without_psutil()
     dist_checkpointing.save(_sharded_state_dict(chunks, pg), tmp)
     rss["saved"] = _rss_bytes()
     return dict(
