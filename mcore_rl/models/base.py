@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
 from mcore_rl.resharding.weight_map import WeightMap
@@ -145,6 +146,54 @@ def megatron_common_fields(layout: ParallelLayout, dtype: torch.dtype, te: bool)
         apply_rope_fusion=te,
         gradient_accumulation_fusion=False,
     )
+
+
+def gqa_transformer_config(
+    hf: HFConfig,
+    layout: ParallelLayout,
+    runtime: str,
+    dtype: torch.dtype,
+    *,
+    qk_layernorm: bool,
+    add_qkv_bias: bool,
+    overrides: dict[str, Any],
+    moe_fields: dict[str, Any] | None = None,
+) -> Any:
+    """The Megatron TransformerConfig of a GQA SwiGLU decoder: Llama / Qwen2 / Qwen3 differ only in the flags, and
+    Qwen3-MoE adds its router and expert fields (`moe_fields`)."""
+    from megatron.core.transformer import TransformerConfig
+
+    hf.refuse_unless("hidden_act", "silu", "Megatron's SwiGLU here uses silu")
+    hf.refuse_unless("mlp_bias", False, "Megatron adds MLP biases only together with attention output biases")
+    hf.refuse_unless("pretraining_tp", (1, None), "pretraining_tp slices matmuls; it is an HF-only numerics switch")
+    hf.rope_theta()  # refuses rope scaling early
+    heads = hf.req("num_attention_heads")
+    te = runtime == "cuda"
+    kwargs: dict[str, Any] = dict(
+        num_layers=hf.req("num_hidden_layers"),
+        hidden_size=hf.req("hidden_size"),
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads", heads),
+        kv_channels=hf.get("head_dim", hf.req("hidden_size") // heads),
+        ffn_hidden_size=hf.req("intermediate_size"),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        qk_layernorm=qk_layernorm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=add_qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=float(hf.get("attention_dropout", 0.0)),
+        init_method_std=hf.get("initializer_range", 0.02),
+        **megatron_common_fields(layout, dtype, te),
+        **(moe_fields or {}),
+    )
+    kwargs.update(overrides)
+    try:
+        return TransformerConfig(**kwargs)
+    except (AssertionError, ValueError) as err:
+        raise UnsupportedModel(f"{hf.model_type}: Megatron refused the translated config: {err}") from err
 
 
 def _import_families() -> None:

@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from mcore_rl.models.base import HFConfig, ModelFamily, UnsupportedModel, megatron_common_fields, register
+from mcore_rl.models.base import HFConfig, ModelFamily, UnsupportedModel, gqa_transformer_config, register
 from mcore_rl.models.qwen3_moe import attention_rules, dense_mlp_rules, embedding_rules, qk_norm_rules
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
 from mcore_rl.resharding.weight_map import WeightMap
@@ -48,51 +47,6 @@ def dense_shape(hf: HFConfig) -> ModelShape:
     )
 
 
-def dense_transformer_config(
-    hf: HFConfig,
-    layout: ParallelLayout,
-    runtime: str,
-    dtype: torch.dtype,
-    *,
-    qk_layernorm: bool,
-    add_qkv_bias: bool,
-    overrides: dict[str, Any],
-) -> Any:
-    """The Megatron TransformerConfig of a dense GQA decoder (Llama / Qwen2 / Qwen3 differ only in the flags)."""
-    from megatron.core.transformer import TransformerConfig
-
-    hf.refuse_unless("hidden_act", "silu", "Megatron's SwiGLU here uses silu")
-    hf.refuse_unless("mlp_bias", False, "Megatron adds MLP biases only together with attention output biases")
-    hf.refuse_unless("pretraining_tp", (1, None), "pretraining_tp slices matmuls; it is an HF-only numerics switch")
-    hf.rope_theta()  # refuses rope scaling early
-    heads = hf.req("num_attention_heads")
-    te = runtime == "cuda"
-    kwargs: dict[str, Any] = dict(
-        num_layers=hf.req("num_hidden_layers"),
-        hidden_size=hf.req("hidden_size"),
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads", heads),
-        kv_channels=hf.get("head_dim", hf.req("hidden_size") // heads),
-        ffn_hidden_size=hf.req("intermediate_size"),
-        normalization="RMSNorm",
-        layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        qk_layernorm=qk_layernorm,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=add_qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=float(hf.get("attention_dropout", 0.0)),
-        init_method_std=hf.get("initializer_range", 0.02),
-        **megatron_common_fields(layout, dtype, te),
-    )
-    kwargs.update(overrides)
-    try:
-        return TransformerConfig(**kwargs)
-    except (AssertionError, ValueError) as err:
-        raise UnsupportedModel(f"{hf.model_type}: Megatron refused the translated config: {err}") from err
-
-
 def dense_weight_map(hf: HFConfig, padded_vocab: int, *, qkv_bias: bool = False, qk_norm: bool = False) -> WeightMap:
     """Embedding/output + GQA attention (optional q/k/v biases and per-head q/k norms) + SwiGLU MLP rules."""
     # attention_rules adds the bias rule when the config says attention_bias; Qwen2 has q/k/v biases without it.
@@ -115,7 +69,7 @@ class LlamaFamily(ModelFamily):
         self, hf: HFConfig, layout: ParallelLayout, runtime: str, dtype: torch.dtype, **overrides: Any
     ) -> Any:
         hf.refuse_unless("attention_bias", False, "Llama's attention_bias also biases o_proj; Megatron cannot")
-        return dense_transformer_config(
+        return gqa_transformer_config(
             hf, layout, runtime, dtype, qk_layernorm=False, add_qkv_bias=False, overrides=overrides
         )
 

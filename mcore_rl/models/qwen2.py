@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from mcore_rl.models.base import HFConfig, ModelFamily, register
-from mcore_rl.models.llama import dense_shape, dense_transformer_config, dense_weight_map, refuse_sliding_window
+from mcore_rl.models.base import HFConfig, ModelFamily, gqa_transformer_config, register
+from mcore_rl.models.llama import dense_shape, dense_weight_map, refuse_sliding_window
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
 from mcore_rl.resharding.weight_map import WeightMap
 
@@ -31,7 +31,7 @@ class Qwen2Family(ModelFamily):
         self, hf: HFConfig, layout: ParallelLayout, runtime: str, dtype: torch.dtype, **overrides: Any
     ) -> Any:
         refuse_sliding_window(hf)
-        return dense_transformer_config(
+        return gqa_transformer_config(
             hf, layout, runtime, dtype, qk_layernorm=False, add_qkv_bias=True, overrides=overrides
         )
 

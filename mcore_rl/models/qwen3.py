@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from mcore_rl.models.base import HFConfig, ModelFamily, register
-from mcore_rl.models.llama import dense_shape, dense_transformer_config, dense_weight_map, refuse_sliding_window
+from mcore_rl.models.base import HFConfig, ModelFamily, gqa_transformer_config, register
+from mcore_rl.models.llama import dense_shape, dense_weight_map, refuse_sliding_window
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
 from mcore_rl.resharding.weight_map import WeightMap
 
@@ -33,7 +33,7 @@ class Qwen3Family(ModelFamily):
     ) -> Any:
         hf.refuse_unless("attention_bias", False, "Qwen3's attention_bias also biases o_proj; Megatron cannot")
         refuse_sliding_window(hf)
-        return dense_transformer_config(
+        return gqa_transformer_config(
             hf, layout, runtime, dtype, qk_layernorm=True, add_qkv_bias=False, overrides=overrides
         )
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from mcore_rl.models.base import HFConfig, ModelFamily, UnsupportedModel, megatron_common_fields, register
+from mcore_rl.models.base import HFConfig, ModelFamily, gqa_transformer_config, register
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
 from mcore_rl.resharding.transforms import QKV, FusedColumns, Replicated, Split, VocabSplit
 from mcore_rl.resharding.weight_map import Rule, WeightMap
@@ -115,33 +114,12 @@ class Qwen3MoeFamily(ModelFamily):
     def transformer_config(
         self, hf: HFConfig, layout: ParallelLayout, runtime: str, dtype: torch.dtype, **overrides: Any
     ) -> Any:
-        from megatron.core.transformer import TransformerConfig
-
-        hf.refuse_unless("hidden_act", "silu", "Megatron's SwiGLU uses silu")
         # HF's attention_bias also biases o_proj; Megatron's add_qkv_bias covers q/k/v only, and add_bias_linear would
         # add biases to every linear layer (experts included). Refused rather than dropping o_proj's bias.
         hf.refuse_unless("attention_bias", False, "Qwen3-MoE's attention_bias also biases o_proj; Megatron cannot")
         hf.refuse_unless("use_sliding_window", False, "sliding-window attention has no Megatron equivalent here")
-        hf.rope_theta()  # refuses rope scaling early
-        heads = hf.req("num_attention_heads")
         te = runtime == "cuda"
-        kwargs: dict[str, Any] = dict(
-            num_layers=hf.req("num_hidden_layers"),
-            hidden_size=hf.req("hidden_size"),
-            num_attention_heads=heads,
-            num_query_groups=hf.get("num_key_value_heads", heads),
-            kv_channels=hf.get("head_dim", hf.req("hidden_size") // heads),
-            ffn_hidden_size=hf.get("intermediate_size", hf.req("moe_intermediate_size")),
-            normalization="RMSNorm",
-            layernorm_epsilon=hf.get("rms_norm_eps", 1e-6),
-            qk_layernorm=True,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            add_qkv_bias=False,
-            hidden_dropout=0.0,
-            attention_dropout=float(hf.get("attention_dropout", 0.0)),
-            init_method_std=hf.get("initializer_range", 0.02),
+        moe_fields = dict(
             num_moe_experts=hf.req("num_experts", "num_local_experts"),
             moe_ffn_hidden_size=hf.req("moe_intermediate_size"),
             moe_router_topk=hf.req("num_experts_per_tok"),
@@ -153,13 +131,17 @@ class Qwen3MoeFamily(ModelFamily):
             # The alltoall dispatcher creates a CUDA stream at init (0.16.1): allgather on CPU.
             moe_token_dispatcher_type="alltoall" if te else "allgather",
             moe_grouped_gemm=te,
-            **megatron_common_fields(layout, dtype, te),
         )
-        kwargs.update(overrides)
-        try:
-            return TransformerConfig(**kwargs)
-        except (AssertionError, ValueError) as err:
-            raise UnsupportedModel(f"qwen3_moe: Megatron refused the translated config: {err}") from err
+        return gqa_transformer_config(
+            hf,
+            layout,
+            runtime,
+            dtype,
+            qk_layernorm=True,
+            add_qkv_bias=False,
+            overrides=overrides,
+            moe_fields=moe_fields,
+        )
 
     def weight_map(self, hf: HFConfig, padded_vocab: int) -> WeightMap:
         rules = embedding_rules(hf, padded_vocab) + attention_rules(hf) + qk_norm_rules() + dense_mlp_rules()
