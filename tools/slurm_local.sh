@@ -60,6 +60,7 @@ stop2() {
   rm -f "$PIDS"/slurmd-n1.pid "$PIDS"/slurmd-n2.pid
   # private /tmp of the nodes, and their spool dirs: stale step sockets there would make the next slurmd wait on them
   rm -rf "$STATE/tmp-n1" "$STATE/tmp-n2" "$STATE/d-n1" "$STATE/d-n2"
+  rmdir "$STATE/repo-n1" "$STATE/repo-n2" 2>/dev/null || true
 }
 if [ "$MODE" = stop2 ]; then
   stop2
@@ -165,11 +166,20 @@ if [ "$MODE" = start2 ]; then
   # with one shared /tmp the two Ray nodes of a job share their session dir (--temp-dir=/tmp/ray_j<id>, the session
   # name comes from the head), the second raylet replaces the first's unix socket `sockets/raylet`, and workers forked
   # on n1 register with n2's raylet (Ray then reports them at n2's address while they live in n1's network).
-  # So run dirs (sbatch output, metrics) must be outside /tmp to be seen from the root namespace.
+  # So run dirs (sbatch output, metrics) must be outside /tmp to be seen from the root namespace. A checkout that
+  # itself lives under /tmp (a CI clone, say) is bound back into each node's private /tmp at the same path, so jobs
+  # still find its .venv and sources.
+  REPO=$(cd "$(dirname "$0")/.." && pwd)
   for n in 1 2; do
-    mkdir -p "$STATE/tmp-n$n" && chmod 1777 "$STATE/tmp-n$n"
+    mkdir -p "$STATE/tmp-n$n" "$STATE/repo-n$n" && chmod 1777 "$STATE/tmp-n$n"
+    expose=":"
+    case "$REPO/" in
+      /tmp/*) expose="mount --bind '$REPO' '$STATE/repo-n$n' && mount --bind '$STATE/tmp-n$n' /tmp && \
+                      mkdir -p '$REPO' && mount --bind '$STATE/repo-n$n' '$REPO'" ;;
+      *) expose="mount --bind '$STATE/tmp-n$n' /tmp" ;;
+    esac
     nsenter --net="/run/netns/mcrl-n$n" unshare --mount --propagation private \
-      sh -c "mount --bind '$STATE/tmp-n$n' /tmp && exec slurmd -N n$n"
+      sh -c "$expose && exec slurmd -N n$n"
   done
 else
   [ -f "$PIDS/slurmd.pid" ] && kill -0 "$(cat "$PIDS/slurmd.pid")" 2>/dev/null || slurmd
