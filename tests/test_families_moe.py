@@ -27,6 +27,7 @@ from _parity import (
     parity_rank,
     tiny_deepseek_v3,
 )
+from tiny_models import tiny_qwen3_moe_transformers
 
 from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family
 from mcore_rl.parallel.harness import run_on_ranks
@@ -87,22 +88,9 @@ def test_deepseek_v3_yarn_noninterleaved_rope_no_q_lora(tmp_path: Path) -> None:
 
 
 def test_qwen3_moe_parity_and_round_trip(tmp_path: Path) -> None:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=64,
-    )
+    config = tiny_qwen3_moe_transformers(vocab_size=VOCAB, max_position_embeddings=64)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(config).float().eval()
     _randomise_routing(model)

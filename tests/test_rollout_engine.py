@@ -12,6 +12,7 @@ import pytest
 import ray
 import torch
 from safetensors import safe_open
+from tiny_models import tiny_qwen3_moe_transformers
 from transformers import AutoModelForCausalLM, GPT2Config, PretrainedConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
 from mcore_rl.rollout import HFRolloutEngine, create_rollout_engine_actor, top_p_filter
@@ -22,20 +23,7 @@ PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
 def qwen3_moe_config() -> Qwen3MoeConfig:
     # initializer_range 0.5 (not 0.02) makes the tiny model's next-token distributions peaked, so greedy argmax has
     # clear margins and comparisons with transformers' generate are not decided by float noise.
-    return Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=128,
-        initializer_range=0.5,
-    )
+    return tiny_qwen3_moe_transformers(vocab_size=64, norm_topk_prob=False, initializer_range=0.5)
 
 
 def qwen2_moe_config() -> Qwen2MoeConfig:
