@@ -98,8 +98,12 @@ def test_scancel_stops_ray(slurm: None, tmp_path) -> None:
     deadline = time.time() + 120
     while _job_state(job_id) not in ("CANCELLED", "COMPLETED", "FAILED", "UNKNOWN") and time.time() < deadline:
         time.sleep(2)
-    log = (run_dir / f"slurm-{job_id}.out").read_text()
-    assert "submit: stopping Ray (exit code 143)" in log  # the TERM trap ran the cleanup
+    # Slurm shows CANCELLED as soon as it signals the job; the TERM trap runs during its KillWait, so wait for its line.
+    log_path, trap_line = run_dir / f"slurm-{job_id}.out", "submit: stopping Ray (exit code 143)"
+    deadline = time.time() + 60
+    while trap_line not in log_path.read_text() and time.time() < deadline:
+        time.sleep(1)
+    assert trap_line in log_path.read_text()  # the TERM trap ran the cleanup
     deadline = time.time() + 60  # `ray start --block` drains for up to 30 s after SIGTERM
     while f"/tmp/ray_j{job_id}" in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout:
         assert time.time() < deadline, f"Ray processes of job {job_id} still running after scancel"
