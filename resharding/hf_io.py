@@ -421,3 +421,40 @@ def copy_side_files(src_dir: str | Path, dst_dir: str | Path, files: list[Path] 
         shutil.copy2(p, dst / p.name)
         copied.append(p.name)
     return sorted(set(copied))
+
+
+#: DeepSeek-V3's FP8 block (quantization_config.weight_block_size)
+FP8_BLOCK = (128, 128)
+
+
+def fp8_block_size(config: dict[str, Any]) -> tuple[int, int] | None:
+    """The FP8 weight block of a checkpoint's config.json (None when it is not quantised); refuses other schemes."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return None
+    if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
+        raise CheckpointError(f"quantization_config {quant} is not supported (only DeepSeek-style blockwise fp8 e4m3)")
+    return tuple(quant.get("weight_block_size", FP8_BLOCK))
+
+
+def fp8_aware_reader(reader: HFCheckpointReader, block: tuple[int, int] | None = None, progress: Any = None) -> Any:
+    """`read(name)` for load_hf_weights: FP8 weights come back dequantised (fp32 math: q * weight_scale_inv).
+
+    `block` defaults to the checkpoint's own quantization_config; `progress` (a tqdm bar) advances by bytes read.
+    """
+    from mcore_rl.kernels.fp8_blockwise import dequantize_blockwise
+
+    block = block if block is not None else fp8_block_size(reader.config)
+
+    def read(name: str) -> torch.Tensor:
+        tensor = reader.read(name)
+        if progress is not None:
+            progress.update(reader.nbytes(name))
+        if tensor.dtype == torch.float8_e4m3fn:
+            scale_name = name + "_scale_inv"
+            if block is None or scale_name not in reader:
+                raise CheckpointError(f"{reader.file_of(name)}: FP8 tensor {name!r} has no {scale_name!r}")
+            return dequantize_blockwise(tensor, reader.read(scale_name), block, torch.float32)
+        return tensor
+
+    return read

@@ -74,3 +74,40 @@ def test_intact_checkpoint_trains_one_step(checkpoint, tmp_path):
     out = _train(checkpoint, tmp_path / "run")
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def _fp8_rank(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.config import ActorConfig, ModelConfig
+
+    actor = MegatronActor(rank, world, ModelConfig(path=path), ActorConfig(world_size=1, use_ref=False))
+    actor.initialize("127.0.0.1", 0)  # the harness already started torch.distributed
+    return dict(actor.export_hf())
+
+
+def test_fp8_checkpoint_is_dequantized_on_load(checkpoint, tmp_path):
+    import json
+
+    from mcore_rl.kernels.fp8_blockwise import dequantize_blockwise, quantize_blockwise
+    from mcore_rl.parallel.harness import run_on_ranks
+
+    tensors = load_file(checkpoint / "model.safetensors")
+    fp8, expected = {}, dict(tensors)
+    for name, tensor in tensors.items():
+        if name.endswith(("proj.weight",)):  # attention and expert projections, as DeepSeek's release quantises
+            q, scale_inv = quantize_blockwise(tensor, (128, 128))
+            fp8[name], fp8[name + "_scale_inv"] = q, scale_inv
+            expected[name] = dequantize_blockwise(q, scale_inv, (128, 128), torch.float32)
+        else:
+            fp8[name] = tensor
+    (tmp_path / "fp8").mkdir()
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    save_file(fp8, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+
+    (exported,) = run_on_ranks(_fp8_rank, 1, (str(tmp_path / "fp8"),))
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert not torch.equal(expected[name], tensors[name]), "quantisation must change the weight"
+    for name, value in expected.items():
+        assert torch.equal(exported[name], value), name

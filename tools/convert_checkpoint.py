@@ -42,10 +42,13 @@ from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family, support
 from mcore_rl.parallel.harness import RankFailed, run_on_ranks
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 from mcore_rl.resharding.hf_io import (
+    FP8_BLOCK,
     CheckpointError,
     HFCheckpointReader,
     HFCheckpointWriter,
     copy_side_files,
+    fp8_aware_reader,
+    fp8_block_size,
     move_into_place,
     parse_size,
     prepare_output,
@@ -57,7 +60,6 @@ LAYOUT_FILE = "mcore_rl_convert.json"
 HF_SUBDIR = "hf"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-FP8_BLOCK = (128, 128)
 #: the tensors DeepSeek-V3 / Qwen3 FP8 releases quantise: attention and MLP projections (shared and routed experts
 #: included); embeddings, lm_head, norms, the router and MTP's eh_proj stay in the model dtype
 QUANTIZE_RULE = re.compile(
@@ -101,36 +103,9 @@ def _world(layout: ParallelLayout, nproc: int | None) -> int:
     return world
 
 
-def _fp8_block(config: dict[str, Any]) -> tuple[int, int] | None:
-    quant = config.get("quantization_config")
-    if not quant:
-        return None
-    if quant.get("quant_method") != "fp8" or quant.get("fmt", "e4m3") != "e4m3":
-        raise ConvertError(f"quantization_config {quant} is not supported (only DeepSeek-style blockwise fp8 e4m3)")
-    return tuple(quant.get("weight_block_size", FP8_BLOCK))
-
-
-def fp8_aware_reader(reader: HFCheckpointReader, block: tuple[int, int] | None, progress: Any = None) -> Any:
-    """`read(name)` for load_hf_weights: FP8 weights come back dequantised (fp32 math: q * weight_scale_inv)."""
-    from mcore_rl.kernels.fp8_blockwise import dequantize_blockwise
-
-    def read(name: str) -> torch.Tensor:
-        tensor = reader.read(name)
-        if progress is not None:
-            progress.update(reader.nbytes(name))
-        if tensor.dtype == torch.float8_e4m3fn:
-            scale_name = name + "_scale_inv"
-            if block is None or scale_name not in reader:
-                raise CheckpointError(f"{reader.file_of(name)}: FP8 tensor {name!r} has no {scale_name!r}")
-            return dequantize_blockwise(tensor, reader.read(scale_name), block, torch.float32)
-        return tensor
-
-    return read
-
-
 def check_inventory(reader: HFCheckpointReader, hf: HFConfig, weight_map: Any, shape: Any) -> None:
     """Refuse unexpected tensors and float dtypes that disagree with config.json, naming file and tensor."""
-    block = _fp8_block(reader.config)
+    block = fp8_block_size(reader.config)
     want = DTYPES[_hf_dtype(reader.config)]
     unexpected, wrong = [], []
     for name in reader.names():
@@ -209,7 +184,7 @@ def hf_to_mcore_rank(
     rss, built = {"built": _rss_bytes()}, time.perf_counter()
     with tqdm(desc=f"rank 0/{world} load", unit="B", unit_scale=True, disable=rank != 0, file=sys.stderr) as bar:
         used = load_hf_weights(
-            chunks, contexts, spec.weight_map(), fp8_aware_reader(reader, _fp8_block(reader.config), bar)
+            chunks, contexts, spec.weight_map(), fp8_aware_reader(reader, fp8_block_size(reader.config), bar)
         )
     read_bytes = sum(reader.nbytes(n) for n in used)
     loaded = time.perf_counter()

@@ -102,20 +102,24 @@ class MegatronActor:
 
     # ----------------------------------------------------------------------------------------------- set-up
     def _load_hf(self, path: str) -> None:
-        from mcore_rl.resharding.hf_io import HFCheckpointReader
+        from mcore_rl.resharding.hf_io import HFCheckpointReader, fp8_aware_reader, fp8_block_size
 
         reader = HFCheckpointReader(path)
-        used = load_hf_weights(self.chunks, self.contexts, self.weight_map, reader.read)
+        # FP8 releases (DeepSeek-V3) are dequantised on load with their weight_scale_inv, never copied raw.
+        fp8 = fp8_block_size(reader.config) is not None
+        load_hf_weights(self.chunks, self.contexts, self.weight_map, fp8_aware_reader(reader))
         shape = self.spec.family.shape(self.spec.hf)
         unexpected = [
-            n for n in reader.names() if not self.weight_map.is_known_hf(n, shape.num_layers, shape.num_experts)
+            n
+            for n in reader.names()
+            if not (fp8 and n.endswith("_scale_inv"))
+            and not self.weight_map.is_known_hf(n, shape.num_layers, shape.num_experts)
         ]
         if unexpected:
             raise WeightMapError(
                 f"{path}: unexpected tensors not in the {self.spec.hf.model_type} weight map: "
                 f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
             )
-        del used
 
     def _wrap_ddp_and_optimizer(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
