@@ -40,9 +40,23 @@ class LayoutConfig:
     etp: int | None = None  #: expert tensor-parallel size (null = tp)
     vpp: int | None = None  #: virtual pipeline stages per pipeline rank (null = off)
     sequence_parallel: bool = False  #: shard activations along the sequence in TP regions (MoE + tp>1 needs it)
+    #: decoder layers on the first pipeline stage (null = even split); e.g. DeepSeek-V3's 61 layers at pp=4: 16
+    first_stage_layers: int | None = None
+    #: decoder layers on the last pipeline stage (null = even split); MTP layers sit there on top of these
+    last_stage_layers: int | None = None
 
     def to_layout(self) -> ParallelLayout:
-        return ParallelLayout(self.tp, self.pp, self.cp, self.ep, self.etp, self.vpp, self.sequence_parallel)
+        return ParallelLayout(
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+            etp=self.etp,
+            vpp=self.vpp,
+            sequence_parallel=self.sequence_parallel,
+            first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers,
+        )
 
     def validate(self) -> None:
         self.to_layout()  # ParallelLayout validates sizes and names the field

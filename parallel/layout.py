@@ -1,6 +1,7 @@
 """The 5D parallel layout: sizes, validation, and rank <-> coordinates in Megatron's order.
 
-A `ParallelLayout` names tp/pp/cp/ep/etp/vpp; dp is derived from the world size. Dense layers live on the grid
+A `ParallelLayout` names tp/pp/cp/ep/etp/vpp (and, optionally, uneven first/last pipeline stages); dp is derived
+from the world size. Dense layers live on the grid
 tp x cp x dp x pp and expert layers on etp x ep x edp x pp (the same ranks, folded differently; Megatron's
 "MoE parallel folding"). Ranks are numbered in Megatron's default order "tp-cp-ep-dp-pp": tp varies fastest, pp
 slowest, so that a TP group sits inside one node.
@@ -57,6 +58,10 @@ class ParallelLayout:
         etp: expert tensor-parallel size (each expert's weights split); None means equal to tp, as in Megatron.
         vpp: virtual pipeline stages per pipeline rank (interleaved schedule); None or 1 means off.
         sequence_parallel: shard activations along the sequence inside TP regions (required for MoE with tp > 1).
+        first_stage_layers: decoder layers on pipeline rank 0, all its virtual stages together (Megatron's
+            num_layers_in_first_pipeline_stage); None splits evenly. The other stages share what is left equally.
+        last_stage_layers: decoder layers on the last pipeline rank (num_layers_in_last_pipeline_stage); None splits
+            evenly. MTP layers, when the model has them, sit on the last stage on top of these.
     """
 
     tp: int = 1
@@ -66,18 +71,29 @@ class ParallelLayout:
     etp: int | None = None
     vpp: int | None = None
     sequence_parallel: bool = False
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"layout.{name} must be a positive integer, got {value!r}")
-        for name in ("etp", "vpp"):
+        for name in ("etp", "vpp", "first_stage_layers", "last_stage_layers"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise LayoutError(f"layout.{name} must be a positive integer or null, got {value!r}")
         if self.vpp is not None and self.vpp > 1 and self.pp == 1:
             raise LayoutError(f"layout.vpp={self.vpp} needs pp > 1 (virtual stages interleave pipeline ranks)")
+        for name in ("first_stage_layers", "last_stage_layers"):
+            value = getattr(self, name)
+            if value is not None and self.pp == 1:
+                raise LayoutError(f"layout.{name}={value} needs pp > 1 (it sizes one of several pipeline stages)")
+
+    @property
+    def uneven_stages(self) -> bool:
+        """Whether the first or the last pipeline stage has its own layer count."""
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
 
     @property
     def expert_tp(self) -> int:
@@ -132,13 +148,7 @@ class ParallelLayout:
             problems.append(f"num_query_groups (KV heads)={shape.num_query_groups} is not divisible by tp={self.tp}")
         if shape.ffn_hidden_size and shape.ffn_hidden_size % self.tp:
             problems.append(f"ffn_hidden_size={shape.ffn_hidden_size} is not divisible by tp={self.tp}")
-        stages = self.pp * self.virtual_stages
-        if shape.num_layers % stages:
-            problems.append(
-                f"num_layers={shape.num_layers} is not divisible by pp*vpp = {self.pp}*{self.virtual_stages} = {stages}"
-            )
-        if shape.num_layers < stages:
-            problems.append(f"num_layers={shape.num_layers} is smaller than pp*vpp={stages}")
+        problems += self.stage_split_problems(shape.num_layers)
         if shape.num_experts:
             if shape.num_experts % self.ep:
                 problems.append(f"num_experts={shape.num_experts} is not divisible by ep={self.ep}")
@@ -154,6 +164,83 @@ class ParallelLayout:
             problems.append("cp > 1 with MoE and tp > 1 needs sequence_parallel=true")
         if problems:
             raise LayoutError(f"layout {self.describe()} does not fit the model: " + "; ".join(problems))
+
+    def stage_split_problems(self, num_layers: int) -> list[str]:
+        """Why `num_layers` decoder layers cannot be split over this layout's pipeline stages (empty when they can).
+
+        Even stages: num_layers divisible by pp*vpp. Uneven stages follow TransformerConfig.__post_init__ of
+        megatron-core 0.16.1: the first/last counts are positive and divisible by vpp; the layers left over are
+        divisible by the middle stages (pp minus the stages given a count), each middle stage's share is divisible
+        by vpp, and there are middle layers exactly when there are middle stages (pp=2 with both counts set: they
+        must add up to num_layers). Refused here although Megatron's config accepts them: first+last > num_layers
+        when the negative remainder happens to divide, and pp=2 with both counts under vpp (its layer-offset
+        arithmetic then divides by zero middle stages).
+        """
+        vpp = self.virtual_stages
+        if not self.uneven_stages:
+            stages = self.pp * vpp
+            problems = []
+            if num_layers % stages:
+                problems.append(
+                    f"num_layers={num_layers} is not divisible by pp*vpp = {self.pp}*{vpp} = {stages} "
+                    "(first_stage_layers / last_stage_layers can give the outer stages their own counts)"
+                )
+            if num_layers < stages:
+                problems.append(f"num_layers={num_layers} is smaller than pp*vpp={stages}")
+            return problems
+        given = {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers}
+        given = {name: value for name, value in given.items() if value is not None}
+        named = " + ".join(f"{name}={value}" for name, value in given.items())
+        problems = [
+            f"{name}={value} is not divisible by vpp={vpp} (each virtual stage of that pipeline rank gets an equal "
+            "share)"
+            for name, value in given.items()
+            if value % vpp
+        ]
+        middle_layers = num_layers - sum(given.values())
+        middle_stages = self.pp - len(given)
+        if middle_stages == 0:
+            if middle_layers:
+                problems.append(f"{named} = {sum(given.values())} must equal num_layers={num_layers} with pp=2")
+            if vpp > 1:
+                # megatron-core 0.16.1's get_transformer_layer_offset divides by the middle stage count under vpp.
+                problems.append(
+                    f"{named} with pp=2 and vpp={vpp} leaves no middle stage, which Megatron cannot place (its layer "
+                    "offset divides by the middle stage count); give first_stage_layers only"
+                )
+        elif middle_layers < middle_stages:
+            problems.append(
+                f"num_layers={num_layers} minus {named} leaves {middle_layers} layers for {middle_stages} middle "
+                f"pipeline stage(s) of pp={self.pp}; each stage needs at least one"
+            )
+        elif middle_layers % middle_stages:
+            problems.append(
+                f"num_layers={num_layers} minus {named} leaves {middle_layers} layers, not divisible by the "
+                f"{middle_stages} middle pipeline stage(s) of pp={self.pp}"
+            )
+        elif (middle_layers // middle_stages) % vpp:
+            problems.append(
+                f"each of the {middle_stages} middle pipeline stage(s) of pp={self.pp} gets "
+                f"{middle_layers // middle_stages} layers (num_layers={num_layers} minus {named}), not divisible by "
+                f"vpp={vpp}"
+            )
+        return problems
+
+    def layers_per_pp_rank(self, num_layers: int) -> list[int]:
+        """Decoder layers held by each pipeline rank (its virtual stages together); LayoutError if they do not split."""
+        if not self.uneven_stages:
+            return [num_layers // (self.pp * self.virtual_stages) * self.virtual_stages] * self.pp
+        problems = self.stage_split_problems(num_layers)
+        if problems:
+            raise LayoutError(f"layout {self.describe()} cannot split {num_layers} layers: " + "; ".join(problems))
+        counted = (self.first_stage_layers is not None) + (self.last_stage_layers is not None)
+        middle = num_layers - (self.first_stage_layers or 0) - (self.last_stage_layers or 0)
+        per_rank = [middle // (self.pp - counted) if self.pp > counted else 0] * self.pp
+        if self.first_stage_layers is not None:
+            per_rank[0] = self.first_stage_layers
+        if self.last_stage_layers is not None:
+            per_rank[-1] = self.last_stage_layers
+        return per_rank
 
     def coords(self, rank: int, world_size: int) -> RankCoords:
         """The coordinates of `rank`, in Megatron's order tp-cp-ep-dp-pp (tp fastest)."""
@@ -196,18 +283,25 @@ class ParallelLayout:
     def pp_stage_layers(self, num_layers: int) -> list[list[int]]:
         """Global layer ids held by each (pp_rank, virtual stage), in Megatron's interleaved assignment.
 
-        Returns a list indexed by pp_rank * vpp + vstage; virtual stage v of pp rank p holds chunk v * pp + p.
+        Returns a list indexed by pp_rank * vpp + vstage. Layers are dealt out in rounds, one round per virtual stage:
+        round v gives pp rank 0, 1, ..., pp-1 in turn its share for virtual stage v (its layer count / vpp), so with
+        even stages virtual stage v of pp rank p holds chunk v * pp + p. This is the order of megatron-core's
+        get_transformer_layer_offset, uneven first/last stages included.
         """
-        chunks = self.pp * self.virtual_stages
-        per_chunk = num_layers // chunks
-        out = []
-        for pp_rank in range(self.pp):
-            for vstage in range(self.virtual_stages):
-                chunk = vstage * self.pp + pp_rank
-                out.append(list(range(chunk * per_chunk, (chunk + 1) * per_chunk)))
+        vpp = self.virtual_stages
+        per_vstage = [count // vpp for count in self.layers_per_pp_rank(num_layers)]
+        out: list[list[int]] = [[] for _ in range(self.pp * vpp)]
+        next_layer = 0
+        for vstage in range(vpp):
+            for pp_rank, count in enumerate(per_vstage):
+                out[pp_rank * vpp + vstage] = list(range(next_layer, next_layer + count))
+                next_layer += count
         return out
 
     def describe(self) -> str:
-        """Short human form, e.g. 'tp2 pp1 cp1 ep2 etp1'."""
+        """Short human form, e.g. 'tp2 pp1 cp1 ep2 etp1', or 'tp1 pp4 cp1 ep8 etp1 first16 last15' (layers on the
+        first and last pipeline stages) with uneven stages."""
         vpp = f" vpp{self.vpp}" if self.vpp else ""
-        return f"tp{self.tp} pp{self.pp} cp{self.cp} ep{self.ep} etp{self.expert_tp}{vpp}"
+        first = f" first{self.first_stage_layers}" if self.first_stage_layers is not None else ""
+        last = f" last{self.last_stage_layers}" if self.last_stage_layers is not None else ""
+        return f"tp{self.tp} pp{self.pp} cp{self.cp} ep{self.ep} etp{self.expert_tp}{vpp}{first}{last}"

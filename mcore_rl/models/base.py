@@ -126,6 +126,9 @@ def megatron_common_fields(layout: ParallelLayout, dtype: torch.dtype, te: bool)
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.virtual_stages > 1 else None,
+        # Uneven pipeline stages (None = even): Megatron's layer offsets and block sizes read these two fields.
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
         expert_tensor_parallel_size=layout.expert_tp,

@@ -11,6 +11,9 @@ estimate works for any MoE or dense config without importing Megatron. Supported
 - MLA attention (DeepSeek-V3, `kv_lora_rank` present): q_a/q_b (or plain q), kv_a (with the rope part), kv_b, o.
 - MoE layers: routed experts (gate+up+down), shared experts, router; dense layers: gate+up+down of `intermediate_size`.
 
+Pipeline stages: every figure is for the rank holding the most decoder layers. With even stages that is 1/pp of them;
+with uneven first/last stages (`first_stage_layers` / `last_stage_layers`) the largest stage's share.
+
 Memory per GPU (bytes), mixed-precision Adam as Megatron runs it:
     weights bf16 (2) + main grads fp32 (4) + optimizer fp32 master + m + v (12, divided by the data-parallel size of
     that parameter when the distributed optimizer is on: dense / dp, experts / expert-dp)
@@ -23,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from mcore_rl.parallel.layout import ParallelLayout
 
 GIB = 1024**3
 
@@ -131,20 +136,47 @@ class MemoryEstimate:
         )
 
 
+def stage_pp_divisor(
+    num_layers: int,
+    pp: int,
+    vpp: int | None = None,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
+) -> float:
+    """num_layers / (layers on the largest pipeline stage): pp with even stages, less with uneven first/last stages.
+
+    Per-rank shares of layer-proportional quantities divide by this instead of pp. LayoutError if the uneven stages
+    do not split num_layers the way Megatron requires.
+    """
+    if first_stage_layers is None and last_stage_layers is None:
+        return pp
+    layout = ParallelLayout(pp=pp, vpp=vpp, first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
+    return num_layers / max(layout.layers_per_pp_rank(num_layers))
+
+
 def activation_bytes(
-    hf: Mapping[str, Any], tp: int, pp: int, cp: int, micro_batch: int, seq_len: int, vpp: int = 1
+    hf: Mapping[str, Any],
+    tp: int,
+    pp: int,
+    cp: int,
+    micro_batch: int,
+    seq_len: int,
+    vpp: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> float:
     """Activation allowance of one rank, assuming full activation recomputation (what large-MoE RL recipes use).
 
-    Stored: each layer's bf16 input, for the layers of this stage, for the pp micro-batches in flight under 1F1B
-    (the first stage holds pp of them); plus one layer's working set during recompute (~34 s b h bytes / tp,
+    Stored: each layer's bf16 input, for the layers of the largest stage, for the pp micro-batches in flight under
+    1F1B (the first stage holds pp of them); plus one layer's working set during recompute (~34 s b h bytes / tp,
     Korthikanti et al., with sequence parallelism) and the fp32 logits of the output layer (vocab split by tp).
     """
     h = int(hf["hidden_size"])
     layers = int(hf["num_hidden_layers"])
     tokens = micro_batch * seq_len / cp
-    # layers/pp layers per stage x pp micro-batches in flight on the first stage (interleaving adds ~1/vpp more)
-    stored = (layers / pp) * pp * (1 + (1 / vpp if vpp > 1 else 0)) * tokens * h * 2 / tp
+    stage_layers = layers / stage_pp_divisor(layers, pp, vpp, first_stage_layers, last_stage_layers)
+    # stage layers x pp micro-batches in flight on the first stage (interleaving adds ~1/vpp more)
+    stored = stage_layers * pp * (1 + (1 / vpp if vpp > 1 else 0)) * tokens * h * 2 / tp
     working = 34 * tokens * h / tp
     logits = tokens * int(hf["vocab_size"]) * 4 * 2 / tp  # logits + their softmax grad
     return stored + working + logits
@@ -164,12 +196,18 @@ def estimate_memory(
     distributed_optimizer: bool = True,
     use_ref: bool = True,
     overhead_gib: float = 4.0,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> MemoryEstimate:
-    """Per-GPU memory of one actor rank: params per rank = dense / (tp*pp) + experts / (ep*etp*pp), see module doc."""
+    """Per-GPU memory of one actor rank: params per rank = dense / (tp*pp) + experts / (ep*etp*pp), see module doc.
+
+    With uneven first/last stages pp in those divisions becomes num_layers / (layers on the largest stage).
+    """
     counts = count_params(hf)
     etp = tp if etp is None else etp
-    dense = counts.dense / (tp * pp)
-    expert = counts.expert / (ep * etp * pp)
+    stage_pp = stage_pp_divisor(int(hf["num_hidden_layers"]), pp, vpp, first_stage_layers, last_stage_layers)
+    dense = counts.dense / (tp * stage_pp)
+    expert = counts.expert / (ep * etp * stage_pp)
     dp = max(1, world_size // (tp * cp * pp))
     edp = max(1, world_size // (etp * ep * pp))
     optimizer = 12 * (dense / dp + expert / edp) if distributed_optimizer else 12 * (dense + expert)
@@ -180,7 +218,9 @@ def estimate_memory(
         grads=4 * (dense + expert),
         optimizer=optimizer,
         reference=2 * (dense + expert) if use_ref else 0.0,
-        activations=activation_bytes(hf, tp, pp, cp, micro_batch, seq_len, vpp or 1),
+        activations=activation_bytes(
+            hf, tp, pp, cp, micro_batch, seq_len, vpp or 1, first_stage_layers, last_stage_layers
+        ),
         overhead=overhead_gib * GIB,
         dp=dp,
         expert_dp=edp,
