@@ -25,13 +25,18 @@ def forward_logits(chunks: list[torch.nn.Module], pg: Any, input_ids: torch.Tens
 
     A model with MTP layers calls the output layer once per MTP depth and then for the main head (Megatron 0.16.1
     needs labels to run MTP, so labels are the inputs); the list holds those calls in order, the main logits last.
-    Other stages return None. The vocabulary is gathered over TP; padding rows are kept.
+    Other stages return None. The vocabulary is gathered over TP; padding rows are kept. With virtual stages the batch
+    runs as pp micro-batches (Megatron's interleaved schedule needs at least pp of them) and is put back together.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     config = chunks[0].config
-    batch, seq = input_ids.shape
+    vpp = len(chunks)
+    num_microbatches = pg.pp.size() if vpp > 1 else 1
+    assert input_ids.shape[0] % num_microbatches == 0, f"batch {input_ids.shape[0]} is not a multiple of pp"
+    microbatches = list(input_ids.chunk(num_microbatches))
+    batch, seq = microbatches[0].shape
     position_ids = torch.arange(seq).unsqueeze(0).expand(batch, seq)
     captured: list[torch.Tensor] = []
     last = chunks[-1]
@@ -50,9 +55,8 @@ def forward_logits(chunks: list[torch.nn.Module], pg: Any, input_ids: torch.Tens
 
         return out, loss_func
 
-    vpp = len(chunks)
     schedule = get_forward_backward_func(pp_size=pg.pp.size(), vp_size=vpp if vpp > 1 else None)
-    iterators = [iter([input_ids]) for _ in chunks] if vpp > 1 else iter([input_ids])
+    iterators = [iter(microbatches) for _ in chunks] if vpp > 1 else iter(microbatches)
     for chunk in chunks:
         chunk.eval()
     # The pipelined schedules take process groups only together with a p2p communicator on the same PP group.
@@ -62,7 +66,7 @@ def forward_logits(chunks: list[torch.nn.Module], pg: Any, input_ids: torch.Tens
             forward_step_func=forward_step,
             data_iterator=iterators,
             model=chunks if vpp > 1 else chunks[0],
-            num_microbatches=1,
+            num_microbatches=num_microbatches,
             seq_length=seq,
             micro_batch_size=batch,
             forward_only=True,
@@ -72,6 +76,9 @@ def forward_logits(chunks: list[torch.nn.Module], pg: Any, input_ids: torch.Tens
     if hook is None:
         return None
     hook.remove()
+    # The last chunk sees the micro-batches in order, each calling the output layer once per head.
+    heads = len(captured) // num_microbatches
+    captured = [torch.cat(captured[h::heads], dim=1) for h in range(heads)]
     out = []
     for logits in captured:  # [s, b, vocab / tp]
         shards = [torch.empty_like(logits) for _ in range(pg.tp.size())]
