@@ -21,6 +21,7 @@ The safetensors format: 8-byte little-endian header length N, N bytes of JSON
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
@@ -262,22 +263,34 @@ def write_safetensors(
     path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> int:
     """Serialise `tensors` to `path` in safetensors format, streaming each tensor's bytes; returns bytes written."""
+    layout = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    header = _header_bytes(list(tensors), layout, Path(path), metadata)
+    with open(path, "wb") as f:
+        f.write(header)
+        for t in tensors.values():
+            f.write(_tensor_bytes(t.cpu()))
+    return len(header) + sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _header_bytes(
+    names: list[str],
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+    path: Path,
+    metadata: dict[str, str] | None = None,
+) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding `names` (in that order) of `layout`."""
     header: dict[str, Any] = {"__metadata__": dict(metadata or {"format": "pt"})}
     offset = 0
-    for name, t in tensors.items():
-        if t.dtype not in DTYPE_NAMES:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+    for name in names:
+        dtype, shape = layout[name]
+        if dtype not in DTYPE_NAMES:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {dtype}, which safetensors cannot store")
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors itself writes
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in tensors.values():
-            f.write(_tensor_bytes(t.cpu()))
-    return 8 + len(raw) + offset
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def prepare_output(out_dir: str | Path, overwrite: bool = False) -> Path:
@@ -329,6 +342,10 @@ class HFCheckpointWriter:
     At most one shard's tensors are held. Shards are named model-0000X-of-0000N.safetensors at close, when N is known.
     With `tmp_dir` the writer is one of several (one per rank) filling a directory a coordinator prepared: `finish()`
     returns its parts, and the coordinator calls `publish` with every writer's parts.
+
+    With `layout` ([(name, dtype, shape)] in the order the tensors will be added) the shards are cut up front and
+    every tensor goes straight to its file as it is added: nothing is held, so memory no longer grows with the shard
+    size (a 5 GB shard otherwise costs 5 GB of RSS). Tensors must then arrive in exactly that order and form.
     """
 
     def __init__(
@@ -339,6 +356,7 @@ class HFCheckpointWriter:
         *,
         tmp_dir: str | Path | None = None,
         part_prefix: str = "part-",
+        layout: list[tuple[str, torch.dtype, tuple[int, ...]]] | None = None,
     ) -> None:
         self.out = Path(out_dir)
         if max_shard_bytes <= 0:
@@ -352,9 +370,55 @@ class HFCheckpointWriter:
         self._seen: set[str] = set()
         self.total_bytes = 0
         self._closed = False
+        self._layout = None if layout is None else {name: (dtype, tuple(shape)) for name, dtype, shape in layout}
+        self._order = [] if layout is None else [name for name, _, _ in layout]
+        self._next = 0
+        self._file: Any = None
+        self._file_left: list[str] = []
+        if layout is not None:
+            if len(self._layout) != len(layout):
+                raise CheckpointError(f"{self.out}: the layout names a tensor twice")
+            shards: list[list[str]] = []
+            size = 0
+            for name, dtype, shape in layout:
+                n = math.prod(shape) * dtype.itemsize
+                if not shards or (shards[-1] and size + n > max_shard_bytes):
+                    shards.append([])
+                    size = 0
+                shards[-1].append(name)
+                size += n
+            self._planned_shards = shards
+
+    def _add_planned(self, name: str, tensor: torch.Tensor) -> None:
+        expected = self._order[self._next] if self._next < len(self._order) else None
+        if name != expected:
+            raise CheckpointError(f"{self.out}: tensor {name!r} added where the layout has {expected!r}")
+        dtype, shape = self._layout[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise CheckpointError(
+                f"{self.out}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, the layout says {dtype} {shape}"
+            )
+        if self._file is None:
+            names = self._planned_shards[len(self._parts)]
+            file = f"{self.part_prefix}{len(self._parts) + 1:05d}.safetensors"
+            self._file = open(self.tmp / file, "wb")  # noqa: SIM115 - closed when its last tensor is written
+            self._file.write(_header_bytes(names, self._layout, self.tmp / file))
+            self._file_left = list(names)
+            nbytes = sum(math.prod(self._layout[n][1]) * self._layout[n][0].itemsize for n in names)
+            self._parts.append((file, list(names), nbytes))
+        self._file.write(_tensor_bytes(tensor))
+        self._file_left.pop(0)
+        self._next += 1
+        self.total_bytes += tensor.numel() * tensor.element_size()
+        if not self._file_left:
+            self._file.close()
+            self._file = None
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue a tensor; the current shard is written first when `tensor` would overflow it."""
+        if self._layout is not None:
+            self._add_planned(name, tensor)
+            return
         if name in self._seen:
             raise CheckpointError(f"{self.out}: tensor {name!r} written twice")
         self._seen.add(name)
@@ -383,6 +447,11 @@ class HFCheckpointWriter:
 
     def finish(self) -> list[tuple[str, list[str], int]]:
         """Write the last shard; return this writer's parts (file, tensor names, bytes) for `publish`."""
+        if self._layout is not None and self._next != len(self._order):
+            raise CheckpointError(
+                f"{self.out}: {len(self._order) - self._next} tensor(s) of the layout never added, "
+                f"first {self._order[self._next]!r}"
+            )
         self._flush()
         return list(self._parts)
 
@@ -396,6 +465,9 @@ class HFCheckpointWriter:
     def abort(self) -> None:
         """Discard everything written so far (the output directory is never created)."""
         self._pending.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
         self._closed = True
         shutil.rmtree(self.tmp, ignore_errors=True)
 

@@ -136,6 +136,51 @@ def _local_tensors(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         yield name, tensor
 
 
+def hf_to_megatron(
+    weight_map: WeightMap,
+    name: str,
+    shape: tuple[int, ...],
+    ctx: ShardContext,
+    read_hf: Callable[[str], torch.Tensor],
+) -> tuple[torch.Tensor, list[str]]:
+    """One Megatron tensor (this rank's shard, of `shape`) built from the HF tensors its rule names.
+
+    Returns the value and the HF names read. A missing HF tensor or a shape that disagrees is a WeightMapError naming
+    both sides.
+    """
+    rule, local = weight_map.match(name)
+    names = weight_map.hf_names(rule, local, ctx)
+    hf = []
+    for hf_name in names:
+        try:
+            hf.append(read_hf(hf_name))
+        except KeyError:
+            raise WeightMapError(f"HF tensor {hf_name!r} is missing (needed for Megatron {name!r})") from None
+    shard, num_shards = ctx.shard_of(rule.transform.axis_for(torch.Size(shape)))
+    try:
+        value = rule.transform.to_megatron(hf, shard, num_shards)
+    except ValueError as err:
+        raise WeightMapError(f"{', '.join(names)} -> {name}: {err}") from None
+    if tuple(value.shape) != tuple(shape):
+        raise WeightMapError(
+            f"HF tensor(s) {', '.join(names)} give shape {tuple(value.shape)} for Megatron {name!r}, "
+            f"which expects {tuple(shape)}"
+        )
+    return value, names
+
+
+def megatron_to_hf(
+    weight_map: WeightMap, name: str, shards: list[torch.Tensor], ctx: ShardContext
+) -> list[tuple[str, torch.Tensor]]:
+    """The HF tensors (aliases included) of one Megatron tensor, from all its shards along the rule's axis."""
+    rule, local = weight_map.match(name)
+    if not rule.export:
+        return []
+    values = rule.transform.to_hf(shards)
+    out = list(zip(weight_map.hf_names(rule, local, ctx), values))
+    return out + [(alias, values[0]) for alias in weight_map.hf_names(rule, local, ctx, aliases=True)]
+
+
 def load_hf_weights(
     chunks: list[torch.nn.Module],
     contexts: list[ShardContext],
@@ -149,24 +194,7 @@ def load_hf_weights(
     used: set[str] = set()
     for chunk, ctx in zip(chunks, contexts):
         for name, tensor in _local_tensors(chunk):
-            rule, local = weight_map.match(name)
-            names = weight_map.hf_names(rule, local, ctx)
-            hf = []
-            for hf_name in names:
-                try:
-                    hf.append(read_hf(hf_name))
-                except KeyError:
-                    raise WeightMapError(f"HF tensor {hf_name!r} is missing (needed for Megatron {name!r})") from None
-            shard, num_shards = ctx.shard_of(rule.transform.axis_for(tensor.shape))
-            try:
-                value = rule.transform.to_megatron(hf, shard, num_shards)
-            except ValueError as err:
-                raise WeightMapError(f"{', '.join(names)} -> {name}: {err}") from None
-            if tuple(value.shape) != tuple(tensor.shape):
-                raise WeightMapError(
-                    f"HF tensor(s) {', '.join(names)} give shape {tuple(value.shape)} for Megatron {name!r}, "
-                    f"which expects {tuple(tensor.shape)}"
-                )
+            value, names = hf_to_megatron(weight_map, name, tuple(tensor.shape), ctx, read_hf)
             with torch.no_grad():
                 tensor.copy_(value.to(tensor.dtype))
             used.update(names)
@@ -199,9 +227,5 @@ def export_hf_weights(
             else:
                 shards = [local_value]
             owner = ctx.owns_experts if rule.is_expert else ctx.owns_dense
-            if not owner or not rule.export:
-                continue
-            values = rule.transform.to_hf(shards)
-            yield from zip(weight_map.hf_names(rule, local, ctx), values)
-            for hf_name in weight_map.hf_names(rule, local, ctx, aliases=True):
-                yield hf_name, values[0]
+            if owner:
+                yield from megatron_to_hf(weight_map, name, shards, ctx)

@@ -36,18 +36,16 @@ def _ids() -> torch.Tensor:
 
 def mcore_logits_rank(rank: int, world: int, mcore_dir: str, layout: ParallelLayout, ids: torch.Tensor):
     """Load a converted torch_dist checkpoint under `layout` and return the last stage's logits."""
-    from megatron.core import dist_checkpointing
-
     from mcore_rl.models.builder import build_gpt_chunks
     from mcore_rl.parallel.groups import initialize_model_parallel
+    from mcore_rl.resharding.dist_ckpt import load_model_chunks
 
     pg = initialize_model_parallel(layout)
     meta = json.loads((Path(mcore_dir) / convert_checkpoint.LAYOUT_FILE).read_text())
     config = json.loads((Path(mcore_dir) / "hf" / "config.json").read_text())
     spec = convert_checkpoint._spec(config, layout, meta["dtype"], meta["make_vocab_size_divisible_by"])
     chunks, _ = build_gpt_chunks(spec, pg)
-    state = dist_checkpointing.load(convert_checkpoint._sharded_state_dict(chunks, pg), mcore_dir)
-    chunks[0].load_state_dict(state["model"], strict=True)
+    load_model_chunks(chunks, pg, mcore_dir)
     logits = forward_logits(chunks, pg, ids)
     return logits if logits is not None and pg.tp.rank() == 0 else None
 
@@ -77,7 +75,7 @@ def test_round_trip_reshard_and_transformers_load(deepseek, tmp_path: Path) -> N
     for got, want in zip(logits, ref["mtp_logits"] + [ref["logits"]]):
         assert (got[..., :VOCAB] - want).abs().max().item() < 1e-5
 
-    argv = ("mcore-to-hf", "--mcore", mcore, "--out", back, "--tp", 2, "--pp", 2, "--ep", 1)
+    argv = ("mcore-to-hf", "--mcore", mcore, "--out", back, "--nproc", 3)
     assert _convert(*argv, "--max-shard-size", "40KB") == 0
     assert len(list(back.glob("model-*-of-*.safetensors"))) > 1
     assert_bit_exact(hf_state(back), hf_state(hf_dir))
@@ -121,7 +119,7 @@ def test_fp8_import_dequantises_and_fp8_export_reproduces(deepseek, tmp_path: Pa
     _quantise_checkpoint(hf_dir, fp8)
     assert _convert("hf-to-mcore", "--hf", fp8, "--out", mcore, "--dtype", "fp32") == 0
     assert "quantization_config" not in json.loads((mcore / "hf" / "config.json").read_text())
-    assert _convert("mcore-to-hf", "--mcore", mcore, "--out", back, "--fp8", "--ep", 2) == 0
+    assert _convert("mcore-to-hf", "--mcore", mcore, "--out", back, "--fp8", "--nproc", 2) == 0
     # fp32 parameters hold q * scale exactly, so re-quantising finds the same scales and codes.
     original, exported = hf_state(fp8), hf_state(back)
     assert_bit_exact(exported, original)
@@ -129,6 +127,67 @@ def test_fp8_import_dequantises_and_fp8_export_reproduces(deepseek, tmp_path: Pa
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
     w = dequantize_blockwise(exported[name], exported[name + "_scale_inv"], dtype=torch.float32)
     assert (w - hf_state(hf_dir)[name]).abs().max() < 0.1 * hf_state(hf_dir)[name].abs().max()
+
+
+def megatron_save_rank(rank: int, world: int, hf_dir: str, out: str, layout: ParallelLayout) -> None:
+    """Megatron's own save: the model built under `layout`, filled from HF, saved by dist_checkpointing."""
+    from megatron.core import dist_checkpointing
+
+    from mcore_rl.models.builder import build_gpt_chunks
+    from mcore_rl.parallel.groups import initialize_model_parallel
+    from mcore_rl.resharding.hf_io import HFCheckpointReader
+    from mcore_rl.resharding.weight_map import load_hf_weights
+
+    pg = initialize_model_parallel(layout)
+    reader = HFCheckpointReader(hf_dir)
+    spec = convert_checkpoint._spec(dict(reader.config), layout, "fp32", 128)
+    chunks, contexts = build_gpt_chunks(spec, pg)
+    load_hf_weights(chunks, contexts, spec.weight_map(), reader.read)
+    sharded = {"model": chunks[0].sharded_state_dict(metadata={"dp_cp_group": pg.dp_cp})}
+    dist_checkpointing.save(sharded, out)
+
+
+def test_written_chunks_are_those_of_megatrons_own_save(deepseek, tmp_path: Path) -> None:
+    """hf-to-mcore (no model built) writes the keys, global shapes, dtypes, chunks, objects and values that Megatron's
+    own dist_checkpointing.save writes for the filled model at tp=pp=ep=1."""
+    import pickle
+
+    from mcore_rl.resharding.dist_ckpt import ChunkReader, Piece
+
+    hf_dir, _ = deepseek
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    theirs.mkdir()
+    assert _convert("hf-to-mcore", "--hf", hf_dir, "--out", ours, "--dtype", "fp32", "--nproc", 2) == 0
+    run_on_ranks(megatron_save_rank, 1, (str(hf_dir), str(theirs), ParallelLayout()))
+    metadata = [pickle.loads((d / ".metadata").read_bytes()).state_dict_metadata for d in (ours, theirs)]
+    assert sorted(metadata[0]) == sorted(metadata[1])  # tensor keys and ShardedObject keys
+    with ChunkReader(ours) as a, ChunkReader(theirs) as b:
+        assert len(a.tensors) > 20
+        for key, md in b.tensors.items():
+            mine = a.tensors[key]
+            assert (mine.size, mine.properties.dtype) == (md.size, md.properties.dtype), key
+            chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.chunks)
+            assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in mine.chunks) == chunks, key
+            for offset, sizes in chunks:
+                piece = Piece(key, tuple(md.size), offset, sizes, view=((), (), 0))
+                assert torch.equal(a.read_region(piece), b.read_region(piece)), (key, offset)
+
+
+def test_checkpoint_saved_by_megatron_under_tp_and_ep_exports_bit_exact(deepseek, tmp_path: Path) -> None:
+    """mcore-to-hf reads a checkpoint Megatron saved under TP2 x EP2 (chunks split unlike ours: TP halves of each
+    GLU gate and up, vocab rows, MLA heads) and assembles the same HF tensors, bit for bit."""
+    hf_dir, _ = deepseek
+    mcore, back = tmp_path / "mcore", tmp_path / "back"
+    mcore.mkdir()
+    layout = ParallelLayout(tp=2, ep=2, sequence_parallel=True)
+    run_on_ranks(megatron_save_rank, 4, (str(hf_dir), str(mcore), layout))
+    (mcore / "hf").mkdir()
+    config = dict(json.loads((hf_dir / "config.json").read_text()), dtype="float32")
+    (mcore / "hf" / "config.json").write_text(json.dumps(config))
+    meta = dict(model_type="deepseek_v3", dtype="fp32", make_vocab_size_divisible_by=128, layout=dict(tp=2))
+    (mcore / convert_checkpoint.LAYOUT_FILE).write_text(json.dumps(meta))
+    assert _convert("mcore-to-hf", "--mcore", mcore, "--out", back, "--nproc", 2) == 0
+    assert_bit_exact(hf_state(back), hf_state(hf_dir))
 
 
 def test_virtual_pipeline_checkpoint_loads_without_it(tmp_path: Path) -> None:
@@ -149,7 +208,7 @@ def test_virtual_pipeline_checkpoint_loads_without_it(tmp_path: Path) -> None:
     hf_dir, mcore, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
     Qwen3ForCausalLM(config).float().save_pretrained(hf_dir)
     assert _convert("hf-to-mcore", "--hf", hf_dir, "--out", mcore, "--pp", 2, "--vpp", 2) == 0
-    assert _convert("mcore-to-hf", "--mcore", mcore, "--out", back, "--pp", 1, "--vpp", 1) == 0
+    assert _convert("mcore-to-hf", "--mcore", mcore, "--out", back, "--nproc", 1) == 0
     assert_bit_exact(hf_state(back), hf_state(hf_dir))
 
 
@@ -160,6 +219,6 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     argv = ["--size-gb", "0.01", "--layers", "4", "--experts", "8", "--nproc", "2", "--workdir", str(tmp_path / "b")]
     assert bench_convert.main(argv) == 0
     out = capsys.readouterr().out
-    for needle in ("hf-to-mcore", "mcore-to-hf", "raw GB/s", "ratio", "peak RSS"):
+    for needle in ("hf-to-mcore", "mcore-to-hf", "raw read", "raw copy", "ratio", "peak RSS"):
         assert needle in out
     assert not (tmp_path / "b").exists()

@@ -2,8 +2,9 @@
 
     .venv/bin/pytest -q tests/test_convert_errors.py
 
-Most checks run in the parent before any rank starts (config, inventory, dtypes, layout, output directory); a
-missing or misshapen tensor is found by the rank that needs it and reported the same way.
+Most checks run in the parent before any worker starts (config, inventory, dtypes, layout, output directory); a
+missing or misshapen tensor, a truncated chunk file or a checkpoint that disagrees with config.json is found by the
+worker that reads it and reported the same way.
 """
 
 from __future__ import annotations
@@ -116,3 +117,57 @@ def test_cli_help_and_exit_status(llama: Path, tmp_path: Path) -> None:
         text=True,
     )
     assert done.returncode == 2 and "exists" in done.stderr
+
+
+@pytest.fixture()
+def llama_mcore(llama: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "llama-mcore"
+    assert convert_checkpoint.main(["hf-to-mcore", "--hf", str(llama), "--out", str(out), "--nproc", "2"]) == 0
+    return out
+
+
+def test_truncated_chunk_file_named(llama_mcore: Path, tmp_path: Path, capsys) -> None:
+    part = sorted(llama_mcore.glob("__*_0.distcp"))[-1]
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    _fails(capsys, "mcore-to-hf", "--mcore", llama_mcore, "--out", tmp_path / "o", match=f"{part}: truncated")
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob("o.tmp-*"))
+
+
+def test_missing_torch_dist_metadata_named(llama_mcore: Path, tmp_path: Path, capsys) -> None:
+    (llama_mcore / ".metadata").unlink()
+    _fails(capsys, "mcore-to-hf", "--mcore", llama_mcore, "--out", tmp_path / "o", match=".metadata: missing")
+
+
+def test_checkpoint_disagreeing_with_config_named(llama_mcore: Path, tmp_path: Path, capsys) -> None:
+    config_path = llama_mcore / "hf" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["intermediate_size"] = 48
+    config_path.write_text(json.dumps(config))
+    _fails(capsys, "mcore-to-hf", "--mcore", llama_mcore, "--out", tmp_path / "o", match="(config.json) expects")
+    config["intermediate_size"], config["num_hidden_layers"] = 32, 1
+    config_path.write_text(json.dumps(config))
+    # Megatron stacks the layers of a homogeneous decoder along a leading axis: 2 layers saved, 1 expected
+    out = tmp_path / "o"
+    _fails(capsys, "mcore-to-hf", "--mcore", llama_mcore, "--out", out, match="(2, 16, 32) in the checkpoint")
+
+
+def test_killed_conversion_leaves_no_output_directory(llama: Path, tmp_path: Path) -> None:
+    """SIGKILL while the workers run: the output path never appears (only <out>.tmp-<pid> is left behind)."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "o"
+    proc = subprocess.Popen(
+        [sys.executable, str(TOOLS / "convert_checkpoint.py"), "hf-to-mcore", "--hf", str(llama), "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("o.tmp-*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert list(tmp_path.glob("o.tmp-*")), "the conversion never created its temporary directory"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()

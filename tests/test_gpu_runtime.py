@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_qwen3_moe_parity import VOCAB, tiny_qwen3_moe
 
 

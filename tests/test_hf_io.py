@@ -186,3 +186,40 @@ def test_reader_mappings_bounded_across_files(tmp_path: Path) -> None:
     assert len({str(reader.file_of(n)) for n in reader.names()}) > 2
     for name, t in zip(reader.names(), held):
         assert torch.equal(t.view(torch.uint8), _tensors()[name].view(torch.uint8))
+
+
+def _layout() -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    return [(name, t.dtype, tuple(t.shape)) for name, t in _tensors().items()]
+
+
+def test_planned_layout_streams_the_same_files_as_buffered_writes(tmp_path: Path) -> None:
+    """With the layout known up front nothing is buffered, and the files are byte-identical to buffered writing."""
+    buffered = _write(tmp_path / "buffered")
+    planned = tmp_path / "planned"
+    with HFCheckpointWriter(planned, max_shard_bytes=1000, layout=_layout()) as writer:
+        for name, t in _tensors().items():
+            writer.add(name, t)
+            assert not writer._pending  # streamed, not held
+        writer.write_config({"model_type": "toy", "vocab_size": 64})
+    files = sorted(p.name for p in buffered.iterdir())
+    assert files == sorted(p.name for p in planned.iterdir()) and len(files) > 3
+    for name in files:
+        assert (buffered / name).read_bytes() == (planned / name).read_bytes(), name
+
+
+def test_planned_layout_refuses_other_order_form_and_missing_tensors(tmp_path: Path) -> None:
+    tensors = list(_tensors().items())
+    writer = HFCheckpointWriter(tmp_path / "a", layout=_layout())
+    with pytest.raises(CheckpointError, match="'model.norm.weight' added where the layout has 'model.embed"):
+        writer.add(*tensors[1])
+    writer.abort()
+    writer = HFCheckpointWriter(tmp_path / "b", layout=_layout())
+    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight' is torch.float32 \(64, 16\), the layout"):
+        writer.add(tensors[0][0], tensors[0][1].float())
+    writer.abort()
+    writer = HFCheckpointWriter(tmp_path / "c", layout=_layout())
+    writer.add(*tensors[0])
+    with pytest.raises(CheckpointError, match="5 tensor\\(s\\) of the layout never added, first 'model.norm.weight'"):
+        writer.close()
+    writer.abort()
+    assert not any((tmp_path / name).exists() for name in "abc") and not list(tmp_path.iterdir())

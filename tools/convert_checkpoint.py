@@ -1,30 +1,37 @@
-"""HF <-> Megatron checkpoint conversion, streamed tensor by tensor over spawned ranks.
+"""HF <-> Megatron checkpoint conversion, streamed tensor by tensor over --nproc worker processes.
 
-    python tools/convert_checkpoint.py hf-to-mcore --hf Qwen3-30B-A3B --out q3-mcore --tp 2 --pp 2 --ep 4
-    python tools/convert_checkpoint.py mcore-to-hf --mcore q3-mcore --out q3-hf --max-shard-size 5GB [--fp8]
+    python tools/convert_checkpoint.py hf-to-mcore --hf DeepSeek-V3 --out ds-mcore --tp 8 --ep 64 --nproc 16
+    python tools/convert_checkpoint.py mcore-to-hf --mcore ds-mcore --out ds-hf --max-shard-size 5GB [--fp8]
 
-hf-to-mcore:  HF safetensors (memory-mapped, read by the ranks that need each tensor; FP8 weights dequantised with
-              fp32 math) -> the family's weight map -> this rank's Megatron shards -> dist_checkpointing (torch_dist).
-              The HF config (without quantization_config) and tokenizer files are stored under <out>/hf/, and the
-              layout under <out>/mcore_rl_convert.json, so mcore-to-hf can rebuild the model alone.
-mcore-to-hf:  dist_checkpointing, loaded under any layout -> export_hf_weights (TP/ETP gathers; PP stages and EP
-              ranks emit their own tensors) -> [--fp8: 128x128 blockwise e4m3 + weight_scale_inv] -> every rank
-              writes its own safetensors shards -> shards numbered, index written, directory renamed into place.
+No Megatron model is built or filled. Each worker builds the model on the meta device (shapes only, seconds even for
+671B) to learn the chunks Megatron's torch_dist format holds, then streams its share of the parameters
+(resharding/dist_ckpt.py):
 
-Ranks are CPU processes on gloo (the Megatron model is built with the local spec; torch_dist checkpoints are
-layout- and spec-independent). The world is the layout's (tp x pp x ep ..., see ParallelLayout) or --nproc, a
-multiple of it whose extra ranks are data-parallel replicas. Each rank holds only its own shard of the model; the
-HF side holds at most one output shard per rank and maps input files through bounded windows (hf_io.py).
+hf-to-mcore:  HF safetensors (memory-mapped through bounded windows; FP8 weights dequantised with fp32 math) ->
+              the family's weight map, one parameter at a time -> its chunks appended to the worker's own .distcp
+              file; worker 0 writes .metadata, metadata.json and common.pt. The HF config (without
+              quantization_config) and tokenizer files go under <out>/hf/, the layout under <out>/mcore_rl_convert.json.
+mcore-to-hf:  the chunks covering each parameter (from this converter, or saved by Megatron under any layout) ->
+              the weight map back to HF names -> [--fp8: 128x128 blockwise e4m3 + weight_scale_inv] -> safetensors
+              whose headers are planned up front (the weight map run on meta tensors), so every tensor goes straight
+              to disk -> shards numbered, index written, directory renamed into place.
+
+torch_dist keys are global, so the checkpoint loads under any layout with the same padded vocabulary: the layout
+given to hf-to-mcore is validated against the model and fixes the vocabulary padding (a multiple of
+make_vocab_size_divisible_by x tp), as Megatron's own save would. Peak memory per worker is about the largest
+tensor (times the few copies a transform makes) plus a constant (imports, the meta model, a 512 MiB read window),
+whatever the model's size or the output shard size.
 
 Bad input (unsupported model_type, missing / unexpected / misshapen tensors, dtypes disagreeing with config.json,
-truncated files, a layout that does not divide the model, an existing output directory without --overwrite) exits
-with status 2 and a message naming the file or tensor. Output is written to <out>.tmp-<pid> and renamed only when
-complete, so a killed conversion leaves no <out>.
+truncated or corrupt files, a checkpoint disagreeing with its config.json, a layout that does not divide the model,
+an existing output directory without --overwrite) exits with status 2 and a message naming the file or tensor.
+Output is written to <out>.tmp-<pid> and renamed only when complete, so a killed conversion leaves no <out>.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,9 +45,11 @@ from typing import Any
 
 import torch
 
-from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family, supported_model_types
+from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family, padded_vocab_size, supported_model_types
+from mcore_rl.parallel.cpu_runtime import mode_suspended
 from mcore_rl.parallel.harness import RankFailed, run_on_ranks
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
+from mcore_rl.resharding.dist_ckpt import CheckpointPlan, ChunkReader, ChunkWriter, finish_checkpoint, plan_checkpoint
 from mcore_rl.resharding.hf_io import (
     FP8_BLOCK,
     CheckpointError,
@@ -54,7 +63,7 @@ from mcore_rl.resharding.hf_io import (
     prepare_output,
     publish,
 )
-from mcore_rl.resharding.weight_map import WeightMapError
+from mcore_rl.resharding.weight_map import ShardContext, WeightMapError, hf_to_megatron, megatron_to_hf
 
 LAYOUT_FILE = "mcore_rl_convert.json"
 HF_SUBDIR = "hf"
@@ -92,15 +101,18 @@ def _hf_dtype(config: dict[str, Any]) -> str:
     return HF_DTYPE_NAMES.get(str(name).replace("torch.", ""), "bf16")
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
 def _min_world(layout: ParallelLayout) -> int:
+    """The smallest world the layout runs on (validation only: conversion itself needs no model-parallel ranks)."""
     dense, expert = layout.tp * layout.cp * layout.pp, layout.expert_tp * layout.ep * layout.pp
     return dense * expert // math.gcd(dense, expert)
 
 
-def _world(layout: ParallelLayout, nproc: int | None) -> int:
-    world = nproc or _min_world(layout)
-    layout.check_world_size(world)
-    return world
+def _layout_dict(layout: ParallelLayout) -> dict[str, Any]:
+    return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
 
 
 def check_inventory(reader: HFCheckpointReader, hf: HFConfig, weight_map: Any, shape: Any) -> None:
@@ -149,105 +161,119 @@ def _share_cores(world: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
-def _sharded_state_dict(chunks: list[torch.nn.Module], pg: Any) -> dict[str, Any]:
-    # Megatron-LM's convention: "model" for one chunk, "model0", "model1", ... under virtual pipelining. Tensor keys
-    # inside are global (layer offsets applied), so a checkpoint loads under any other (v)pp.
-    metadata = {"dp_cp_group": pg.dp_cp}
-    if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict(metadata=metadata)}
-    return {f"model{i}": c.sharded_state_dict(metadata=metadata) for i, c in enumerate(chunks)}
+# --------------------------------------------------------------------------------------------- process bodies
+def _worker_plan(config: dict, dtype: str, vocab_multiple: int) -> CheckpointPlan:
+    """The checkpoint plan, built by every worker itself (a meta-device model: seconds, no memory; cheaper than a
+    separate planning process and shipping the plan around)."""
+    from mcore_rl.parallel.groups import initialize_model_parallel
+
+    pg = initialize_model_parallel(ParallelLayout())
+    return plan_checkpoint(_spec(config, ParallelLayout(), dtype, vocab_multiple), pg)
 
 
-def _layout_of(meta: dict[str, Any]) -> ParallelLayout:
-    return ParallelLayout(**meta)
-
-
-# ------------------------------------------------------------------------------------------------ rank bodies
-def hf_to_mcore_rank(
-    rank: int, world: int, hf_dir: str, tmp: str, layout: ParallelLayout, config: dict, dtype: str, div: int
-) -> dict[str, Any]:
-    """One rank: build its Megatron shard, fill it from the HF files, save its part of the torch_dist checkpoint."""
-    from megatron.core import dist_checkpointing
+def _progress(rank: int, world: int, nbytes: int) -> Any:
     from tqdm import tqdm
 
-    from mcore_rl.models.builder import build_gpt_chunks
-    from mcore_rl.parallel.groups import initialize_model_parallel
-    from mcore_rl.resharding.weight_map import load_hf_weights
+    return tqdm(total=nbytes, desc=f"worker 0/{world}", unit="B", unit_scale=True, disable=rank != 0, file=sys.stderr)
 
+
+def hf_to_mcore_rank(
+    rank: int, world: int, hf_dir: str, tmp: str, config: dict, dtype: str, vocab_multiple: int
+) -> dict[str, Any]:
+    """One worker: its run of the model's parameters, computed from the HF files, into its own .distcp file; worker
+    0 then writes the checkpoint's metadata from every worker's records."""
     start = time.perf_counter()
     _share_cores(world)
-    pg = initialize_model_parallel(layout)
+    plan = _worker_plan(config, dtype, vocab_multiple)
+    planned = time.perf_counter()
+    entries = plan.split(world)[rank]
     reader = HFCheckpointReader(hf_dir)
-    spec = _spec(config, layout, dtype, div)
-    torch.manual_seed(0)
-    chunks, contexts = build_gpt_chunks(spec, pg)
-    rss, built = {"built": _rss_bytes()}, time.perf_counter()
-    with tqdm(desc=f"rank 0/{world} load", unit="B", unit_scale=True, disable=rank != 0, file=sys.stderr) as bar:
-        used = load_hf_weights(
-            chunks, contexts, spec.weight_map(), fp8_aware_reader(reader, fp8_block_size(reader.config), bar)
-        )
-    read_bytes = sum(reader.nbytes(n) for n in used)
-    loaded = time.perf_counter()
-    rss["loaded"] = _rss_bytes()
-    dist_checkpointing.save(_sharded_state_dict(chunks, pg), tmp)
-    rss["saved"] = _rss_bytes()
+    read_hf = fp8_aware_reader(reader, fp8_block_size(reader.config))
+    weight_map = _spec(config, ParallelLayout(), dtype, vocab_multiple).weight_map()
+    ctx, used = ShardContext(), set()
+    nbytes = sum(e.numel for e in entries) * plan.dtype.itemsize
+    with ChunkWriter(tmp, f"__{rank}_0.distcp") as writer, _progress(rank, world, nbytes) as bar, mode_suspended():
+        if rank == 0:
+            for key, data in plan.objects.items():
+                writer.write_object(key, data)
+        for entry in entries:
+            value, names = hf_to_megatron(weight_map, entry.name, entry.shape, ctx, read_hf)
+            writer.write(entry, value.to(plan.dtype))
+            used.update(names)
+            bar.update(entry.numel * plan.dtype.itemsize)
+    written = time.perf_counter()
+    parts = [None] * world if rank == 0 else None
+    torch.distributed.gather_object((writer.file_name, writer.records), parts, dst=0)
+    if rank == 0:
+        finish_checkpoint(tmp, plan, parts)
     return dict(
-        rss=rss,
-        used=sorted(used),
-        read_bytes=read_bytes,
-        build_s=built - start,
-        load_s=loaded - built,
-        save_s=time.perf_counter() - loaded,
+        read_bytes=sum(reader.nbytes(n) for n in used),
+        plan_s=planned - start,
+        convert_s=written - planned,
+        metadata_s=time.perf_counter() - written,
         peak_rss=_peak_rss_bytes(),
     )
 
 
-def mcore_to_hf_rank(
-    rank: int, world: int, mcore_dir: str, tmp: str, layout: ParallelLayout, meta: dict, shard_bytes: int, fp8: bool
-) -> dict[str, Any]:
-    """One rank: build its shard, load it from torch_dist, export its HF tensors into its own safetensors parts."""
-    from megatron.core import dist_checkpointing
-    from tqdm import tqdm
+def _hf_layout(weight_map: Any, entries: list, dtype: torch.dtype, fp8: bool) -> list[tuple[str, torch.dtype, tuple]]:
+    """Name, dtype and shape of every HF tensor the entries export, in order: the weight map run on meta tensors.
+    Knowing them up front lets the safetensors writer stream each tensor to disk instead of holding a shard."""
+    from mcore_rl.kernels.fp8_blockwise import scale_grid_shape
 
+    out = []
+    for entry in entries:
+        value = torch.empty(entry.shape, dtype=dtype, device="meta")
+        for name, t in megatron_to_hf(weight_map, entry.name, [value], ShardContext()):
+            if fp8 and QUANTIZE_RULE.match(name) and t.dim() == 2:
+                out.append((name, torch.float8_e4m3fn, tuple(t.shape)))
+                out.append((name + "_scale_inv", torch.float32, tuple(scale_grid_shape(tuple(t.shape), FP8_BLOCK))))
+            else:
+                out.append((name, t.dtype, tuple(t.shape)))
+    return out
+
+
+def mcore_to_hf_rank(
+    rank: int, world: int, mcore_dir: str, tmp: str, config: dict, dtype: str, vocab_multiple: int,
+    shard_bytes: int, fp8: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """One worker: its run of the model's parameters, read from the torch_dist chunks, into its own safetensors."""
     from mcore_rl.kernels.fp8_blockwise import quantize_blockwise
-    from mcore_rl.models.builder import build_gpt_chunks
-    from mcore_rl.parallel.groups import initialize_model_parallel
-    from mcore_rl.resharding.weight_map import export_hf_weights
 
     start = time.perf_counter()
     _share_cores(world)
-    pg = initialize_model_parallel(layout)
-    config = json.loads((Path(mcore_dir) / HF_SUBDIR / "config.json").read_text())
-    spec = _spec(config, layout, meta["dtype"], meta["make_vocab_size_divisible_by"])
-    torch.manual_seed(0)
-    chunks, contexts = build_gpt_chunks(spec, pg)
-    rss, built = {"built": _rss_bytes()}, time.perf_counter()
-    state = dist_checkpointing.load(_sharded_state_dict(chunks, pg), mcore_dir)
-    rss["loaded"] = _rss_bytes()
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state["model" if len(chunks) == 1 else f"model{i}"], strict=True)
-    del state
-    loaded = time.perf_counter()
-    writer = HFCheckpointWriter(tmp, shard_bytes, tmp_dir=tmp, part_prefix=f"rank{rank:05d}-")
-    tensors = export_hf_weights(chunks, contexts, spec.weight_map(), pg.tp, pg.expt_tp)
-    with tqdm(desc=f"rank 0/{world} export", unit="B", unit_scale=True, disable=rank != 0, file=sys.stderr) as bar:
-        for name, tensor in tensors:
-            if fp8 and QUANTIZE_RULE.match(name) and tensor.dim() == 2:
-                q, scale_inv = quantize_blockwise(tensor, FP8_BLOCK)
-                writer.add(name, q)
-                writer.add(name + "_scale_inv", scale_inv)
-            else:
-                writer.add(name, tensor)
-            bar.update(tensor.numel() * tensor.element_size())
+    plan = _worker_plan(config, dtype, vocab_multiple)
+    planned = time.perf_counter()
+    entries = plan.split(world)[rank]
+    weight_map = _spec(config, ParallelLayout(), dtype, vocab_multiple).weight_map()
+    ctx = ShardContext()
+    layout = _hf_layout(weight_map, entries, plan.dtype, fp8)
+    writer = HFCheckpointWriter(tmp, shard_bytes, tmp_dir=tmp, part_prefix=f"rank{rank:05d}-", layout=layout)
+    nbytes = sum(e.numel for e in entries) * plan.dtype.itemsize
+    with ChunkReader(mcore_dir) as reader, _progress(rank, world, nbytes) as bar, mode_suspended():
+        if rank == 0:
+            unexpected = sorted(reader.model_keys() - {p.key for e in plan.entries for p in e.pieces})
+            if unexpected:
+                raise CheckpointError(
+                    f"{mcore_dir}: {len(unexpected)} tensor(s) the model (hf/config.json) does not have, "
+                    f"e.g. {unexpected[:5]}"
+                )
+        for entry in entries:
+            for name, tensor in megatron_to_hf(weight_map, entry.name, [reader.read(entry)], ctx):
+                if fp8 and QUANTIZE_RULE.match(name) and tensor.dim() == 2:
+                    q, scale_inv = quantize_blockwise(tensor, FP8_BLOCK)
+                    writer.add(name, q)
+                    writer.add(name + "_scale_inv", scale_inv)
+                else:
+                    writer.add(name, tensor)
+            bar.update(entry.numel * plan.dtype.itemsize)
+        read_bytes = reader.bytes_read
     parts = writer.finish()
-    rss["exported"] = _rss_bytes()
     return dict(
-        rss=rss,
         parts=parts,
+        read_bytes=read_bytes,
         written_bytes=writer.total_bytes,
-        build_s=built - start,
-        load_s=loaded - built,
-        export_s=time.perf_counter() - loaded,
+        plan_s=planned - start,
+        convert_s=time.perf_counter() - planned,
         peak_rss=_peak_rss_bytes(),
     )
 
@@ -274,25 +300,26 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
     hf = HFConfig(config)
     family = get_family(hf.model_type)
     layout = ParallelLayout(
-        tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp, sequence_parallel=args.tp > 1
+        tp=args.tp,
+        pp=args.pp,
+        ep=args.ep,
+        etp=args.etp,
+        vpp=args.vpp,
+        first_stage_layers=args.first_stage_layers,
+        last_stage_layers=args.last_stage_layers,
+        sequence_parallel=args.tp > 1,
     )
-    world = _world(layout, args.nproc)
-    shape = family.shape(hf)
-    layout.validate(world, shape)
+    layout.validate(_min_world(layout), family.shape(hf))
     dtype = args.dtype or _hf_dtype(config)
-    family.transformer_config(hf, layout, "cpu", DTYPES[dtype])  # refuses untranslatable settings before spawning
-    spec = _spec(config, layout, dtype, args.make_vocab_size_divisible_by)
-    check_inventory(reader, hf, spec.weight_map(), shape)
+    vocab_multiple = args.make_vocab_size_divisible_by * layout.tp
+    weight_map = _spec(config, layout, dtype, args.make_vocab_size_divisible_by).weight_map()
+    check_inventory(reader, hf, weight_map, family.shape(hf))
     stored = {k: v for k, v in config.items() if k != "quantization_config"}
     stored["dtype"] = {v: k for k, v in HF_DTYPE_NAMES.items()}[dtype]
     out = Path(args.out)
     tmp = prepare_output(out, args.overwrite)
     try:
-        results = _run(
-            hf_to_mcore_rank,
-            world,
-            (str(reader.dir), str(tmp), layout, stored, dtype, args.make_vocab_size_divisible_by),
-        )
+        results = _run(hf_to_mcore_rank, args.nproc, (str(reader.dir), str(tmp), stored, dtype, vocab_multiple))
         (tmp / HF_SUBDIR).mkdir()
         (tmp / HF_SUBDIR / "config.json").write_text(json.dumps(stored, indent=2, sort_keys=True) + "\n")
         copy_side_files(reader.dir, tmp / HF_SUBDIR)
@@ -300,22 +327,15 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
             model_type=hf.model_type,
             dtype=dtype,
             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-            layout=dict(
-                tp=layout.tp,
-                pp=layout.pp,
-                ep=layout.ep,
-                etp=layout.etp,
-                vpp=layout.vpp,
-                sequence_parallel=layout.sequence_parallel,
-            ),
-            world=world,
+            layout=_layout_dict(layout),
+            padded_vocab_size=padded_vocab_size(hf.req("vocab_size"), args.make_vocab_size_divisible_by, layout.tp),
         )
         (tmp / LAYOUT_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dict(world=world, ranks=results, bytes=reader.total_bytes())
+    return dict(world=args.nproc, ranks=results, bytes=reader.total_bytes())
 
 
 def mcore_to_hf(args: argparse.Namespace) -> dict[str, Any]:
@@ -329,21 +349,16 @@ def mcore_to_hf(args: argparse.Namespace) -> dict[str, Any]:
     config = json.loads(config_path.read_text())
     hf = HFConfig(config)
     family = get_family(hf.model_type)
-    saved = _layout_of(meta["layout"])
-    layout = ParallelLayout(
-        tp=args.tp or saved.tp,
-        pp=args.pp or saved.pp,
-        ep=args.ep or saved.ep,
-        etp=args.etp or saved.etp,
-        vpp=args.vpp or saved.vpp,
-        sequence_parallel=(args.tp or saved.tp) > 1,
-    )
-    world = _world(layout, args.nproc)
-    layout.validate(world, family.shape(hf))
+    vocab_multiple = meta["make_vocab_size_divisible_by"] * meta["layout"]["tp"]
+    ChunkReader(mcore).close()  # a missing or unreadable .metadata is refused before anything is spawned
     out = Path(args.out)
     tmp = prepare_output(out, args.overwrite)
     try:
-        results = _run(mcore_to_hf_rank, world, (str(mcore), str(tmp), layout, meta, args.max_shard_size, args.fp8))
+        results = _run(
+            mcore_to_hf_rank,
+            args.nproc,
+            (str(mcore), str(tmp), config, meta["dtype"], vocab_multiple, args.max_shard_size, args.fp8),
+        )
         parts = [part for r in results for part in r["parts"]]
         out_config = dict(config, architectures=[family.architecture])
         if args.fp8:
@@ -359,10 +374,17 @@ def mcore_to_hf(args: argparse.Namespace) -> dict[str, Any]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dict(world=world, ranks=results, bytes=sum(p[2] for p in parts))
+    return dict(world=args.nproc, ranks=results, bytes=sum(p[2] for p in parts))
 
 
 # ------------------------------------------------------------------------------------------------------- CLI
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Convert checkpoints between HF safetensors and Megatron dist_checkpointing (torch_dist).",
@@ -377,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     a.add_argument("--etp", type=int, default=None, help="expert tensor-parallel size (default: tp)")
     a.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per pipeline rank")
+    a.add_argument("--first-stage-layers", type=int, default=None, help="layers on the first pipeline stage (uneven)")
+    a.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last pipeline stage (uneven)")
     a.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype (default: config.json's)")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="Megatron vocab padding multiple")
     b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist directory (from hf-to-mcore) -> HF directory")
@@ -384,10 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", required=True, help="output HF directory (created; refused if it exists)")
     b.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), help="per-file size, e.g. 5GB")
     b.add_argument("--fp8", action="store_true", help="write DeepSeek-style 128x128 blockwise float8_e4m3fn weights")
-    for name in ("tp", "pp", "ep", "etp", "vpp"):
-        b.add_argument(f"--{name}", type=int, default=None, help=f"{name} to load under (default: as saved)")
     for p in (a, b):
-        p.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default: the layout's world size)")
+        cores = min(8, os.cpu_count() or 1)
+        p.add_argument("--nproc", type=_positive, default=cores, help="worker processes (default: cores, at most 8)")
         p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     return parser
 
@@ -405,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     LAST_STATS.update(stats, seconds=seconds)
     peak = max(r["peak_rss"] for r in stats["ranks"])
     print(
-        f"{args.command}: {stats['bytes'] / 1e9:.3f} GB on {stats['world']} rank(s) in {seconds:.1f} s "
+        f"{args.command}: {stats['bytes'] / 1e9:.3f} GB on {stats['world']} worker(s) in {seconds:.1f} s "
         f"({stats['bytes'] / 1e9 / seconds:.2f} GB/s), peak RSS per rank {peak / 2**30:.2f} GiB -> {args.out}"
     )
     return 0

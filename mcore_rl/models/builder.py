@@ -8,10 +8,13 @@ Every rank builds only its own stage(s) and shards; `ShardContext`s tell the wei
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from mcore_rl.models.base import HFConfig, ModelFamily, get_family, padded_vocab_size
 from mcore_rl.models.spec import decoder_block_spec, mtp_block_spec
@@ -46,8 +49,39 @@ class ModelSpec:
         return self.family.weight_map(self.hf, self.padded_vocab)
 
 
-def build_gpt_chunks(spec: ModelSpec, pg_collection: Any) -> tuple[list[torch.nn.Module], list[ShardContext]]:
-    """Build this rank's GPTModel chunk(s) (one per virtual stage) and their shard contexts."""
+class _AllOnMeta(TorchFunctionMode):
+    """Sends every tensor factory and move to the meta device, whatever device the caller names."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if kwargs.get("device") is not None:
+            kwargs = dict(kwargs, device="meta")
+        if func is torch.Tensor.to and args[1:] and isinstance(args[1], (str, torch.device, int)):
+            args = (args[0], "meta", *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def on_meta_device() -> Iterator[None]:
+    """Build modules without memory: shapes, names and sharding metadata only (a 671B model builds in seconds).
+
+    Megatron allocates with explicit devices (`device=torch.cuda.current_device()`, `.cuda()`), which the default-device
+    context alone does not catch; the mode rewrites them too.
+    """
+    with torch.device("meta"), _AllOnMeta():
+        yield
+
+
+def build_gpt_chunks(
+    spec: ModelSpec, pg_collection: Any, meta: bool = False
+) -> tuple[list[torch.nn.Module], list[ShardContext]]:
+    """Build this rank's GPTModel chunk(s) (one per virtual stage) and their shard contexts.
+
+    `meta=True` builds on the meta device (see `on_meta_device`): for planning checkpoints, never for running.
+    """
+    if meta:
+        with on_meta_device():
+            return build_gpt_chunks(spec, pg_collection)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
