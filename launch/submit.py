@@ -176,6 +176,11 @@ def check_config(
     report.lines.append(
         f"actor: world_size={world} layout tp={lay.tp} pp={lay.pp} cp={lay.cp} ep={lay.ep} "
         f"etp={lay.etp if lay.etp is not None else lay.tp} vpp={lay.vpp} sp={lay.sequence_parallel}"
+        + (
+            f" first_stage_layers={lay.first_stage_layers} last_stage_layers={lay.last_stage_layers}"
+            if lay.first_stage_layers or lay.last_stage_layers
+            else ""
+        )
     )
     if cfg.trainer.runtime != "cuda":
         report.lines.append(
@@ -204,6 +209,8 @@ def check_config(
         ep=lay.ep,
         etp=lay.etp,
         vpp=lay.vpp,
+        first_stage_layers=lay.first_stage_layers,
+        last_stage_layers=lay.last_stage_layers,
         micro_batch=cfg.actor.micro_batch_size,
         seq_len=cfg.model.max_sequence_length,
         distributed_optimizer=distributed_optimizer,

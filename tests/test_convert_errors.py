@@ -171,3 +171,13 @@ def test_killed_conversion_leaves_no_output_directory(llama: Path, tmp_path: Pat
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not out.exists()
+
+
+def test_uneven_pipeline_stages_checked_against_the_model(llama: Path, tmp_path: Path, capsys) -> None:
+    """--first-stage-layers / --last-stage-layers are validated like Megatron's (2 layers: 1 + 1 fits pp=2)."""
+    _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", tmp_path / "o", "--pp", 2, "--first-stage-layers", 2,
+           match="first_stage_layers=2")  # fmt: skip
+    out = tmp_path / "ok"
+    assert convert_checkpoint.main(["hf-to-mcore", "--hf", str(llama), "--out", str(out), "--pp", "2",
+                                    "--first-stage-layers", "1", "--nproc", "1"]) == 0  # fmt: skip
+    assert json.loads((out / convert_checkpoint.LAYOUT_FILE).read_text())["layout"]["first_stage_layers"] == 1

@@ -192,3 +192,15 @@ def test_local_run_writes_metrics(tmp_path) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2 and "reward/mean" in json.loads(lines[-1])
+
+
+def test_uneven_pipeline_stages_reach_the_dry_run_estimate() -> None:
+    """DeepSeek-V3's 61 layers on pp=4 need uneven stages (16+15+15+15); the dry run shows them and sizes the
+    memory by the largest stage; the even split is refused naming the fields to set."""
+    layout = ["actor.layout.pp=4", "actor.layout.ep=16"]
+    res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "deepseek_v3_671b_32n", *layout,
+                     "actor.layout.first_stage_layers=16", "actor.layout.last_stage_layers=15")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "first_stage_layers=16 last_stage_layers=15" in res.stdout and "fits:" in res.stdout
+    res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "deepseek_v3_671b_32n", *layout)
+    assert res.returncode == 2 and "first_stage_layers" in res.stderr, res.stderr
