@@ -149,6 +149,26 @@ def collect(results: list, num_layouts: int) -> list[tuple[list[torch.Tensor], d
     return out
 
 
+def check_layouts(
+    name: str, hf_dir: Path, layouts: list, ref: dict, input_ids: torch.Tensor, world: int, atol: float = 1e-5
+) -> None:
+    """Every layout on `world` ranks: each output-layer call (MTP heads, then the main head) within `atol` of the
+    transformers reference `ref`, and the export back to HF equal to the checkpoint bit for bit."""
+    from mcore_rl.parallel.harness import run_on_ranks
+
+    results = collect(run_on_ranks(parity_rank, world, (str(hf_dir), layouts, input_ids)), len(layouts))
+    original = hf_state(hf_dir)
+    want = ref["mtp_logits"] + [ref["logits"]]
+    vocab = ref["logits"].shape[-1]
+    for layout, (logits, exported) in zip(layouts, results):
+        assert len(logits) == len(want), f"{name} {layout.describe()}: {len(logits)} output-layer calls"
+        for i, (got, ref_logits) in enumerate(zip(logits, want)):
+            err = (got[..., :vocab] - ref_logits).abs().max().item()
+            head = "main" if i == len(want) - 1 else f"mtp{i}"
+            assert err < atol, f"{name} {layout.describe()} {head}: max |logits diff| {err:.2e} >= {atol}"
+        assert_bit_exact(exported, original)
+
+
 def hf_state(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF checkpoint directory (small test checkpoints only)."""
     from mcore_rl.resharding.hf_io import HFCheckpointReader

@@ -18,19 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from _parity import (
-    DEEPSEEK_TINY,
-    _randomise_routing,
-    assert_bit_exact,
-    collect,
-    hf_state,
-    parity_rank,
-    tiny_deepseek_v3,
-)
+from _parity import DEEPSEEK_TINY, _randomise_routing, check_layouts, tiny_deepseek_v3
 from tiny_models import tiny_qwen3_moe_transformers
 
 from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family
-from mcore_rl.parallel.harness import run_on_ranks
 from mcore_rl.parallel.layout import ParallelLayout
 
 ATOL = 1e-5
@@ -51,16 +42,7 @@ def _ids() -> torch.Tensor:
 
 
 def _check(name: str, hf_dir: Path, layouts: list[ParallelLayout], ref: dict) -> None:
-    results = collect(run_on_ranks(parity_rank, 4, (str(hf_dir), layouts, _ids())), len(layouts))
-    original = hf_state(hf_dir)
-    for layout, (logits, exported) in zip(layouts, results):
-        want = ref["mtp_logits"] + [ref["logits"]]
-        assert len(logits) == len(want), f"{name} {layout.describe()}: {len(logits)} output-layer calls"
-        for i, (got, ref_logits) in enumerate(zip(logits, want)):
-            err = (got[..., :VOCAB] - ref_logits).abs().max().item()
-            head = "main" if i == len(want) - 1 else f"mtp{i}"
-            assert err < ATOL, f"{name} {layout.describe()} {head}: max |logits diff| {err:.2e} >= {ATOL}"
-        assert_bit_exact(exported, original)
+    check_layouts(name, hf_dir, layouts, ref, _ids(), world=4, atol=ATOL)
 
 
 def test_deepseek_v3_parity_every_layout(tmp_path: Path) -> None:

@@ -14,10 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from _parity import assert_bit_exact, collect, hf_state, parity_rank, tiny_deepseek_v3
+from _parity import check_layouts, tiny_deepseek_v3
 from test_families_dense import TINY
 
-from mcore_rl.parallel.harness import run_on_ranks
 from mcore_rl.parallel.layout import ParallelLayout
 
 ATOL = 1e-5
@@ -29,16 +28,7 @@ def _ids() -> torch.Tensor:
 
 
 def _check(name: str, hf_dir: Path, layouts: list[ParallelLayout], ref: dict) -> None:
-    results = collect(run_on_ranks(parity_rank, 2, (str(hf_dir), layouts, _ids())), len(layouts))
-    original = hf_state(hf_dir)
-    want = ref["mtp_logits"] + [ref["logits"]]
-    for layout, (logits, exported) in zip(layouts, results):
-        assert len(logits) == len(want), f"{name} {layout.describe()}: {len(logits)} output-layer calls"
-        for i, (got, ref_logits) in enumerate(zip(logits, want)):
-            err = (got[..., :VOCAB] - ref_logits).abs().max().item()
-            head = "main" if i == len(want) - 1 else f"mtp{i}"
-            assert err < ATOL, f"{name} {layout.describe()} {head}: max |logits diff| {err:.2e} >= {ATOL}"
-        assert_bit_exact(exported, original)
+    check_layouts(name, hf_dir, layouts, ref, _ids(), world=2, atol=ATOL)
 
 
 def test_deepseek_v3_odd_layers_uneven_stages_with_mtp(tmp_path: Path) -> None:
