@@ -14,13 +14,16 @@ checkpoint loads under any layout. Saving through Megatron needs the whole model
 a millisecond per chunk in planning and copies every GLU fc1 on the way (measured: 53 s for 46k tensors, 7.5 GB,
 4 GiB RSS per process). This module writes and reads the same format directly:
 
-    plan = plan_checkpoint(spec, pg)         # the model built on the meta device with tp=pp=ep=1: for every
-                                             # parameter, the chunks Megatron would save and where each lies in it
+    plan = plan_checkpoint(spec, pg)         # the model built on the meta device with tp=pp=ep=1 (one layer per
+                                             # kind, repeated): for every parameter, the chunks Megatron would
+                                             # save and where each lies in it
     with ChunkWriter(tmp, part) as writer:   # per worker process, its own .distcp file
-        writer.write(entry, value)           # value: the parameter, computed from HF tensors by the weight map
+        writer.write(entry, value)           # value: the parameter, computed from HF tensors by the weight map;
+                                             # each chunk torch.save's bytes, built by torch_record.py
     finish_checkpoint(tmp, plan, records)    # .metadata, metadata.json, common.pt
     reader = ChunkReader(directory)          # any torch_dist checkpoint (ours, or Megatron's under any layout)
     value = reader.read(entry)               # the chunks overlapping the parameter's regions, assembled
+                                             # (records decoded by torch_record.py, torch.load once per shape)
 
 The chunks are exactly those Megatron writes for a model with tp=pp=ep=1 (one per parameter; a GLU fc1 as two,
 gate rows and up rows; experts along a leading expert axis), so Megatron loads them with its usual read pattern. Only
@@ -30,6 +33,7 @@ the padded vocabulary depends on the layout (a multiple of make_vocab_size_divis
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import io
 import json
 import math
@@ -42,6 +46,7 @@ from typing import Any
 import torch
 
 from mcore_rl.resharding.hf_io import CheckpointError
+from mcore_rl.resharding.torch_record import decode_tensor, encode_tensor
 
 METADATA_NAME = ".metadata"
 CONFIG_NAME = "metadata.json"
@@ -120,12 +125,103 @@ def load_model_chunks(chunks: list[torch.nn.Module], pg_collection: Any, directo
 
 
 # ---------------------------------------------------------------------------------------------------- planning
-def plan_checkpoint(spec: Any, pg_collection: Any) -> CheckpointPlan:
+def plan_checkpoint(spec: Any, pg_collection: Any, fold_layers: bool = True) -> CheckpointPlan:
     """The chunks of `spec`'s model as Megatron saves them, from the model built on the meta device.
 
     `spec.layout` must be tp=pp=ep=1 (one chunk holding every layer) and torch.distributed must be up (world 1 is
     enough). Factories (GLU fc1 halves) are built; each chunk is located inside its parameter by its view geometry.
+
+    `fold_layers`: build one decoder layer of each kind (dense, MoE) instead of all of them and repeat its entries for
+    the other layers of that kind (the keys of a layer differ from its twin's only by the layer index; torch_dist
+    keeps no layer axis). Megatron's module construction costs ~0.5 ms per expert, so DeepSeek-V3's 61 x 256 experts
+    take ~8 s to build and ~4 s to shard; folded, the plan takes well under a second. `fold_layers=False` builds
+    everything (tests compare the two).
     """
+    config = spec.transformer_config()
+    kinds = _layer_kinds(config)
+    keep = _representatives(kinds)
+    if not fold_layers or len(keep) == len(kinds) or not _keys_carry_layer_index(config):
+        return _plan_built(spec, pg_collection)
+    overrides = dict(spec.config_overrides, num_layers=len(keep), moe_layer_freq=[kinds[i] for i in keep])
+    small = _plan_built(dataclasses.replace(spec, config_overrides=overrides), pg_collection)
+    return _unfold(small, kinds, keep)
+
+
+def _layer_kinds(config: Any) -> list[int]:
+    """1 for an MoE decoder layer, 0 for a dense one (Megatron's reading of moe_layer_freq)."""
+    if not config.num_moe_experts:
+        return [0] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [int(i % freq == 0) for i in range(config.num_layers)]
+    return [int(k) for k in freq]
+
+
+def _keys_carry_layer_index(config: Any) -> bool:
+    """Whether Megatron keys decoder layers by their index (`decoder.layers.7.mlp...`), as it does for models whose
+    layers differ (TransformerBlock.sharded_state_dict's `non_homogeneous_layers`: MoE or linear-attention layers
+    interleaved with others). Models of identical layers are saved stacked along a leading layer axis instead; those
+    are dense models, cheap to build whole, so they are not folded."""
+
+    def interleaved(freq: Any) -> bool:
+        return isinstance(freq, list) or (isinstance(freq, int) and freq > 1)
+
+    return bool(
+        interleaved(config.moe_layer_freq)
+        or interleaved(getattr(config, "linear_attention_freq", None))
+        or getattr(config, "hetereogenous_dist_checkpoint", False)
+        or getattr(config, "heterogeneous_block_specs", False)
+    )
+
+
+def _representatives(kinds: list[int]) -> list[int]:
+    """Layers to build: the first of each kind, in order, and the last layer's kind last (MTP layers copy the spec
+    of the decoder's last layer)."""
+    keep = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
+    if kinds[keep[-1]] != kinds[-1]:
+        keep.append(len(kinds) - 1)
+    return keep
+
+
+def _unfold(small: CheckpointPlan, kinds: list[int], keep: list[int]) -> CheckpointPlan:
+    """The full plan from the plan of the representative layers: each layer gets its kind's entries, renamed."""
+    prefix = "decoder.layers."
+    layered = [i for i, e in enumerate(small.entries) if e.name.startswith(prefix)]
+    first, last = layered[0], layered[-1]
+    if layered != list(range(first, last + 1)):
+        raise ValueError("decoder layer entries are not contiguous in the model's state dict")
+    by_layer: dict[int, list[Entry]] = {}
+    for entry in small.entries[first : last + 1]:
+        by_layer.setdefault(int(entry.name[len(prefix) :].split(".", 1)[0]), []).append(entry)
+    template = {kinds[original]: small_index for small_index, original in enumerate(keep)}
+
+    def renamed(text: str, src: int, dst: int) -> str:
+        head = f"{prefix}{src}."
+        return f"{prefix}{dst}." + text[len(head) :] if text.startswith(head) else text
+
+    entries = list(small.entries[:first])
+    for layer, kind in enumerate(kinds):
+        src = template[kind]
+        for e in by_layer[src]:
+            if not all(p.key.startswith(f"{prefix}{src}.") for p in e.pieces):
+                raise ValueError(f"{e.name}: chunk keys without the layer index cannot be folded")
+            pieces = tuple(dataclasses.replace(p, key=renamed(p.key, src, layer)) for p in e.pieces)
+            entries.append(Entry(renamed(e.name, src, layer), e.shape, pieces))
+    entries += small.entries[last + 1 :]
+    objects = {}
+    for key, data in small.objects.items():
+        if not key.startswith(prefix):
+            objects[key] = data
+            continue
+        src = int(key[len(prefix) :].split(".", 1)[0])
+        for layer, kind in enumerate(kinds):
+            if template[kind] == src:
+                objects[renamed(key, src, layer)] = data
+    return CheckpointPlan(entries, small.dtype, objects)
+
+
+def _plan_built(spec: Any, pg_collection: Any) -> CheckpointPlan:
+    """The plan from the whole model built on the meta device."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 
     from mcore_rl.models.builder import build_gpt_chunks
@@ -191,24 +287,38 @@ class ChunkWriter:
         #: (key, chunk offset or None for an object, byte offset, byte length)
         self.records: list[tuple[str, tuple[int, ...] | None, int, int]] = []
         self.bytes_written = 0
+        self._position = 0
+        self._none_record: bytes | None = None
 
     def write(self, entry: Entry, value: torch.Tensor) -> None:
         """Store every chunk of `entry`, cut from its full value (shape `entry.shape`, the checkpoint's dtype)."""
         value = value.contiguous()
         for piece in entry.pieces:
-            chunk = value.as_strided(*piece.view).reshape(piece.sizes)
-            start = self._file.tell()
-            torch.save(_standalone(chunk), self._file)
-            self.records.append((piece.key, piece.offset, start, self._file.tell() - start))
+            chunk = value.as_strided(*piece.view).reshape(piece.sizes).contiguous()
+            start = self._position
+            buffers = encode_tensor(chunk)  # torch.save's bytes, built without torch.save (torch_record.py)
+            if buffers is None:
+                torch.save(_standalone(chunk), self._file)
+                self._position = self._file.tell()
+            else:
+                for buffer in buffers:
+                    self._position += self._file.write(buffer)
+            self.records.append((piece.key, piece.offset, start, self._position - start))
         self.bytes_written += value.numel() * value.itemsize
 
     def write_object(self, key: str, data: Any) -> None:
-        """A ShardedObject, serialised as Megatron does (torch.save of a one-element list)."""
-        buffer = io.BytesIO()
-        torch.save([data], buffer)
-        start = self._file.tell()
-        self._file.write(buffer.getbuffer())
-        self.records.append((key, None, start, self._file.tell() - start))
+        """A ShardedObject, serialised as Megatron does (torch.save of a one-element list; the bytes of `None`, the
+        extra state of every non-TE layer, are made once)."""
+        record = self._none_record if data is None else None
+        if record is None:
+            buffer = io.BytesIO()
+            torch.save([data], buffer)
+            record = buffer.getvalue()
+            if data is None:
+                self._none_record = record
+        start = self._position
+        self._position += self._file.write(record)
+        self.records.append((key, None, start, self._position - start))
 
     def close(self) -> None:
         self._file.close()
@@ -362,11 +472,11 @@ class ChunkReader:
                 raise CheckpointError(f"{path}: missing (holds {key!r})")
             f = self._files[info.relative_path] = open(path, "rb")  # noqa: SIM115 - closed in close()
         f.seek(info.offset)
-        data = f.read(info.length)
-        if len(data) != info.length:
+        data = bytearray(info.length)
+        if f.readinto(data) != info.length:
             raise CheckpointError(f"{self.dir / info.relative_path}: truncated (chunk of {key!r} ends past the file)")
         try:
-            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            tensor = decode_tensor(data)  # a view of `data` (torch.load only for the first record of each shape)
         except Exception as err:  # noqa: BLE001 - a damaged record
             raise CheckpointError(f"{self.dir / info.relative_path}: chunk of {key!r} is corrupt ({err})") from None
         if tuple(tensor.shape) != sizes:

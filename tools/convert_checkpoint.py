@@ -246,7 +246,8 @@ def mcore_to_hf_rank(
     entries = plan.split(world)[rank]
     weight_map = _spec(config, ParallelLayout(), dtype, vocab_multiple).weight_map()
     ctx = ShardContext()
-    layout = _hf_layout(weight_map, entries, plan.dtype, fp8)
+    with mode_suspended():
+        layout = _hf_layout(weight_map, entries, plan.dtype, fp8)
     writer = HFCheckpointWriter(tmp, shard_bytes, tmp_dir=tmp, part_prefix=f"rank{rank:05d}-", layout=layout)
     nbytes = sum(e.numel for e in entries) * plan.dtype.itemsize
     with ChunkReader(mcore_dir) as reader, _progress(rank, world, nbytes) as bar, mode_suspended():
