@@ -1,6 +1,7 @@
 """Benchmark checkpoint conversion on a synthetic checkpoint with DeepSeek-V3's structure, both directions.
 
     python tools/bench_convert.py --size-gb 10 --workdir /tmp/bench --nproc 2
+    python tools/bench_convert.py --size-gb 10 --workdir /tmp/bench --nproc 2 --cold    # reads from disk (root)
     python tools/bench_convert.py --size-gb 0.05 --layers 4 --experts 8 --nproc 2    # a quick smoke run
 
 Builds (streaming, one shard in memory) an HF checkpoint shaped like DeepSeek-V3: 61 layers (3 dense, then MoE),
@@ -14,9 +15,12 @@ run, for each direction:
 
 and prints GB/s for each, the conversion's rate as a fraction of the raw read (the target: >= 50%) and of the raw
 copy, the slowest worker's time per phase, and the peak RSS (getrusage ru_maxrss) of every worker and of this
-process (target: <= 2 GB). Free disk is checked first (three copies of the checkpoint plus a scratch copy); when
-short, the size is reduced and the report says so. Nothing is verified numerically here (tests/test_convert.py does
-that); the output is spot-checked by tensor count.
+process (target: <= 2 GB). Dirty pages are written back (sync) before each measurement; with --cold the page cache
+is also evicted, so every read comes from the disk, the regime of a real checkpoint (1.3 TB) that memory cannot
+cache. Without it the just-written files are read from memory, and the raw read is a memory copy rate. Free disk
+is checked first (three copies of the checkpoint plus a scratch copy); when short, the size is reduced and the
+report says so. Nothing is verified numerically here (tests/test_convert.py does that); the output is spot-checked
+by tensor count.
 """
 
 from __future__ import annotations
@@ -182,6 +186,15 @@ def raw_copy(files: list[Path], scratch: Path) -> tuple[int, float]:
     return total, seconds
 
 
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+
+
+def drop_page_cache() -> None:
+    """Write back dirty pages and evict the page cache, so the next read comes from the disk (Linux, root only)."""
+    os.sync()
+    DROP_CACHES.write_text("1\n")
+
+
 def _files(path: Path) -> list[Path]:
     return sorted(p for p in path.rglob("*") if p.is_file())
 
@@ -195,7 +208,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts", type=int, default=256, help="routed experts (DeepSeek-V3: 256)")
     parser.add_argument("--shard-size", default="2GB", help="HF shard size for input and output")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints in --workdir")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="evict the page cache before every measurement (needs root): reads come from the disk, as they do for "
+        "a checkpoint larger than memory; by default the files are in the page cache (raw read = memory copy rate)",
+    )
     args = parser.parse_args(argv)
+    if args.cold:
+        try:
+            drop_page_cache()
+        except OSError as err:
+            print(f"error: --cold needs to write {DROP_CACHES} (root on Linux): {err}", file=sys.stderr)
+            return 2
+    settle = drop_page_cache if args.cold else os.sync
     work = Path(args.workdir)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -223,8 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         ("hf-to-mcore", hf_in, ["hf-to-mcore", "--hf", hf_in, "--out", mcore]),
         ("mcore-to-hf", mcore, ["mcore-to-hf", "--mcore", mcore, "--out", hf_out, "--max-shard-size", args.shard_size]),
     ):
+        settle()
         raw_bytes, raw_s = raw_read(_files(src))
+        settle()
         copy_bytes, copy_s = raw_copy(_files(src), work / "scratch")
+        settle()
         t = time.perf_counter()
         code = convert_checkpoint.main([str(a) for a in [*argv_, "--nproc", args.nproc]])
         seconds = time.perf_counter() - t
@@ -260,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['gbps'] / r['raw_read_gbps']:6.1%} {r['raw_copy_gbps']:9.2f} {r['gbps'] / r['raw_copy_gbps']:6.1%} "
             f"{r['peak_rss_gib']:20.2f}"
         )
+    print(
+        "page cache: "
+        + ("evicted before each measurement (--cold: disk reads)" if args.cold else "warm (files just written or read)")
+    )
     print(
         f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB; "
         f"{args.nproc} worker processes on {os.cpu_count()} cores; "
