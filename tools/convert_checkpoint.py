@@ -49,7 +49,14 @@ from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family, padded_
 from mcore_rl.parallel.cpu_runtime import mode_suspended
 from mcore_rl.parallel.harness import RankFailed, run_on_ranks
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
-from mcore_rl.resharding.dist_ckpt import CheckpointPlan, ChunkReader, ChunkWriter, finish_checkpoint, plan_checkpoint
+from mcore_rl.resharding.dist_ckpt import (
+    METADATA_NAME,
+    CheckpointPlan,
+    ChunkReader,
+    ChunkWriter,
+    finish_checkpoint,
+    plan_checkpoint,
+)
 from mcore_rl.resharding.hf_io import (
     FP8_BLOCK,
     CheckpointError,
@@ -178,10 +185,11 @@ def _progress(rank: int, world: int, nbytes: int) -> Any:
 
 
 def hf_to_mcore_rank(
-    rank: int, world: int, hf_dir: str, tmp: str, config: dict, dtype: str, vocab_multiple: int
+    rank: int, world: int, hf_dir: str, tmp: str, config: dict, dtype: str, vocab_multiple: int, t0: float
 ) -> dict[str, Any]:
     """One worker: its run of the model's parameters, computed from the HF files, into its own .distcp file; worker
-    0 then writes the checkpoint's metadata from every worker's records."""
+    0 then writes the checkpoint's metadata from every worker's records. `t0`: time.time() when main started."""
+    startup = time.time() - t0
     start = time.perf_counter()
     _share_cores(world)
     plan = _worker_plan(config, dtype, vocab_multiple)
@@ -208,6 +216,7 @@ def hf_to_mcore_rank(
         finish_checkpoint(tmp, plan, parts)
     return dict(
         read_bytes=sum(reader.nbytes(n) for n in used),
+        startup_s=startup,
         plan_s=planned - start,
         convert_s=written - planned,
         metadata_s=time.perf_counter() - written,
@@ -234,11 +243,12 @@ def _hf_layout(weight_map: Any, entries: list, dtype: torch.dtype, fp8: bool) ->
 
 def mcore_to_hf_rank(
     rank: int, world: int, mcore_dir: str, tmp: str, config: dict, dtype: str, vocab_multiple: int,
-    shard_bytes: int, fp8: bool,
+    shard_bytes: int, fp8: bool, t0: float,
 ) -> dict[str, Any]:  # fmt: skip
     """One worker: its run of the model's parameters, read from the torch_dist chunks, into its own safetensors."""
     from mcore_rl.kernels.fp8_blockwise import quantize_blockwise
 
+    startup = time.time() - t0
     start = time.perf_counter()
     _share_cores(world)
     plan = _worker_plan(config, dtype, vocab_multiple)
@@ -273,6 +283,7 @@ def mcore_to_hf_rank(
         parts=parts,
         read_bytes=read_bytes,
         written_bytes=writer.total_bytes,
+        startup_s=startup,
         plan_s=planned - start,
         convert_s=time.perf_counter() - planned,
         peak_rss=_peak_rss_bytes(),
@@ -320,7 +331,9 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     tmp = prepare_output(out, args.overwrite)
     try:
-        results = _run(hf_to_mcore_rank, args.nproc, (str(reader.dir), str(tmp), stored, dtype, vocab_multiple))
+        results = _run(
+            hf_to_mcore_rank, args.nproc, (str(reader.dir), str(tmp), stored, dtype, vocab_multiple, args.t0)
+        )
         (tmp / HF_SUBDIR).mkdir()
         (tmp / HF_SUBDIR / "config.json").write_text(json.dumps(stored, indent=2, sort_keys=True) + "\n")
         copy_side_files(reader.dir, tmp / HF_SUBDIR)
@@ -351,14 +364,15 @@ def mcore_to_hf(args: argparse.Namespace) -> dict[str, Any]:
     hf = HFConfig(config)
     family = get_family(hf.model_type)
     vocab_multiple = meta["make_vocab_size_divisible_by"] * meta["layout"]["tp"]
-    ChunkReader(mcore).close()  # a missing or unreadable .metadata is refused before anything is spawned
+    if not (mcore / METADATA_NAME).is_file():  # refused before anything is spawned (workers read it, ~1 s)
+        raise CheckpointError(f"{mcore / METADATA_NAME}: missing (not a torch_dist checkpoint)")
     out = Path(args.out)
     tmp = prepare_output(out, args.overwrite)
     try:
         results = _run(
             mcore_to_hf_rank,
             args.nproc,
-            (str(mcore), str(tmp), config, meta["dtype"], vocab_multiple, args.max_shard_size, args.fp8),
+            (str(mcore), str(tmp), config, meta["dtype"], vocab_multiple, args.max_shard_size, args.fp8, args.t0),
         )
         parts = [part for r in results for part in r["parts"]]
         out_config = dict(config, architectures=[family.architecture])
@@ -418,6 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.t0 = time.time()
     start = time.perf_counter()
     try:
         stats = hf_to_mcore(args) if args.command == "hf-to-mcore" else mcore_to_hf(args)
