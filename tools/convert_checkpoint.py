@@ -178,6 +178,19 @@ def _worker_plan(config: dict, dtype: str, vocab_multiple: int) -> CheckpointPla
     return plan_checkpoint(_spec(config, ParallelLayout(), dtype, vocab_multiple), pg)
 
 
+def _worker_start(
+    rank: int, world: int, config: dict, dtype: str, vocab_multiple: int, t0: float
+) -> tuple[CheckpointPlan, list, Any, dict[str, float]]:
+    """Every worker's first steps: its share of the cores, the plan, its run of entries, the weight map, and the
+    times so far (startup: from main's start, `t0` = time.time(), to here: checks, spawn, imports)."""
+    startup = time.time() - t0
+    start = time.perf_counter()
+    _share_cores(world)
+    plan = _worker_plan(config, dtype, vocab_multiple)
+    weight_map = _spec(config, ParallelLayout(), dtype, vocab_multiple).weight_map()
+    return plan, plan.split(world)[rank], weight_map, dict(startup_s=startup, plan_s=time.perf_counter() - start)
+
+
 def _progress(rank: int, world: int, nbytes: int) -> Any:
     from tqdm import tqdm
 
@@ -189,15 +202,10 @@ def hf_to_mcore_rank(
 ) -> dict[str, Any]:
     """One worker: its run of the model's parameters, computed from the HF files, into its own .distcp file; worker
     0 then writes the checkpoint's metadata from every worker's records. `t0`: time.time() when main started."""
-    startup = time.time() - t0
-    start = time.perf_counter()
-    _share_cores(world)
-    plan = _worker_plan(config, dtype, vocab_multiple)
+    plan, entries, weight_map, times = _worker_start(rank, world, config, dtype, vocab_multiple, t0)
     planned = time.perf_counter()
-    entries = plan.split(world)[rank]
     reader = HFCheckpointReader(hf_dir)
     read_hf = fp8_aware_reader(reader, fp8_block_size(reader.config))
-    weight_map = _spec(config, ParallelLayout(), dtype, vocab_multiple).weight_map()
     ctx, used = ShardContext(), set()
     nbytes = sum(e.numel for e in entries) * plan.dtype.itemsize
     with ChunkWriter(tmp, f"__{rank}_0.distcp") as writer, _progress(rank, world, nbytes) as bar, mode_suspended():
@@ -216,8 +224,7 @@ def hf_to_mcore_rank(
         finish_checkpoint(tmp, plan, parts)
     return dict(
         read_bytes=sum(reader.nbytes(n) for n in used),
-        startup_s=startup,
-        plan_s=planned - start,
+        **times,
         convert_s=written - planned,
         metadata_s=time.perf_counter() - written,
         peak_rss=_peak_rss_bytes(),
@@ -248,13 +255,8 @@ def mcore_to_hf_rank(
     """One worker: its run of the model's parameters, read from the torch_dist chunks, into its own safetensors."""
     from mcore_rl.kernels.fp8_blockwise import quantize_blockwise
 
-    startup = time.time() - t0
-    start = time.perf_counter()
-    _share_cores(world)
-    plan = _worker_plan(config, dtype, vocab_multiple)
+    plan, entries, weight_map, times = _worker_start(rank, world, config, dtype, vocab_multiple, t0)
     planned = time.perf_counter()
-    entries = plan.split(world)[rank]
-    weight_map = _spec(config, ParallelLayout(), dtype, vocab_multiple).weight_map()
     ctx = ShardContext()
     with mode_suspended():
         layout = _hf_layout(weight_map, entries, plan.dtype, fp8)
@@ -283,8 +285,7 @@ def mcore_to_hf_rank(
         parts=parts,
         read_bytes=read_bytes,
         written_bytes=writer.total_bytes,
-        startup_s=startup,
-        plan_s=planned - start,
+        **times,
         convert_s=time.perf_counter() - planned,
         peak_rss=_peak_rss_bytes(),
     )
