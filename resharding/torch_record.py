@@ -197,7 +197,9 @@ def decode_tensor(buf: bytearray | memoryview) -> torch.Tensor:
     pkl = next((v for k, v in entries.items() if k.endswith(b"/data.pkl")), None)
     data = next((v for k, v in entries.items() if k.endswith(b"/data/0")), None)
     storages = sum(1 for k in entries if b"/data/" in k and not k.endswith(b"serialization_id"))
-    if pkl is None or data is None or storages != 1:
+    order = next((v for k, v in entries.items() if k.endswith(b"/byteorder")), None)
+    foreign = order is not None and bytes(view[order[0] : order[0] + order[1]]) != sys.byteorder.encode()
+    if pkl is None or data is None or storages != 1 or foreign:  # torch.load byte-swaps a foreign byte order
         return torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
     key = bytes(view[pkl[0] : pkl[0] + pkl[1]])
     known = _KNOWN.get(key)

@@ -110,3 +110,20 @@ def test_truncated_record_is_an_error() -> None:
     record = _encoded(_sample((16, 16), torch.bfloat16))
     with pytest.raises(Exception):  # noqa: B017, PT011 - torch.load's own error for a damaged zip
         decode_tensor(bytearray(record[:-30]))
+
+
+def test_record_of_the_other_byte_order_is_read_as_torch_load_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pickle alone does not say the byte order: a record written on a big-endian machine must not take the
+    fast path (torch.load swaps its bytes)."""
+    import sys
+
+    t = _sample((4, 5), torch.float32)
+    decode_tensor(bytearray(_encoded(t)))  # the pickle of a (4, 5) float32 is known now
+    other = "big" if sys.byteorder == "little" else "little"
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "byteorder", other)
+        foreign = _encoded(t)
+    assert b"archive/byteorder" in foreign and other.encode() in foreign
+    expected = torch.load(io.BytesIO(foreign), weights_only=True)
+    assert not torch.equal(expected, t)  # swapped: the same bytes read in the other order
+    assert torch.equal(decode_tensor(bytearray(foreign)), expected)
