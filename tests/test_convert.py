@@ -222,3 +222,16 @@ def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     for needle in ("hf-to-mcore", "mcore-to-hf", "raw read", "raw copy", "ratio", "peak RSS"):
         assert needle in out
     assert not (tmp_path / "b").exists()
+
+
+def test_bench_cold_without_permission_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    """--cold needs to evict the page cache; where it cannot, the bench says what it needs and exits 2 before
+    building anything."""
+    import bench_convert
+
+    monkeypatch.setattr(bench_convert, "DROP_CACHES", tmp_path / "no_such_dir" / "drop_caches")
+    argv = ["--size-gb", "0.01", "--layers", "4", "--experts", "8", "--workdir", str(tmp_path / "b"), "--cold"]
+    assert bench_convert.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--cold needs to write" in err and "drop_caches" in err
+    assert not (tmp_path / "b").exists()
