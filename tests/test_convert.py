@@ -175,19 +175,19 @@ def test_written_chunks_are_those_of_megatrons_own_save(deepseek, tmp_path: Path
 
 def test_checkpoint_saved_by_megatron_under_tp_and_ep_exports_bit_exact(deepseek, tmp_path: Path) -> None:
     """mcore-to-hf reads a checkpoint Megatron saved under TP2 x EP2 (chunks split unlike ours: TP halves of each
-    GLU gate and up, vocab rows, MLA heads) and assembles the same HF tensors, bit for bit."""
+    GLU gate and up, vocab rows, MLA heads) and assembles the same HF tensors, bit for bit. The checkpoint sits in a
+    Megatron-LM save directory (latest_checkpointed_iteration.txt + iter_0000007/) with no HF config of its own:
+    --hf-config names the model, and the dtype and padded vocabulary come from the checkpoint."""
     hf_dir, _ = deepseek
-    mcore, back = tmp_path / "mcore", tmp_path / "back"
-    mcore.mkdir()
+    save, back = tmp_path / "save", tmp_path / "back"
+    (save / "iter_0000007").mkdir(parents=True)
+    (save / "latest_checkpointed_iteration.txt").write_text("7\n")
     layout = ParallelLayout(tp=2, ep=2, sequence_parallel=True)
-    run_on_ranks(megatron_save_rank, 4, (str(hf_dir), str(mcore), layout))
-    (mcore / "hf").mkdir()
-    config = dict(json.loads((hf_dir / "config.json").read_text()), dtype="float32")
-    (mcore / "hf" / "config.json").write_text(json.dumps(config))
-    meta = dict(model_type="deepseek_v3", dtype="fp32", make_vocab_size_divisible_by=128, layout=dict(tp=2))
-    (mcore / convert_checkpoint.LAYOUT_FILE).write_text(json.dumps(meta))
-    assert _convert("mcore-to-hf", "--mcore", mcore, "--out", back, "--nproc", 2) == 0
+    run_on_ranks(megatron_save_rank, 4, (str(hf_dir), str(save / "iter_0000007"), layout))
+    assert _convert("mcore-to-hf", "--mcore", save, "--hf-config", hf_dir, "--out", back, "--nproc", 2) == 0
     assert_bit_exact(hf_state(back), hf_state(hf_dir))
+    assert json.loads((back / "config.json").read_text())["dtype"] == "float32"
+    assert (back / "tokenizer_config.json").is_file()  # side files from the --hf-config directory
 
 
 def test_virtual_pipeline_checkpoint_loads_without_it(tmp_path: Path) -> None:

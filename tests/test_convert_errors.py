@@ -181,3 +181,28 @@ def test_uneven_pipeline_stages_checked_against_the_model(llama: Path, tmp_path:
     assert convert_checkpoint.main(["hf-to-mcore", "--hf", str(llama), "--out", str(out), "--pp", "2",
                                     "--first-stage-layers", "1", "--nproc", "1"]) == 0  # fmt: skip
     assert json.loads((out / convert_checkpoint.LAYOUT_FILE).read_text())["layout"]["first_stage_layers"] == 1
+
+
+def test_checkpoint_without_its_hf_config_needs_hf_config(llama: Path, llama_mcore: Path, tmp_path: Path, capsys):
+    """A torch_dist checkpoint hf-to-mcore did not write (no hf/, no layout file) is refused with a pointer to
+    --hf-config; with it, and the HF directory of another vocabulary, the embedding's rows are named."""
+    import shutil
+
+    shutil.rmtree(llama_mcore / "hf")
+    (llama_mcore / convert_checkpoint.LAYOUT_FILE).unlink()
+    _fails(capsys, "mcore-to-hf", "--mcore", llama_mcore, "--out", tmp_path / "o", match="--hf-config")
+    other = tmp_path / "other"
+    other.mkdir()
+    config = json.loads((llama / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(dict(config, vocab_size=1000)))
+    argv = ("mcore-to-hf", "--mcore", llama_mcore, "--out", tmp_path / "o", "--hf-config", other)
+    _fails(capsys, *argv, match="the embedding has 128 rows")
+    _fails(capsys, *argv[:-1], tmp_path / "nowhere", match="nowhere/config.json: missing")
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob("o.tmp-*"))
+
+
+def test_unreadable_iteration_tracker_named(tmp_path: Path, capsys) -> None:
+    save = tmp_path / "save"
+    save.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("soon\n")
+    _fails(capsys, "mcore-to-hf", "--mcore", save, "--out", tmp_path / "o", match="expected an iteration number")

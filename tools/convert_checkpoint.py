@@ -2,6 +2,7 @@
 
     python tools/convert_checkpoint.py hf-to-mcore --hf DeepSeek-V3 --out ds-mcore --tp 8 --ep 64 --nproc 16
     python tools/convert_checkpoint.py mcore-to-hf --mcore ds-mcore --out ds-hf --max-shard-size 5GB [--fp8]
+    python tools/convert_checkpoint.py mcore-to-hf --mcore runs/save --hf-config DeepSeek-V3 --out ds-rl-hf
 
 No Megatron model is built or filled. Each worker builds the model on the meta device (shapes only, seconds even for
 671B) to learn the chunks Megatron's torch_dist format holds, then streams its share of the parameters
@@ -11,7 +12,10 @@ hf-to-mcore:  HF safetensors (memory-mapped through bounded windows; FP8 weights
               the family's weight map, one parameter at a time -> its chunks appended to the worker's own .distcp
               file; worker 0 writes .metadata, metadata.json and common.pt. The HF config (without
               quantization_config) and tokenizer files go under <out>/hf/, the layout under <out>/mcore_rl_convert.json.
-mcore-to-hf:  the chunks covering each parameter (from this converter, or saved by Megatron under any layout) ->
+mcore-to-hf:  the chunks covering each parameter (from this converter, or saved by Megatron under any layout: a
+              checkpoint without hf-to-mcore's hf/ config is described by --hf-config, its dtype and padded
+              vocabulary read from its embedding; a Megatron-LM save directory resolves to the iteration
+              latest_checkpointed_iteration.txt names) ->
               the weight map back to HF names -> [--fp8: 128x128 blockwise e4m3 + weight_scale_inv] -> safetensors
               whose headers are planned up front (the weight map run on meta tensors), so every tensor goes straight
               to disk -> shards numbered, index written, directory renamed into place.
@@ -267,7 +271,7 @@ def mcore_to_hf_rank(
             unexpected = sorted(reader.model_keys() - {p.key for e in plan.entries for p in e.pieces})
             if unexpected:
                 raise CheckpointError(
-                    f"{mcore_dir}: {len(unexpected)} tensor(s) the model (hf/config.json) does not have, "
+                    f"{mcore_dir}: {len(unexpected)} tensor(s) the model (its HF config) does not have, "
                     f"e.g. {unexpected[:5]}"
                 )
         for entry in entries:
@@ -353,27 +357,79 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
     return dict(world=args.nproc, ranks=results, bytes=reader.total_bytes())
 
 
+def resolve_iteration(mcore: Path) -> Path:
+    """Megatron-LM's save directory holds latest_checkpointed_iteration.txt and iter_0000123/ (or release/): the
+    checkpoint is the iteration it names. Any other directory is the checkpoint itself."""
+    tracker = mcore / "latest_checkpointed_iteration.txt"
+    if (mcore / METADATA_NAME).is_file() or not tracker.is_file():
+        return mcore
+    text = tracker.read_text().strip()
+    if text == "release":
+        return mcore / "release"
+    if not text.isdigit():
+        raise CheckpointError(f"{tracker}: expected an iteration number or 'release', got {text!r}")
+    return mcore / f"iter_{int(text):07d}"
+
+
+def _source_from_hf_config(mcore: Path, hf_config: Path) -> tuple[dict[str, Any], Path, str, int]:
+    """(config, side-file directory, dtype, vocab multiple) for a checkpoint that carries no HF config (one saved by
+    Megatron-LM or a trainer): the model from `hf_config`, the dtype and the padded vocabulary from the checkpoint's
+    own embedding."""
+    config_path = hf_config if hf_config.is_file() else hf_config / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{config_path}: missing (--hf-config takes an HF model directory or its config.json)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+    config.pop("quantization_config", None)  # the checkpoint holds the model dtype, whatever the release was in
+    reader = ChunkReader(mcore)
+    embedding = reader.tensors.get("embedding.word_embeddings.weight")
+    if embedding is None:
+        raise CheckpointError(f"{mcore}: no embedding.word_embeddings.weight (not a Megatron GPT model checkpoint)")
+    dtype = HF_DTYPE_NAMES.get(str(embedding.properties.dtype).replace("torch.", ""))
+    if dtype is None:
+        raise CheckpointError(f"{mcore}: parameters are {embedding.properties.dtype}, expected one of {sorted(DTYPES)}")
+    padded, vocab = embedding.size[0], HFConfig(config).req("vocab_size")
+    if padded < vocab:
+        raise CheckpointError(
+            f"{mcore}: the embedding has {padded} rows, {config_path} says vocab_size={vocab} (another model?)"
+        )
+    config["dtype"] = {v: k for k, v in HF_DTYPE_NAMES.items()}[dtype]
+    return config, config_path.parent, dtype, padded  # a multiple of `padded` pads `vocab` to exactly `padded`
+
+
 def mcore_to_hf(args: argparse.Namespace) -> dict[str, Any]:
-    """Megatron torch_dist directory written by hf-to-mcore -> HF directory (sharded safetensors + index)."""
-    mcore = Path(args.mcore)
-    meta_path, config_path = mcore / LAYOUT_FILE, mcore / HF_SUBDIR / "config.json"
-    for path in (mcore / "metadata.json", meta_path, config_path):
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing (is {mcore} a checkpoint written by hf-to-mcore?)")
-    meta = json.loads(meta_path.read_text())
-    config = json.loads(config_path.read_text())
-    hf = HFConfig(config)
-    family = get_family(hf.model_type)
-    vocab_multiple = meta["make_vocab_size_divisible_by"] * meta["layout"]["tp"]
+    """Megatron torch_dist directory -> HF directory (sharded safetensors + index).
+
+    The model is described by the hf/ config and layout file hf-to-mcore writes, or by --hf-config for any other
+    torch_dist checkpoint (Megatron-LM's iter_XXXXXXX, given directly or through its save directory)."""
+    mcore = resolve_iteration(Path(args.mcore))
+    if not (mcore / "metadata.json").is_file():
+        raise CheckpointError(f"{mcore / 'metadata.json'}: missing (not a Megatron dist_checkpointing directory)")
     if not (mcore / METADATA_NAME).is_file():  # refused before anything is spawned (workers read it, ~1 s)
         raise CheckpointError(f"{mcore / METADATA_NAME}: missing (not a torch_dist checkpoint)")
+    if args.hf_config is not None:
+        config, side_dir, dtype, vocab_multiple = _source_from_hf_config(mcore, Path(args.hf_config))
+    else:
+        meta_path, config_path = mcore / LAYOUT_FILE, mcore / HF_SUBDIR / "config.json"
+        for path in (meta_path, config_path):
+            if not path.is_file():
+                raise CheckpointError(
+                    f"{path}: missing (written by hf-to-mcore; for another checkpoint name the model with --hf-config)"
+                )
+        meta = json.loads(meta_path.read_text())
+        config = json.loads(config_path.read_text())
+        side_dir, dtype = mcore / HF_SUBDIR, meta["dtype"]
+        vocab_multiple = meta["make_vocab_size_divisible_by"] * meta["layout"]["tp"]
+    family = get_family(HFConfig(config).model_type)
     out = Path(args.out)
     tmp = prepare_output(out, args.overwrite)
     try:
         results = _run(
             mcore_to_hf_rank,
             args.nproc,
-            (str(mcore), str(tmp), config, meta["dtype"], vocab_multiple, args.max_shard_size, args.fp8, args.t0),
+            (str(mcore), str(tmp), config, dtype, vocab_multiple, args.max_shard_size, args.fp8, args.t0),
         )
         parts = [part for r in results for part in r["parts"]]
         out_config = dict(config, architectures=[family.architecture])
@@ -385,7 +441,7 @@ def mcore_to_hf(args: argparse.Namespace) -> dict[str, Any]:
                 "weight_block_size": list(FP8_BLOCK),
             }
         (tmp / "config.json").write_text(json.dumps(out_config, indent=2, sort_keys=True) + "\n")
-        copy_side_files(mcore / HF_SUBDIR, tmp)
+        copy_side_files(side_dir, tmp)
         publish(tmp, out, parts)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -419,8 +475,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last pipeline stage (uneven)")
     a.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype (default: config.json's)")
     a.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="Megatron vocab padding multiple")
-    b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist directory (from hf-to-mcore) -> HF directory")
-    b.add_argument("--mcore", required=True, help="directory written by hf-to-mcore")
+    b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist directory -> HF directory")
+    b.add_argument("--mcore", required=True, help="torch_dist directory (hf-to-mcore's, or Megatron-LM's save dir)")
+    b.add_argument(
+        "--hf-config",
+        default=None,
+        help="HF model directory (or config.json) describing a checkpoint hf-to-mcore did not write; its tokenizer "
+        "and generation files are copied",
+    )
     b.add_argument("--out", required=True, help="output HF directory (created; refused if it exists)")
     b.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), help="per-file size, e.g. 5GB")
     b.add_argument("--fp8", action="store_true", help="write DeepSeek-style 128x128 blockwise float8_e4m3fn weights")
