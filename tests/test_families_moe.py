@@ -23,6 +23,7 @@ from tiny_models import tiny_qwen3_moe_transformers
 
 from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family
 from mcore_rl.parallel.layout import ParallelLayout
+from mcore_rl.resharding.weight_map import WeightMapError
 
 ATOL = 1e-5
 SEQ, BATCH, VOCAB = 12, 2, 100
@@ -162,3 +163,66 @@ def test_qwen3_moe_refuses_attention_bias_it_cannot_represent():
         get_family("qwen3_moe").transformer_config(
             HFConfig(tiny_qwen3_moe(attention_bias=True)), ParallelLayout(), "cpu", torch.float32
         )
+
+
+def test_weight_map_lookup_by_name_shape_keeps_first_match() -> None:
+    """WeightMap indexes its rules by name shape (numbers as '#'); the rule found and the answer of is_known_hf are
+    those of a scan over every rule in order, for every name of a DeepSeek-V3 (MTP layer with literal-index rules)
+    and names out of range or unknown."""
+    import re
+
+    config = dict(DEEPSEEK_TINY, model_type="deepseek_v3", num_hidden_layers=3, first_k_dense_replace=1)
+    hf = HFConfig(config)
+    family = get_family("deepseek_v3")
+    weight_map = family.weight_map(hf, 128)
+    shape = family.shape(hf)
+
+    def scan_hf(name: str) -> bool:
+        if any(p.match(name) for p in weight_map._ignored):
+            return True
+        for pattern, _ in weight_map._compiled_hf:
+            m = pattern.match(name)
+            if not m:
+                continue
+            idx = m.groupdict()
+            if int(idx.get("layer", -1)) >= shape.num_layers or int(idx.get("expert", -1)) >= shape.num_experts:
+                continue
+            return True
+        return False
+
+    def scan_mcore(name: str):
+        return next((rule for pattern, rule in weight_map._compiled if pattern.match(name)), None)
+
+    hf_names = []
+    for pattern, _ in weight_map._compiled_hf:  # one name per rule template, at several indices
+        for layer, expert in ((0, 0), (2, 7), (3, 1), (4, 0), (shape.num_layers + 5, 0), (1, 99)):
+            text = pattern.pattern[1:-1].replace(r"(?P<layer>\d+)", str(layer)).replace(r"(?P<expert>\d+)", str(expert))
+            hf_names.append(re.sub(r"\\(.)", r"\1", text))
+    hf_names += ["model.layers.1.mlp.experts.0.unknown.weight", "lm_head.bias", "model.embed_tokens.weight"]
+    assert any(scan_hf(n) for n in hf_names) and not all(scan_hf(n) for n in hf_names)
+    for name in hf_names:
+        assert weight_map.is_known_hf(name, shape.num_layers, shape.num_experts) == scan_hf(name), name
+    mcore_names = [p.pattern[1:-1].replace(r"(?P<layer>\d+)", "1").replace(r"(?P<expert>\d+)", "3")
+                   for p, _ in weight_map._compiled]  # fmt: skip
+    mcore_names = [re.sub(r"\\(.)", r"\1", n) for n in mcore_names] + ["decoder.layers.0.unknown.weight"]
+    for name in mcore_names:
+        expected = scan_mcore(name)
+        if expected is None:
+            with pytest.raises(WeightMapError, match="no rule"):
+                weight_map.match(name)
+        else:
+            assert weight_map.match(name)[0] is expected, name
+
+
+def test_weight_map_rules_overlapping_in_one_name_shape_keep_their_order() -> None:
+    """Two rules of the same name shape that both match a name (a literal index before a generic one): the earlier
+    rule wins, as in a scan of the rules in order."""
+    from mcore_rl.resharding.transforms import Replicated
+    from mcore_rl.resharding.weight_map import Rule, WeightMap
+
+    literal = Rule("mtp.layers.0.norm.weight", "model.layers.61.norm.weight", Replicated())
+    generic = Rule("mtp.layers.{layer}.norm.weight", "model.layers.{layer}.norm.weight", Replicated())
+    for rules in ([literal, generic], [generic, literal]):
+        weight_map = WeightMap(list(rules))
+        assert weight_map.match("mtp.layers.0.norm.weight")[0] is rules[0]
+        assert weight_map.match("mtp.layers.4.norm.weight")[0] is generic
