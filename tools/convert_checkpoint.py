@@ -484,7 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
         "and generation files are copied",
     )
     b.add_argument("--out", required=True, help="output HF directory (created; refused if it exists)")
-    b.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"), help="per-file size, e.g. 5GB")
+    b.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=parse_size("5GB"),
+        help="largest safetensors file, e.g. 5GB (each worker writes its own files: at least one per worker)",
+    )
     b.add_argument("--fp8", action="store_true", help="write DeepSeek-style 128x128 blockwise float8_e4m3fn weights")
     for p in (a, b):
         cores = min(8, os.cpu_count() or 1)
