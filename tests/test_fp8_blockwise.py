@@ -9,6 +9,7 @@ from mcore_rl.kernels.fp8_blockwise import (
     FP8_DTYPE,
     FP8_MAX,
     dequantize_blockwise,
+    dequantize_blockwise_cpu,
     dequantize_blockwise_ref,
     quantize_blockwise,
     quantize_blockwise_ref,
@@ -140,6 +141,40 @@ def test_dequantize_multiplies_q_by_scale_inv_blockwise():
         assert torch.equal(w_hat[rs, cs], q[rs, cs].float() * scale[i, j])
     # bf16 output is the fp32 product rounded once.
     assert torch.equal(dequantize_blockwise_ref(q, scale, dtype=torch.bfloat16), w_hat.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("shape", [*SHAPES, (3, 300, 200), (2, 1, 129)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpu_dequantize_is_the_reference_bit_for_bit(shape, dtype):
+    q, s = quantize_blockwise_ref(_weight(shape))
+    assert torch.equal(dequantize_blockwise_cpu(q, s, dtype=dtype), dequantize_blockwise_ref(q, s, dtype=dtype))
+    odd = (128, 64)  # a block that is not square
+    q, s = quantize_blockwise_ref(_weight(shape), odd)
+    assert torch.equal(dequantize_blockwise_cpu(q, s, odd, dtype), dequantize_blockwise_ref(q, s, odd, dtype))
+
+
+def test_cpu_dequantize_reads_every_fp8_bit_pattern_as_torch_does():
+    """All 256 codes (subnormals, -0, +-448, the two NaNs) through the table, against torch's own cast."""
+    q = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).view(16, 16)
+    scale = torch.full((1, 1), 0.75)
+    ours, ref = (
+        dequantize_blockwise_cpu(q, scale, dtype=torch.float32),
+        dequantize_blockwise_ref(q, scale, dtype=torch.float32),
+    )
+    assert torch.equal(ours.view(torch.int32), ref.view(torch.int32))  # bitwise: NaN payloads and -0 included
+    assert ours.isnan().sum() == 2
+
+
+def test_bench_fp8_smoke(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_fp8
+
+    assert bench_fp8.main(["--shape", "130", "257", "--repeat", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "deq ref" in out and "deq cpu" in out and "x" in out.splitlines()[2]
 
 
 def test_dispatch_uses_reference_on_cpu():
