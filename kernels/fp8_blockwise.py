@@ -23,8 +23,8 @@ which is what a checkpoint holding one tensor per expert stores.
 `quantize_blockwise_ref` / `dequantize_blockwise_ref` are the plain-torch reference (fp32 math, IEEE division).
 `quantize_blockwise` / `dequantize_blockwise` use the Triton kernels in `fp8_blockwise_triton.py` for CUDA tensors on
 GPUs with FP8 (compute capability >= 8.9) when triton imports, else the reference; the two are meant to agree bit for
-bit (tests marked `gpu`; not yet run on a GPU). CPU dequantisation (checkpoint import) goes through
-`dequantize_blockwise_cpu`: the reference's result, bit for bit, by block rows and a 256-entry table.
+bit (tests marked `gpu`; not yet run on a GPU). On CPU (checkpoint conversion), `quantize_blockwise_cpu` /
+`dequantize_blockwise_cpu` give the reference's results bit for bit, working by block rows (and a 256-entry fp8 table).
 
     from mcore_rl.kernels.fp8_blockwise import quantize_blockwise, dequantize_blockwise
     q, scale_inv = quantize_blockwise(w)                       # w: [M, N] or [E, M, N]
@@ -134,6 +134,35 @@ def dequantize_blockwise_ref(
     return (q.float() * _expand_scale(scale_inv, rows, cols, block)).to(dtype)
 
 
+def quantize_blockwise_cpu(
+    w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's math and result, bit for bit, one block row at a time: the per-element scale is never
+    expanded, and inf/NaN are found through the block amaxes (a non-finite value makes its block's amax non-finite)
+    instead of a pass over the whole weight. What `mcore-to-hf --fp8` runs on CPU."""
+    block = _check_block(block)
+    _check_weight(w)
+    squeeze = w.dim() == 2
+    stack = w.unsqueeze(0) if squeeze else w
+    experts, rows, cols = stack.shape
+    grid_rows, grid_cols = scale_grid_shape((rows, cols), block)
+    q = torch.empty(stack.shape, dtype=FP8_DTYPE)
+    scales = torch.empty((experts, grid_rows, grid_cols), dtype=torch.float32)
+    column_block = torch.arange(cols) // block[1]
+    for r in range(grid_rows):
+        part = stack[:, r * block[0] : (r + 1) * block[0], :].float()
+        padded = torch.nn.functional.pad(part.abs(), (0, grid_cols * block[1] - cols))
+        amax = padded.view(experts, part.shape[1], grid_cols, block[1]).amax(dim=(1, 3))
+        if not torch.isfinite(amax).all():
+            raise ValueError(f"weight of shape {tuple(w.shape)} holds inf or NaN; blockwise FP8 needs finite values")
+        scale = amax / FP8_MAX
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        scales[:, r] = scale
+        expanded = scale.index_select(-1, column_block).unsqueeze(-2)
+        q[:, r * block[0] : (r + 1) * block[0], :] = (part / expanded).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (q[0], scales[0]) if squeeze else (q, scales)
+
+
 @functools.cache
 def _fp8_values() -> torch.Tensor:
     """fp32 value of each of the 256 float8_e4m3fn bit patterns (NaNs included)."""
@@ -148,7 +177,7 @@ def dequantize_blockwise_cpu(
 ) -> torch.Tensor:
     """The reference's math and result, bit for bit, at CPU speed: one block row at a time (the expanded per-element
     scale is never built; a block row of fp32 stays in cache) and fp8 -> fp32 through a 256-entry table (torch's
-    scalar float8 cast runs ~0.15 G elements/s). 4.6-6.8x the reference on one core (tools/bench_fp8.py); checkpoint
+    scalar float8 cast runs ~0.15 G elements/s). 5-7x the reference on one core (tools/bench_fp8.py); checkpoint
     import runs it."""
     block = _check_block(block)
     _check_quantized(q, scale_inv, block)
@@ -196,9 +225,11 @@ def quantize_blockwise(w: torch.Tensor, block: tuple[int, int] = DEFAULT_BLOCK) 
     block = _check_block(block)
     _check_weight(w)
     module = _kernels_for(w)
-    if module is None:
-        return quantize_blockwise_ref(w, block)
-    return module.quantize(w, block)
+    if module is not None:
+        return module.quantize(w, block)
+    if w.device.type == "cpu":
+        return quantize_blockwise_cpu(w, block)
+    return quantize_blockwise_ref(w, block)
 
 
 def dequantize_blockwise(

@@ -12,6 +12,7 @@ from mcore_rl.kernels.fp8_blockwise import (
     dequantize_blockwise_cpu,
     dequantize_blockwise_ref,
     quantize_blockwise,
+    quantize_blockwise_cpu,
     quantize_blockwise_ref,
     scale_grid_shape,
     triton_available,
@@ -153,6 +154,26 @@ def test_cpu_dequantize_is_the_reference_bit_for_bit(shape, dtype):
     assert torch.equal(dequantize_blockwise_cpu(q, s, odd, dtype), dequantize_blockwise_ref(q, s, odd, dtype))
 
 
+@pytest.mark.parametrize("shape", [*SHAPES, (3, 300, 200), (2, 1, 129)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cpu_quantize_is_the_reference_bit_for_bit(shape, dtype):
+    w = _weight(shape).to(dtype)
+    w.view(-1)[: min(w.numel(), 200)] = 0  # a zero (unit-scale) block where the weight is big enough
+    for block in ((128, 128), (128, 64), (32, 96)):
+        q, s = quantize_blockwise_cpu(w, block)
+        q_ref, s_ref = quantize_blockwise_ref(w, block)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref), block
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_cpu_quantize_refuses_non_finite_like_the_reference(bad):
+    w = _weight((300, 300))
+    w[250, 7] = bad  # in the last block row: found through that block's amax
+    for fn in (quantize_blockwise_cpu, quantize_blockwise_ref):
+        with pytest.raises(ValueError, match=r"shape \(300, 300\) holds inf or NaN"):
+            fn(w)
+
+
 def test_cpu_dequantize_reads_every_fp8_bit_pattern_as_torch_does():
     """All 256 codes (subnormals, -0, +-448, the two NaNs) through the table, against torch's own cast."""
     q = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).view(16, 16)
@@ -174,7 +195,7 @@ def test_bench_fp8_smoke(capsys):
 
     assert bench_fp8.main(["--shape", "130", "257", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
-    assert "deq ref" in out and "deq cpu" in out and "x" in out.splitlines()[2]
+    assert "deq cpu" in out and "q cpu" in out and out.splitlines()[2].count("x") == 2
 
 
 def test_dispatch_uses_reference_on_cpu():

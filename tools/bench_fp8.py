@@ -3,8 +3,9 @@
     python tools/bench_fp8.py                          # DeepSeek-V3 expert and attention shapes
     python tools/bench_fp8.py --shape 2048 7168 --repeat 10 --threads 1
 
-CPU: the plain-torch reference against `dequantize_blockwise_cpu` (block rows, a 256-entry fp8 table: what checkpoint
-import runs), as GB/s of FP8 input and their ratio; every result is checked bit for bit against the reference.
+CPU: the plain-torch reference against `dequantize_blockwise_cpu` / `quantize_blockwise_cpu` (block rows, a 256-entry
+fp8 table: what checkpoint conversion runs), as GB/s of FP8 input (dequantise) or bf16 input (quantise) and their
+ratios; every result is checked bit for bit against the reference.
 CUDA (when present): the Triton kernels, as GB/s of bytes moved (FP8 in + output out) and that as a fraction of the
 device's memory bandwidth given with --hbm-gbps (H100 SXM 3350, H200 4800).
 """
@@ -23,6 +24,7 @@ from mcore_rl.kernels.fp8_blockwise import (
     dequantize_blockwise_cpu,
     dequantize_blockwise_ref,
     quantize_blockwise,
+    quantize_blockwise_cpu,
     quantize_blockwise_ref,
 )
 
@@ -51,18 +53,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     shapes = [tuple(s) for s in args.shape] if args.shape else SHAPES
     print(f"CPU, {args.threads} thread(s): GB/s of FP8 input (dequantise) or of bf16 input (quantise)")
-    print(f"{'shape':>14} {'deq ref':>8} {'deq cpu':>8} {'ratio':>6} {'quant ref':>10}")
+    print(f"{'shape':>14} {'deq ref':>8} {'deq cpu':>8} {'ratio':>6} {'q ref':>8} {'q cpu':>8} {'ratio':>6}")
     for shape in shapes:
         w = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
         q, scale = quantize_blockwise_ref(w)
-        if not torch.equal(dequantize_blockwise_cpu(q, scale), dequantize_blockwise_ref(q, scale)):
-            print(f"{shape}: dequantize_blockwise_cpu differs from the reference", file=sys.stderr)
+        q_cpu, scale_cpu = quantize_blockwise_cpu(w)
+        same_q = torch.equal(q_cpu.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale_cpu, scale)
+        if not same_q or not torch.equal(dequantize_blockwise_cpu(q, scale), dequantize_blockwise_ref(q, scale)):
+            print(f"{shape}: the CPU path differs from the reference", file=sys.stderr)
             return 1
         ref = _seconds(lambda: dequantize_blockwise_ref(q, scale), args.repeat)  # noqa: B023 - used at once
         cpu = _seconds(lambda: dequantize_blockwise_cpu(q, scale), args.repeat)  # noqa: B023
         quant = _seconds(lambda: quantize_blockwise_ref(w), args.repeat)  # noqa: B023
+        quant_cpu = _seconds(lambda: quantize_blockwise_cpu(w), args.repeat)  # noqa: B023
         n = q.numel()
-        rates = f"{n / ref / 1e9:8.3f} {n / cpu / 1e9:8.3f} {ref / cpu:5.1f}x {2 * n / quant / 1e9:10.3f}"
+        rates = (
+            f"{n / ref / 1e9:8.3f} {n / cpu / 1e9:8.3f} {ref / cpu:5.1f}x "
+            f"{2 * n / quant / 1e9:8.3f} {2 * n / quant_cpu / 1e9:8.3f} {quant / quant_cpu:5.1f}x"
+        )
         print(f"{str(shape):>14} {rates}")
     if not torch.cuda.is_available():
         print("CUDA: not available here (the Triton kernels' figures need a GPU)")
