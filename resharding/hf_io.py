@@ -509,8 +509,14 @@ def fp8_block_size(config: dict[str, Any]) -> tuple[int, int] | None:
     return tuple(quant.get("weight_block_size", FP8_BLOCK))
 
 
-def fp8_aware_reader(reader: HFCheckpointReader, block: tuple[int, int] | None = None, progress: Any = None) -> Any:
-    """`read(name)` for load_hf_weights: FP8 weights come back dequantised (fp32 math: q * weight_scale_inv).
+def fp8_aware_reader(
+    reader: HFCheckpointReader,
+    block: tuple[int, int] | None = None,
+    progress: Any = None,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """`read(name)` for load_hf_weights: FP8 weights come back dequantised (fp32 math: q * weight_scale_inv, rounded
+    once to `dtype`; a caller that stores bf16 gets the same bits as rounding the fp32 result itself, one pass sooner).
 
     `block` defaults to the checkpoint's own quantization_config; `progress` (a tqdm bar) advances by bytes read.
     """
@@ -526,7 +532,7 @@ def fp8_aware_reader(reader: HFCheckpointReader, block: tuple[int, int] | None =
             scale_name = name + "_scale_inv"
             if block is None or scale_name not in reader:
                 raise CheckpointError(f"{reader.file_of(name)}: FP8 tensor {name!r} has no {scale_name!r}")
-            return dequantize_blockwise(tensor, reader.read(scale_name), block, torch.float32)
+            return dequantize_blockwise(tensor, reader.read(scale_name), block, dtype)
         return tensor
 
     return read

@@ -129,6 +129,24 @@ def test_fp8_import_dequantises_and_fp8_export_reproduces(deepseek, tmp_path: Pa
     assert (w - hf_state(hf_dir)[name]).abs().max() < 0.1 * hf_state(hf_dir)[name].abs().max()
 
 
+def test_fp8_import_to_bf16_rounds_the_fp32_product_once(deepseek, tmp_path: Path) -> None:
+    """With bf16 parameters every FP8 weight holds bf16(fp32(q) * scale_inv): dequantised straight to bf16 by the
+    reader, the same bits as rounding the reference's fp32 result."""
+    from mcore_rl.kernels.fp8_blockwise import dequantize_blockwise_ref
+
+    hf_dir, _ = deepseek
+    fp8, mcore, back = tmp_path / "fp8", tmp_path / "mcore", tmp_path / "back"
+    _quantise_checkpoint(hf_dir, fp8)
+    assert _convert("hf-to-mcore", "--hf", fp8, "--out", mcore, "--dtype", "bf16") == 0
+    assert _convert("mcore-to-hf", "--mcore", mcore, "--out", back, "--nproc", 2) == 0
+    original, exported = hf_state(fp8), hf_state(back)
+    quantised = [n for n, t in original.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(quantised) > 10
+    for name in quantised:
+        expected = dequantize_blockwise_ref(original[name], original[name + "_scale_inv"], dtype=torch.float32)
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], expected.to(torch.bfloat16))
+
+
 def megatron_save_rank(rank: int, world: int, hf_dir: str, out: str, layout: ParallelLayout) -> None:
     """Megatron's own save: the model built under `layout`, filled from HF, saved by dist_checkpointing."""
     from megatron.core import dist_checkpointing

@@ -209,7 +209,7 @@ def hf_to_mcore_rank(
     plan, entries, weight_map, times = _worker_start(rank, world, config, dtype, vocab_multiple, t0)
     planned = time.perf_counter()
     reader = HFCheckpointReader(hf_dir)
-    read_hf = fp8_aware_reader(reader, fp8_block_size(reader.config))
+    read_hf = fp8_aware_reader(reader, fp8_block_size(reader.config), dtype=plan.dtype)
     ctx, used = ShardContext(), set()
     nbytes = sum(e.numel for e in entries) * plan.dtype.itemsize
     with ChunkWriter(tmp, f"__{rank}_0.distcp") as writer, _progress(rank, world, nbytes) as bar, mode_suspended():
