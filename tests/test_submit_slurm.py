@@ -25,6 +25,9 @@ pytestmark = pytest.mark.slow
 
 
 def _cluster_up() -> bool:
+    # Checked only after the fixture has installed Slurm, but a machine without sinfo is simply "not up".
+    if not shutil.which("sinfo"):
+        return False
     res = subprocess.run(["sinfo", "-h", "-o", "%P %t"], capture_output=True, text=True)
     return res.returncode == 0 and bool(re.search(r"^debug\*? (idle|mix|alloc)", res.stdout, re.M))
 
@@ -32,9 +35,11 @@ def _cluster_up() -> bool:
 @pytest.fixture(scope="module")
 def slurm() -> None:
     """A running one-node Slurm with partition `debug` (started with tools/slurm_local.sh when needed)."""
-    # tools/slurm_local.sh installs Debian's slurm-wlm and munge when they are missing, then starts the daemons.
-    if not shutil.which("slurmctld") and (os.geteuid() != 0 or not shutil.which("apt-get")):
-        pytest.skip("slurmctld is not installed and installing it needs root and apt-get (tools/slurm_local.sh)")
+    # tools/slurm_local.sh installs Debian's slurm-wlm and munge when they are missing, then starts the daemons. No
+    # Slurm command runs before it: on a fresh machine sinfo/scontrol do not exist until the script has installed them.
+    installed = all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "sinfo", "munged"))
+    if not installed and (os.geteuid() != 0 or not shutil.which("apt-get")):
+        pytest.skip("Slurm (slurm-wlm, munge) is not installed and installing it needs root and apt-get")
     if not _cluster_up():
         if os.geteuid() != 0:
             pytest.skip("no local Slurm is running and starting one (tools/slurm_local.sh) needs root")

@@ -38,8 +38,9 @@ def slurm2():
     """Two Slurm nodes n1/n2 in network namespaces (tools/slurm_local.sh start2), torn down afterwards (stop2)."""
     if os.geteuid() != 0:
         pytest.skip("network namespaces, a bridge and the Slurm daemons need root (tools/slurm_local.sh start2)")
-    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
-        pytest.skip("slurmctld is not installed and apt-get is not available (tools/slurm_local.sh)")
+    installed = all(shutil.which(tool) for tool in ("slurmctld", "slurmd", "sinfo", "munged"))
+    if not installed and not shutil.which("apt-get"):
+        pytest.skip("Slurm (slurm-wlm, munge) is not installed and apt-get is not available (tools/slurm_local.sh)")
     for tool in ("ip", "nsenter", "unshare"):
         if not shutil.which(tool):
             pytest.skip(f"{tool} is not installed (iproute2 / util-linux), needed for the node namespaces")

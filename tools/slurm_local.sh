@@ -78,7 +78,8 @@ if [ "$MODE" = start ] && ip link show "$BR" >/dev/null 2>&1; then
   stop2
 fi
 
-if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
+if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v sinfo >/dev/null \
+   || ! command -v munged >/dev/null; then
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge
 fi
