@@ -135,23 +135,90 @@ class ActorConfig:
 
 
 @dataclass
-class RolloutConfig:
-    """Generation."""
+class SGLangConfig:
+    """Real SGLang servers (GPU only): what `mcore_rl/rollout/sglang_launcher.py` passes to
+    `python -m sglang.launch_server`. An engine uses `tp` GPUs in all, spread over `nnodes` nodes; `ep` and `dp`
+    divide `tp` (SGLang's rule)."""
 
-    engine: str = "hf"  #: hf (embedded transformers engine, CPU/GPU) | sglang (GPU)
-    n: int = 8  #: samples per prompt
+    tp: int = 1  #: --tp-size: GPUs per engine (all nodes of the engine together)
+    ep: int = 1  #: --ep-size: expert-parallel size inside the engine (1 = experts sharded by TP)
+    dp: int = 1  #: --dp-size: data-parallel attention replicas inside the engine (with enable_dp_attention)
+    enable_dp_attention: bool = False  #: --enable-dp-attention (DeepSeek-V3 / Qwen3-MoE large-EP serving)
+    moe_a2a_backend: str | None = None  #: --moe-a2a-backend (e.g. deepep); null = SGLang's default
+    mem_fraction_static: float = 0.7  #: --mem-fraction-static: weights + KV cache share of each GPU
+    enable_memory_saver: bool = True  #: --enable-memory-saver: lets colocated engines release weights and KV cache
+    nnodes: int = 1  #: nodes per engine (multi-node engines get --nnodes/--node-rank/--dist-init-addr)
+    load_format: str = "dummy"  #: --load-format: dummy (random; the actor syncs real weights before use) | auto
+    skip_tokenizer_init: bool = True  #: --skip-tokenizer-init: token ids in and out, as the RL loop needs
+    startup_timeout_s: float = 1200.0  #: seconds to wait for /health after launch (weights load, CUDA graphs)
+    extra_args: list[str] = field(default_factory=list)  #: further launch_server flags, passed as they are
+
+    def validate(self) -> None:
+        for name in ("tp", "ep", "dp", "nnodes"):
+            _positive(f"rollout.sglang.{name}", getattr(self, name))
+        _check(self.tp % self.ep == 0, "rollout.sglang.ep", self.ep, f"a divisor of rollout.sglang.tp={self.tp}")
+        _check(self.tp % self.dp == 0, "rollout.sglang.dp", self.dp, f"a divisor of rollout.sglang.tp={self.tp}")
+        _check(
+            self.dp == 1 or self.enable_dp_attention,
+            "rollout.sglang.dp",
+            self.dp,
+            "1 unless rollout.sglang.enable_dp_attention=true",
+        )
+        _check(
+            0 < self.mem_fraction_static < 1,
+            "rollout.sglang.mem_fraction_static",
+            self.mem_fraction_static,
+            "in (0, 1)",
+        )
+        _check(self.load_format in ("dummy", "auto"), "rollout.sglang.load_format", self.load_format, "dummy or auto")
+        _check(self.startup_timeout_s > 0, "rollout.sglang.startup_timeout_s", self.startup_timeout_s, "> 0")
+
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+"""sglang-router's --policy choices (sglang_router.launch_router, 0.3.x)."""
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: `num_engines` SGLang-API servers behind sglang-router, driven by one HTTP client."""
+
+    #: hf: our embedded SGLang-compatible server over transformers (CPU or GPU) | sglang: real SGLang servers (GPU)
+    engine: str = "hf"
+    num_engines: int = 1  #: rollout engines (each one HTTP server) behind the router
+    router_policy: str = "cache_aware"  #: sglang-router --policy: cache_aware | round_robin | power_of_two | random
+    n: int = 8  #: samples per prompt (sent as one request with sampling_params.n, so one engine prefills it once)
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
-    num_cpus: float = 1.0  #: Ray CPUs reserved for the engine
-    seed: int = 0  #: sampling seed (step number is added)
+    max_running_requests: int = 256  #: embedded server: sequences decoded together (continuous batching)
+    request_timeout_s: float = 600.0  #: client: seconds before one /generate attempt is given up and retried
+    max_retries: int = 3  #: client: retries of a failed /generate (engine died, timeout) before the step fails
+    num_cpus: float = 1.0  #: Ray CPUs reserved per embedded engine
+    seed: int = 0  #: sampling seed (step number is added; sample i of a request uses seed + i)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def validate(self) -> None:
         _check(self.engine in ("hf", "sglang"), "rollout.engine", self.engine, "hf or sglang")
         _positive("rollout.n", self.n)
+        _positive("rollout.num_engines", self.num_engines)
         _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.max_running_requests", self.max_running_requests)
+        _check(
+            self.router_policy in ROUTER_POLICIES,
+            "rollout.router_policy",
+            self.router_policy,
+            f"one of {ROUTER_POLICIES}",
+        )
+        _check(self.request_timeout_s > 0, "rollout.request_timeout_s", self.request_timeout_s, "> 0")
+        _check(
+            isinstance(self.max_retries, int) and self.max_retries >= 0,
+            "rollout.max_retries",
+            self.max_retries,
+            "an integer >= 0",
+        )
         _check(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
+        self.sglang.validate()
 
 
 @dataclass

@@ -9,13 +9,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import ray
 import torch
 from safetensors import safe_open
 from tiny_models import tiny_qwen3_moe_transformers
 from transformers import AutoModelForCausalLM, GPT2Config, PretrainedConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
-from mcore_rl.rollout import HFRolloutEngine, create_rollout_engine_actor, top_p_filter
+from mcore_rl.rollout import HFRolloutEngine, top_p_filter
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
 
@@ -84,7 +83,8 @@ def test_sampled_logprobs_match_teacher_forced(family: str, temperature: float, 
     )
     for sample, expected in zip(samples, forced):
         assert len(sample.response_logprobs) == len(sample.response_ids) == expected.numel()
-        torch.testing.assert_close(torch.tensor(sample.response_logprobs), expected, atol=1e-5, rtol=0)
+        # fp32: the running batch pads rows to other widths than the teacher-forced pass (another summation order)
+        torch.testing.assert_close(torch.tensor(sample.response_logprobs), expected, atol=5e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", sorted(CONFIGS))
@@ -249,30 +249,3 @@ def test_update_weights_from_tensors_increments_weight_version() -> None:
     with pytest.raises(ValueError, match="unknown tensor"):
         engine.update_weights_from_tensors([("nope.weight", torch.zeros(1))])
     assert engine.weight_version == 7
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-def test_ray_actor_generate_and_update_round_trip(ray_cluster) -> None:
-    config = qwen3_moe_config()
-    actor = create_rollout_engine_actor(config.to_dict(), num_cpus=1, init_seed=0)
-    assert ray.get(actor.ping.remote())["weight_version"] == 0
-    local, new_weights = HFRolloutEngine(config, init_seed=0), HFRolloutEngine(config, init_seed=9)
-
-    before = ray.get(actor.generate.remote(PROMPTS, n=2, temperature=1.0, max_new_tokens=6, seed=4))
-    assert before == local.generate(PROMPTS, n=2, temperature=1.0, max_new_tokens=6, seed=4)
-
-    version = ray.get(actor.update_weights_from_tensors.remote(list(new_weights.state_dict_hf().items())))
-    assert version == ray.get(actor.weight_version.remote()) == 1
-    after = ray.get(actor.generate.remote(PROMPTS, temperature=0.0, max_new_tokens=6))
-    expected = new_weights.generate(PROMPTS, temperature=0.0, max_new_tokens=6)
-    assert [s.response_ids for s in after] == [s.response_ids for s in expected]
-    assert all(s.weight_version == 1 for s in after)
-    forced = ray.get(actor.logprobs.remote([s.prompt_ids + s.response_ids for s in after], [len(p) for p in PROMPTS]))
-    for sample, logprobs in zip(after, forced):
-        torch.testing.assert_close(torch.tensor(sample.response_logprobs), logprobs, atol=1e-5, rtol=0)

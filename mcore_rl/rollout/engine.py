@@ -1,28 +1,32 @@
-"""The embedded rollout engine: a transformers causal LM with a batched sampling loop and HF-named weight loading.
+"""The embedded rollout engine: a transformers causal LM, continuous-batching generation and HF-named weight loading.
 
 This is the in-process engine for CPU runs, tests and small models (the production engine is SGLang); it has the
 same contract the controller relies on: `generate` returns tokens, rollout logprobs and the weight version, and
 `update_weights_from_tensors` takes tensors under HF checkpoint names as weight sync produces them.
 
 ```
-prompts x n -> left-pad + attention mask -> prefill (KV cache) -> [sample -> feed token] x max_new_tokens
+prompts x n -> scheduler.ContinuousBatcher (prefill once per prompt, decode steps, per-sequence RNG) -> Samples
 named tensors (HF checkpoint names) -> hf_names.HFNameMap -> view of a parameter -> copy_ in place
 ```
+
+The HTTP server (`server.py`) runs the same batcher on a thread and speaks SGLang's API over this engine.
 
 Example: `HFRolloutEngine(Qwen3MoeConfig(...)).generate([[1, 2, 3]], n=4, temperature=1.0, max_new_tokens=16)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from mcore_rl.rollout.hf_names import HFNameMap
-from mcore_rl.rollout.sampling import Sample, sample_next_tokens, validate_sampling_args
+from mcore_rl.rollout.sampling import Sample, validate_sampling_args
+from mcore_rl.rollout.scheduler import ContinuousBatcher, GenParams, Sequence
 
 
 def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -96,12 +100,14 @@ class HFRolloutEngine:
         self.name_map = HFNameMap.for_model_type(self.config.model_type)
         # remove_duplicate=False keeps tied aliases (lm_head.weight -> embed_tokens.weight) addressable by name.
         self._params: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
-        self._weight_version = 0
-
-    @property
-    def weight_version(self) -> int:
-        """Version of the loaded weights: 0 at construction, advanced by `update_weights_from_tensors`."""
-        return self._weight_version
+        # Persistent buffers are checkpoint tensors too (DeepSeek-V3's router e_score_correction_bias).
+        saved = set(self.model.state_dict())
+        self._buffers = {name: b for name, b in self.model.named_buffers() if name in saved}
+        self._params.update(self._buffers)
+        #: version of the loaded weights: 0 at construction; set by weight updates (SGLang's are strings)
+        self.weight_version: int | str = 0
+        self.context_length: int = int(getattr(self.config, "max_position_embeddings", 0) or 4096)
+        self._install_routing_hooks()
 
     @property
     def vocab_size(self) -> int:
@@ -118,7 +124,6 @@ class HFRolloutEngine:
             if bad:
                 raise ValueError(f"{what}[{index}] has token ids {bad[:5]} outside [0, {self.vocab_size})")
 
-    @torch.inference_mode()
     def generate(
         self,
         prompt_token_ids: list[list[int]],
@@ -129,77 +134,85 @@ class HFRolloutEngine:
         eos_token_ids: Iterable[int] = (),
         seed: int | None = None,
     ) -> list[Sample]:
-        """Sample `n` responses per prompt; returns `len(prompt_token_ids) * n` samples, prompt-major.
+        """Sample `n` responses per prompt in-process; returns `len(prompt_token_ids) * n` samples, prompt-major.
 
-        `temperature == 0` decodes greedily. A sequence stops at the first token in `eos_token_ids` (included in
-        its response, `finish_reason="stop"`) or after `max_new_tokens` tokens (`"length"`). The same `seed` gives
-        the same samples on the same device and dtype; `seed=None` draws a fresh one.
+        Runs the same continuous batcher the HTTP server runs (`scheduler.py`), on this thread. `temperature == 0`
+        decodes greedily. A sequence stops at the first token in `eos_token_ids` (included in its response,
+        `finish_reason="stop"`) or after `max_new_tokens` tokens (`"length"`). Sample `j` of prompt `i` is seeded
+        with `seed + i * n + j`, so the same `seed` gives the same samples on the same device and dtype; `seed=None`
+        draws fresh seeds.
         """
         validate_sampling_args(temperature, top_p, max_new_tokens, n)
         self._check_token_ids(prompt_token_ids, "prompt_token_ids")
-        prompts = [list(p) for p in prompt_token_ids for _ in range(n)]
-        batch, width = len(prompts), max(len(p) for p in prompts)
-
-        # Left padding: every row's last prompt token sits in the last column, so one forward step feeds all rows.
-        input_ids = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        attention_mask = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, device=self.device)
-            attention_mask[row, width - len(prompt) :] = 1
-        # Positions count real tokens only (as transformers' generate does); pad columns get 0 and are masked.
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp_(min=0)
-
-        generator = torch.Generator(device=self.device)
-        if seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(seed)
-        eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=self.device)
-
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        tokens_out = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=self.device)
-        logprobs_out = torch.zeros(batch, max_new_tokens, dtype=torch.float32, device=self.device)
-        lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
-        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        for step in range(max_new_tokens):
-            tokens, logprobs = sample_next_tokens(out.logits[:, -1, :], temperature, top_p, generator)
-            # Rows that already stopped still run through the model (the batch keeps its shape) but record nothing.
-            active = ~stopped
-            tokens_out[:, step] = torch.where(active, tokens, 0)
-            logprobs_out[:, step] = torch.where(active, logprobs, 0.0)
-            lengths += active.long()
-            stopped |= active & torch.isin(tokens, eos)
-            if step == max_new_tokens - 1 or bool(stopped.all()):
-                break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
-            position_ids = position_ids[:, -1:] + 1
-            out = self.model(
-                input_ids=tokens.unsqueeze(1),
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                past_key_values=out.past_key_values,
-                use_cache=True,
+        seqs = [
+            Sequence(
+                f"{i}_{j}",
+                list(prompt),
+                GenParams(
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    seed=None if seed is None else seed + i * n + j,
+                ),
             )
+            for i, prompt in enumerate(prompt_token_ids)
+            for j in range(n)
+        ]
+        batcher = ContinuousBatcher(self, max_running=len(seqs), eos_token_ids=eos_token_ids)
+        return [seq.to_sample() for seq in batcher.run_until_done(seqs)]
 
-        samples = []
-        for row, prompt in enumerate(prompts):
-            length = int(lengths[row])
-            samples.append(
-                Sample(
-                    prompt_ids=prompt,
-                    response_ids=tokens_out[row, :length].tolist(),
-                    response_logprobs=logprobs_out[row, :length].tolist(),
-                    finish_reason="stop" if bool(stopped[row]) else "length",
-                    weight_version=self._weight_version,
-                )
-            )
-        return samples
+    @contextlib.contextmanager
+    def capture_routed_experts(self, enabled: bool = True) -> Iterator[torch.Tensor | None]:
+        """Record the top-k experts every MoE layer routes each token to during the forwards inside the block.
+
+        Yields a tensor that is filled after the forward: int32 `[batch, seq, num_hidden_layers, top_k]` with -1
+        in dense layers (SGLang's `routed_experts` layout), or None when disabled or the model has no MoE layer.
+        """
+        if not enabled or not self._moe_gates:
+            yield None
+            return
+        captured: dict[int, torch.Tensor] = {}
+        self._capture = captured
+        holder = torch.empty(0, dtype=torch.int32)
+        try:
+            yield holder
+        finally:
+            self._capture = None
+        if captured:
+            top_k = next(iter(captured.values())).shape[-1]
+            tokens = next(iter(captured.values())).shape[0]
+            full = torch.full((tokens, self.config.num_hidden_layers, top_k), -1, dtype=torch.int32)
+            for layer, indices in captured.items():
+                full[:, layer] = indices.to(torch.int32).cpu()
+            holder.set_(full.view(self._capture_shape[0], self._capture_shape[1], *full.shape[1:]))
+
+    def _install_routing_hooks(self) -> None:
+        """Forward hooks on each MoE layer's router (`mlp.gate`, returning `(logits, weights, top-k indices)` in
+        transformers 5 for Qwen2/3-MoE and DeepSeek-V3)."""
+        self._moe_gates: list[int] = []
+        self._capture: dict[int, torch.Tensor] | None = None
+        self._capture_shape = (0, 0)
+        layers = getattr(getattr(self.model, "model", None), "layers", [])
+        for index, layer in enumerate(layers):
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if gate is None or isinstance(gate, torch.nn.Linear):
+                continue
+            gate.register_forward_hook(self._routing_hook(index))
+            self._moe_gates.append(index)
+        if self._moe_gates:
+            self.model.register_forward_pre_hook(self._remember_shape, with_kwargs=True)
+
+    def _remember_shape(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self._capture_shape = tuple(ids.shape[:2])
+
+    def _routing_hook(self, layer: int):  # noqa: ANN202
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if self._capture is not None and isinstance(output, tuple) and len(output) == 3:
+                self._capture[layer] = output[2].detach().reshape(-1, output[2].shape[-1])
+
+        return hook
 
     @torch.inference_mode()
     def logprobs(
@@ -244,9 +257,19 @@ class HFRolloutEngine:
         before the bad one stay loaded (the weight version does not advance, see `update_weights_from_tensors`).
         """
         for name, tensor in named_tensors:
-            if not isinstance(tensor, torch.Tensor):
-                raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, expected a torch.Tensor")
-            self.name_map.target_view(self._params, name, tuple(tensor.shape)).copy_(tensor)
+            view = self.target_view(name, tensor)
+            if view is not None:
+                view.copy_(tensor)
+
+    def target_view(self, name: str, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The parameter view that checkpoint tensor `name` is loaded into; None for MTP layers, which this engine
+        (like SGLang without speculative decoding) skips. ValueError naming the tensor for an unknown name or shape."""
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"tensor {name!r} is a {type(tensor).__name__}, expected a torch.Tensor")
+        mtp_layers = getattr(self.config, "num_nextn_predict_layers", 0) or 0
+        if mtp_layers and HFNameMap.is_mtp_layer(name, self.config.num_hidden_layers, mtp_layers):
+            return None
+        return self.name_map.target_view(self._params, name, tuple(tensor.shape))
 
     def update_weights_from_tensors(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int | None = None
@@ -257,11 +280,12 @@ class HFRolloutEngine:
         prefix cache between calls (the cache lives inside one `generate` call), so there is nothing to flush, and
         since calls are serialised no generation can observe half-loaded weights.
         """
-        if weight_version is not None and weight_version <= self._weight_version:
-            raise ValueError(f"weight_version must increase: got {weight_version}, engine is at {self._weight_version}")
+        current = self.weight_version if isinstance(self.weight_version, int) else 0
+        if weight_version is not None and weight_version <= current:
+            raise ValueError(f"weight_version must increase: got {weight_version}, engine is at {current}")
         self.load_weights(named_tensors)
-        self._weight_version = self._weight_version + 1 if weight_version is None else weight_version
-        return self._weight_version
+        self.weight_version = current + 1 if weight_version is None else weight_version
+        return self.weight_version
 
     def state_dict_hf(self) -> dict[str, torch.Tensor]:
         """All weights under HF checkpoint names (experts split per expert): the inverse of `load_weights`.
@@ -270,6 +294,6 @@ class HFRolloutEngine:
         under the name `save_pretrained` keeps (the embedding).
         """
         result: dict[str, torch.Tensor] = {}
-        for param_name, param in self.model.named_parameters():
+        for param_name, param in [*self.model.named_parameters(), *self._buffers.items()]:
             result.update(self.name_map.checkpoint_items(param_name, param.detach()))
         return result

@@ -79,6 +79,9 @@ HF_NAME_RULES: dict[str, tuple[FusedExpertRule, ...]] = {
     # MoE families with fused in-memory experts (transformers >= 5).
     "qwen2_moe": _STACKED_GATE_UP_DOWN,
     "qwen3_moe": _STACKED_GATE_UP_DOWN,
+    # DeepSeek-V3's routed experts are fused the same way; the router's `e_score_correction_bias` is a persistent
+    # buffer (loaded like a parameter), and shared experts stay 1:1.
+    "deepseek_v3": _STACKED_GATE_UP_DOWN,
 }
 """Name-translation rules keyed by HF `model_type`. Adding a dense family is one line with an empty tuple."""
 
@@ -89,6 +92,14 @@ class HFNameMap:
 
     model_type: str
     rules: tuple[FusedExpertRule, ...]
+
+    @staticmethod
+    def is_mtp_layer(hf_name: str, num_hidden_layers: int, num_mtp_layers: int) -> bool:
+        """True for a tensor of a multi-token-prediction layer (`model.layers.{i}`, num_hidden_layers <= i <
+        num_hidden_layers + num_mtp_layers): transformers builds no such layer, and SGLang's loaders skip them
+        unless speculative decoding is on."""
+        match = _LAYER_INDEX.match(hf_name)
+        return match is not None and num_hidden_layers <= int(match[1]) < num_hidden_layers + num_mtp_layers
 
     @classmethod
     def for_model_type(cls, model_type: str) -> HFNameMap:
@@ -152,6 +163,9 @@ class HFNameMap:
         for expert in range(param.shape[0]):
             for rule, match in sorted(fused_rules, key=lambda item: item[0].chunk):
                 yield rule.checkpoint.format(prefix=match["prefix"], expert=expert), _chunk(param[expert], rule)
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _chunk(expert_weight: torch.Tensor, rule: FusedExpertRule) -> torch.Tensor:

@@ -1,8 +1,8 @@
 r"""The token-sampling step of the embedded rollout engine, and the `Sample` record it returns.
 
 ```
-logits [B, V] -> / temperature -> log_softmax -> logprob of the chosen token (recorded)
-                                \-> softmax -> nucleus (top_p) filter -> exponential race -> token
+logits [B, V] -> / temperature (per row) -> log_softmax -> logprob of the chosen token (recorded)
+                                          \-> softmax -> top-k -> top-p -> min-p -> exponential race -> token
 ```
 
 Which logprob is recorded: the log probability of the sampled token under the temperature-scaled distribution,
@@ -15,12 +15,12 @@ reproduced by trainers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import torch
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass
@@ -34,18 +34,26 @@ class Sample:
     response_logprobs: list[float]
     """Per response token: `log_softmax(logits / temperature)` of the sampled token (temperature 1 when greedy)."""
     finish_reason: FinishReason
-    """"stop": an EOS id was generated (and is included); "length": `max_new_tokens` was reached."""
-    weight_version: int
-    """The engine's weight version when this sample was generated."""
+    """"stop": an EOS id was generated (and is included); "length": `max_new_tokens` was reached; "abort": the
+    engine aborted the request (pause in abort mode, shutdown)."""
+    weight_version: int | str
+    """The engine's weight version when this sample finished (an int for versions the controller set)."""
+    weight_versions: list[tuple[int | str, int, int]] = field(default_factory=list)
+    """`(version, start, end)`: response tokens `[start, end)` were sampled with that version (more than one span
+    when a weight update landed mid-generation)."""
+    routed_experts: Any = field(default=None, compare=False)
+    """With `return_routed_experts`: int32 `[tokens, num_hidden_layers, top_k]` for prompt + response tokens but
+    the last (SGLang's layout; -1 in dense layers), else None."""
 
 
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+def top_p_filter(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
     """Zero every token outside the nucleus: the smallest set of most-likely tokens whose mass reaches `top_p`.
 
-    `probs` is `[B, V]`; the result is not renormalised (the exponential race in `sample_next_tokens` does not
-    need it). The most likely token is always kept, so `top_p` close to 0 gives greedy decoding.
+    `probs` is `[B, V]`, `top_p` a float or a `[B, 1]` tensor (one value per row); the result is not renormalised
+    (the exponential race in `sample_rows` does not need it). The most likely token is always kept, so `top_p`
+    close to 0 gives greedy decoding.
     """
-    if top_p >= 1.0:
+    if not isinstance(top_p, torch.Tensor) and top_p >= 1.0:
         return probs
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
@@ -53,26 +61,47 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
-def sample_next_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+def sample_rows(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    top_k: torch.Tensor,
+    min_p: torch.Tensor,
+    generators: list[torch.Generator],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick one token per row of `logits` [B, V]; return `(tokens [B] int64, logprobs [B] float32)`.
+    """Pick one token per row of `logits` [B, V], each row with its own sampling settings and generator.
 
-    `temperature == 0` is greedy (argmax, logprob at temperature 1). Otherwise tokens are drawn from
-    `softmax(logits / temperature)` restricted to the top-p nucleus, with `generator` as the only randomness.
+    `temperature`, `top_p`, `min_p` are float [B], `top_k` int [B] (`>= V` or `<= 0` = off). A row with temperature 0
+    is greedy (argmax, logprob at temperature 1). Otherwise the token is drawn from `softmax(logits / temperature)`
+    restricted by top-k, then top-p, then min-p (relative to the most likely token), with the row's generator as its
+    only randomness: a row's draw does not depend on which other rows share the batch. Returns `(tokens [B] int64,
+    logprobs [B] float32)` with the logprob defined in the module docstring.
     """
     logits = logits.float()
-    if temperature == 0.0:
-        tokens = logits.argmax(dim=-1)
-        logprobs = torch.log_softmax(logits, dim=-1)
-    else:
-        logprobs = torch.log_softmax(logits / temperature, dim=-1)
-        probs = top_p_filter(logprobs.exp(), top_p)
-        # Exponential race (as in vLLM): argmax(p / q) with q ~ Exp(1) draws index i with probability p_i. Unlike
-        # torch.multinomial it needs no host sync on GPU. The clamp keeps a (rare) q == 0 from turning a filtered
-        # token's 0 / 0 into NaN, which argmax would pick.
-        noise = torch.empty_like(probs).exponential_(1.0, generator=generator).clamp_(min=torch.finfo(probs.dtype).tiny)
-        tokens = (probs / noise).argmax(dim=-1)
+    rows, vocab = logits.shape
+    greedy = temperature <= 0.0
+    scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits)
+    logprobs = torch.log_softmax(logits / scale.unsqueeze(-1), dim=-1)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        probs = logprobs.exp()
+        k = torch.where((top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
+        if bool((k < vocab).any()):
+            kth = probs.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(min=0).unsqueeze(-1))
+            probs = probs.masked_fill(probs < kth, 0.0)
+        if bool((top_p < 1.0).any()):
+            probs = top_p_filter(probs, top_p.to(probs).unsqueeze(-1))
+        if bool((min_p > 0.0).any()):
+            floor = min_p.to(probs).unsqueeze(-1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        # Exponential race (as in vLLM): argmax(p / q) with q ~ Exp(1) draws index i with probability p_i, needs no
+        # host sync on GPU, and lets each row use its own generator. The clamp keeps a (rare) q == 0 from turning a
+        # filtered token's 0 / 0 into NaN, which argmax would pick.
+        noise = torch.empty_like(probs)
+        for row, generator in enumerate(generators):
+            noise[row].exponential_(1.0, generator=generator)
+        noise.clamp_(min=torch.finfo(probs.dtype).tiny)
+        tokens = torch.where(greedy, tokens, (probs / noise).argmax(dim=-1))
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return tokens, chosen
 

@@ -1,0 +1,324 @@
+"""The rollout engines of a run behind sglang-router, driven through one HTTP client; dead engines are replaced.
+
+```
+EnginePool.start: N engines (CPU/GPU embedded servers as Ray actors | real SGLang servers) on loopback, one per-run
+                  API key -> sglang-router in front of them -> RolloutClient(router)
+generate:         client -> router -> engines (the n samples of a prompt are one request: one engine, one prefill)
+sync_weights:     every engine directly: begin_weight_update -> flattened buckets (update_weights_from_tensor)
+                  -> end_weight_update; the version fence is the engine's atomic commit
+a request fails:  client.on_failure -> /health of every engine -> a dead one leaves the router, a new engine starts,
+                  is synced to the current weight version, and only then joins the router
+```
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from mcore_rl.config import RolloutConfig
+from mcore_rl.rollout.client import RolloutClient
+from mcore_rl.rollout.router import Router
+from mcore_rl.rollout.sampling import Sample
+from mcore_rl.rollout.weight_receiver import encode_payload
+
+log = logging.getLogger(__name__)
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class EmbeddedEngineActor:
+    """Ray actor body: one embedded SGLang-compatible server (`mcore_rl.rollout.server`) on a loopback port."""
+
+    def __init__(
+        self,
+        model: str | dict[str, Any],
+        tokenizer: str | None,
+        dtype: str,
+        device: str,
+        max_running_requests: int,
+        api_key: str,
+        init_seed: int,
+        num_threads: int,
+    ) -> None:
+        from mcore_rl.rollout.server import ServerThread, build_server
+
+        torch.set_num_threads(max(1, num_threads))
+        server = build_server(
+            model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            device=device,
+            max_running_requests=max_running_requests,
+            api_key=api_key,
+            init_seed=init_seed,
+        )
+        self._thread = ServerThread(server, "127.0.0.1", 0)
+
+    def url(self) -> str:
+        return self._thread.url
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@dataclass
+class Engine:
+    """One rollout engine of the pool."""
+
+    index: int
+    url: str
+    handle: Any  # the Ray actor that owns the server process
+
+
+def bucket_named_tensors(named: NamedTensors, bucket_bytes: int) -> Iterator[NamedTensors]:
+    """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor travels alone)."""
+    bucket: NamedTensors = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class EnginePool:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        *,
+        model: str | dict[str, Any],
+        tokenizer: str | None,
+        dtype: str,
+        runtime: str,
+        log_dir: str,
+        init_seed: int = 0,
+        bucket_bytes: int = 256 << 20,
+    ) -> None:
+        self.cfg = cfg
+        self.model = model
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.runtime = runtime
+        self.init_seed = init_seed
+        self.bucket_bytes = bucket_bytes
+        self.api_key = secrets.token_hex(16)  # per run: engines and router answer nobody else
+        self.weight_version: int | None = None
+        self.restarts = 0
+        self._weights: NamedTensors = []  # what the last sync pushed: a restarted engine gets the same
+        self._lock = threading.Lock()
+        self._check_lock: asyncio.Lock | None = None
+        self._restarting: dict[int, threading.Thread] = {}
+        self.log_dir = log_dir
+        if cfg.engine == "sglang":
+            from mcore_rl.rollout.sglang_launcher import sglang_unavailable_reason
+
+            reason = sglang_unavailable_reason()
+            if reason is not None:
+                raise ValueError(f"rollout.engine=sglang cannot start: {reason}")
+        self.engines = [Engine(i, url, handle) for i, (url, handle) in enumerate(self._start_engines(cfg.num_engines))]
+        self.router = Router(
+            [e.url for e in self.engines],
+            policy=cfg.router_policy,
+            api_key=self.api_key,
+            log_dir=log_dir,
+            request_timeout_s=cfg.request_timeout_s,
+        )
+        self.router.start()
+        self.client = RolloutClient(
+            self.router.url,
+            api_key=self.api_key,
+            timeout_s=cfg.request_timeout_s,
+            max_retries=cfg.max_retries,
+            on_failure=self._on_failure,
+        )
+
+    # ------------------------------------------------------------------ engines
+    def _start_engines(self, count: int) -> list[tuple[str, Any]]:
+        if self.cfg.engine == "sglang":
+            return [self._start_sglang_engine() for _ in range(count)]
+        actor_cls = ray.remote(EmbeddedEngineActor).options(
+            num_cpus=self.cfg.num_cpus, num_gpus=1 if self.runtime == "cuda" else 0, max_restarts=0
+        )
+        handles = [
+            actor_cls.remote(
+                self.model,
+                self.tokenizer,
+                self.dtype,
+                "cuda" if self.runtime == "cuda" else "cpu",
+                self.cfg.max_running_requests,
+                self.api_key,
+                self.init_seed,
+                max(1, int(self.cfg.num_cpus)),
+            )
+            for _ in range(count)
+        ]
+        urls = ray.get([h.url.remote() for h in handles])
+        return list(zip(urls, handles))
+
+    def _start_sglang_engine(self) -> tuple[str, list[Any]]:
+        """One real SGLang engine: one actor per node holding tp/nnodes GPUs; node 0 names the rendezvous."""
+        from mcore_rl.rollout.sglang_launcher import SGLangServerActor
+
+        sgl = self.cfg.sglang
+        model_path = self.model if isinstance(self.model, str) else self._config_dir()
+        actor_cls = ray.remote(SGLangServerActor).options(num_gpus=sgl.tp // sgl.nnodes, num_cpus=1, max_restarts=0)
+        nodes = [
+            actor_cls.remote(
+                sgl, model_path, self.dtype, self.api_key, self.cfg.max_running_requests, None, rank,
+                None, os.path.join(self.log_dir, "sglang"),
+            )
+            for rank in range(sgl.nnodes)
+        ]  # fmt: skip
+        if sgl.nnodes > 1:
+            address = ray.get(nodes[0].address_for_dist_init.remote())
+            ray.get([n.set_dist_init_addr.remote(address) for n in nodes])
+        urls = ray.get([n.start.remote() for n in nodes])
+        return urls[0], nodes
+
+    def _config_dir(self) -> str:
+        """SGLang loads a model directory: with only an HF config (random init, dummy load), write it out."""
+        import json
+
+        path = os.path.join(self.log_dir, "engine_model")
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(self.model, f)
+        return path
+
+    @property
+    def urls(self) -> list[str]:
+        with self._lock:
+            return [e.url for e in self.engines]
+
+    def engine_pids(self) -> list[int]:
+        with self._lock:
+            handles = [e.handle for e in self.engines]
+        return ray.get([h.pid.remote() for h in handles])
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts: list[list[int]], n: int, seed: int | None, stop_token_ids: list[int]) -> list[Sample]:
+        """`n` samples per prompt through the router (prompt-major), with the rollout config's sampling settings."""
+        params = {
+            "max_new_tokens": self.cfg.max_new_tokens,
+            "temperature": self.cfg.temperature,
+            "top_p": self.cfg.top_p,
+            "stop_token_ids": stop_token_ids,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        return self.client.generate_samples(prompts, n, params, seed)
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, named: NamedTensors, version: int) -> None:
+        """Push `named` (HF names) to every engine as version `version`; each engine commits it atomically."""
+        self.wait_for_restarts()
+        self._weights, self.weight_version = list(named), version
+        for url in self.urls:
+            self._push(url, named, version)
+
+    def _push(self, url: str, named: NamedTensors, version: int) -> None:
+        if self.cfg.engine == "sglang":
+            self._push_disk(url, named, version)
+            return
+        self.client.post(url, "/begin_weight_update")
+        try:
+            for bucket in bucket_named_tensors(named, self.bucket_bytes):
+                payload = encode_payload(bucket, "flattened_bucket")
+                body = {
+                    "serialized_named_tensors": [payload],
+                    "load_format": "flattened_bucket",
+                    "flush_cache": False,
+                    "weight_version": str(version),
+                }
+                self.client.post(url, "/update_weights_from_tensor", body)
+                del payload  # the shared-memory buffer of this bucket can go once the engine staged its copy
+        except Exception:
+            self.client.run(self.client.arequest("POST", url, "/begin_weight_update", {}))  # discard the session
+            raise
+        self.client.post(url, "/end_weight_update")
+
+    def _push_disk(self, url: str, named: NamedTensors, version: int) -> None:
+        """Real SGLang engines may sit on other nodes than this driver, where its shared memory is out of reach:
+        they load the version from safetensors in the run dir (a shared file system on clusters)."""
+        from mcore_rl.resharding.hf_io import write_safetensors
+
+        path = os.path.join(self.log_dir, "weights", f"v{version}")
+        if not os.path.isdir(path):
+            tmp = f"{path}.tmp"
+            os.makedirs(tmp, exist_ok=True)
+            write_safetensors(os.path.join(tmp, "model.safetensors"), dict(named))
+            os.replace(tmp, path)
+        body = {"model_path": path, "weight_version": str(version), "flush_cache": False}
+        self.client.post(url, "/update_weights_from_disk", body)
+
+    # ------------------------------------------------------------------ faults
+    async def _on_failure(self) -> None:
+        """Called by the client before retrying a failed request: take dead engines out of the router."""
+        if self._check_lock is None:
+            self._check_lock = asyncio.Lock()
+        async with self._check_lock:
+            with self._lock:
+                engines = [e for e in self.engines if e.index not in self._restarting]
+            alive = await asyncio.gather(*(self.client.ahealthy(e.url, timeout_s=3.0) for e in engines))
+            for engine, ok in zip(engines, alive):
+                if not ok:
+                    log.warning(
+                        "rollout engine %d at %s is dead: removing it from the router", engine.index, engine.url
+                    )
+                    await asyncio.to_thread(self.router.remove_worker, engine.url)
+                    thread = threading.Thread(target=self._restart, args=(engine,), daemon=True)
+                    with self._lock:
+                        self._restarting[engine.index] = thread
+                    thread.start()
+
+    def _restart(self, dead: Engine) -> None:
+        for handle in dead.handle if isinstance(dead.handle, list) else [dead.handle]:
+            try:
+                if self.cfg.engine == "sglang":
+                    ray.get(handle.stop.remote(), timeout=30)
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 (already gone)
+                pass
+        try:
+            ((url, handle),) = self._start_engines(1)
+            if self.weight_version is not None:
+                self._push(url, self._weights, self.weight_version)  # synced before it sees any traffic
+            self.router.add_worker(url)
+            with self._lock:
+                self.engines[dead.index] = Engine(dead.index, url, handle)
+                self.restarts += 1
+            log.warning("rollout engine %d restarted at %s (weight version %s)", dead.index, url, self.weight_version)
+        finally:
+            with self._lock:
+                self._restarting.pop(dead.index, None)
+
+    def wait_for_restarts(self, timeout_s: float = 600.0) -> None:
+        """Block until engine restarts in progress have finished (before a weight sync)."""
+        with self._lock:
+            threads = list(self._restarting.values())
+        for thread in threads:
+            thread.join(timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        self.client.close()
+        self.router.stop()
+        for engine in self.engines:
+            for handle in engine.handle if isinstance(engine.handle, list) else [engine.handle]:
+                if self.cfg.engine == "sglang":
+                    ray.get(handle.stop.remote())  # the server runs in its own process group
+                ray.kill(handle, no_restart=True)

@@ -1,0 +1,263 @@
+"""One HTTP client for every rollout engine: our embedded server and real SGLang, directly or through sglang-router.
+
+```
+controller --generate_samples--> client --POST /generate (one request per prompt, sampling_params.n = n)--> router
+           <--Samples (tokens, logprobs, finish, weight versions, routed experts)--
+controller --post(url, "/begin_weight_update") ...--> each engine directly (the router proxies no control calls)
+```
+Requests run concurrently on the client's own event loop thread (aiohttp), bounded by `max_in_flight`. A failed
+/generate (connection refused or reset, timeout, 5xx or 429) is retried with exponential backoff after calling
+`on_failure` (the engine pool uses it to find a dead engine and take it out of the router), up to `max_retries`
+times; a 4xx answer is the request's fault and raises `RolloutRequestError` at once. A sample the engine aborted
+(`finish_reason.type == "abort"`, e.g. a pause in abort mode) is continued: prompt + its tokens so far go out again
+with the remaining token budget, and the pieces are joined (a partial rollout; its weight-version spans say which
+tokens came from which version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import random
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+import aiohttp
+import numpy as np
+
+from mcore_rl.rollout.sampling import Sample
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RolloutRequestError(RuntimeError):
+    """An engine or the router refused a request (4xx), or it kept failing after every retry."""
+
+
+def parse_version(version: Any) -> int | str:
+    """SGLang weight versions are strings; the controller's are integers."""
+    if isinstance(version, str) and version.lstrip("-").isdigit():
+        return int(version)
+    return version
+
+
+def sample_from_response(prompt: list[int], obj: dict[str, Any], num_layers: int | None = None) -> Sample:
+    """One /generate answer -> Sample. Tokens come from `output_token_logprobs` (as slime reads them) when present,
+    else from `output_ids`; `routed_experts` (base64 int32) is reshaped to [tokens, layers, top_k]."""
+    meta = obj.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs")
+    if entries is not None:
+        tokens = [int(e[1]) for e in entries]
+        logprobs = [float(e[0]) for e in entries]
+    else:
+        tokens, logprobs = list(obj.get("output_ids") or []), []
+    finish = (meta.get("finish_reason") or {}).get("type", "abort")
+    spans = [(parse_version(s["version"]), s["start"], s["end"]) for s in meta.get("weight_versions") or []]
+    routed = None
+    if meta.get("routed_experts") is not None:
+        flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+        positions = len(prompt) + len(tokens) - 1 - int(meta.get("routed_experts_start_len", 0))
+        routed = flat.reshape(positions, num_layers or -1, -1) if positions > 0 else flat.reshape(0, 0, 0)
+    return Sample(
+        prompt_ids=list(prompt),
+        response_ids=tokens,
+        response_logprobs=logprobs,
+        finish_reason=finish,
+        weight_version=parse_version(meta.get("weight_version")),
+        weight_versions=spans,
+        routed_experts=routed,
+    )
+
+
+def _join(first: Sample, rest: Sample) -> Sample:
+    """A sample continued after an abort: `rest` was generated from first.prompt + first.response."""
+    offset = len(first.response_ids)
+    spans = list(first.weight_versions) + [(v, s + offset, e + offset) for v, s, e in rest.weight_versions]
+    return Sample(
+        prompt_ids=first.prompt_ids,
+        response_ids=first.response_ids + rest.response_ids,
+        response_logprobs=first.response_logprobs + rest.response_logprobs,
+        finish_reason=rest.finish_reason,
+        weight_version=rest.weight_version,
+        weight_versions=spans,
+        routed_experts=rest.routed_experts,
+    )
+
+
+class RolloutClient:
+    """See the module docstring. Thread-safe; its sync methods may be called from any thread but its loop's."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_in_flight: int = 512,
+        on_failure: Callable[[], Awaitable[None] | None] | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_in_flight = max_in_flight
+        self.on_failure = on_failure
+        self.stats = {"retries": 0, "continued_after_abort": 0}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="rollout-client", daemon=True)
+        self._thread.start()
+        self._session: aiohttp.ClientSession | None = None
+        self._limit: asyncio.Semaphore | None = None
+
+    # ------------------------------------------------------------------ plumbing
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine on the client's loop and wait for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    async def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=self.max_in_flight)
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers(), trust_env=False)
+            self._limit = asyncio.Semaphore(self.max_in_flight)
+        return self._session
+
+    async def arequest(
+        self, method: str, url: str, route: str, body: Any = None, timeout_s: float | None = None
+    ) -> tuple[int, Any]:
+        """One HTTP call, no retry: (status, JSON body or text)."""
+        session = await self._get_session()
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        async with session.request(method, url.rstrip("/") + route, json=body, timeout=timeout) as response:
+            text = await response.text()
+            try:
+                payload = await response.json(content_type=None) if text.strip() else None
+            except ValueError:
+                payload = text
+            return response.status, payload
+
+    async def apost(self, url: str, route: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        """POST a control call to one engine; RolloutRequestError naming the route unless it answers 2xx."""
+        status, payload = await self.arequest("POST", url, route, body if body is not None else {}, timeout_s)
+        if status >= 300 or (isinstance(payload, dict) and payload.get("success") is False):
+            message = payload.get("message", payload) if isinstance(payload, dict) else payload
+            raise RolloutRequestError(f"{url}{route} answered {status}: {message}")
+        return payload
+
+    def post(self, url: str, route: str, body: Any = None, timeout_s: float | None = None) -> Any:
+        """Sync `apost`."""
+        return self.run(self.apost(url, route, body, timeout_s))
+
+    def get(self, url: str, route: str, timeout_s: float = 10.0) -> tuple[int, Any]:
+        """GET one route of one engine: (status, body)."""
+        return self.run(self.arequest("GET", url, route, None, timeout_s))
+
+    async def ahealthy(self, url: str, timeout_s: float = 5.0) -> bool:
+        """Whether `url` answers /health with 200 within `timeout_s`."""
+        try:
+            return (await self.arequest("GET", url, "/health", None, timeout_s))[0] == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+
+    # ------------------------------------------------------------------ generation
+    async def agenerate(self, body: dict[str, Any], url: str | None = None) -> Any:
+        """POST /generate with retries (see the module docstring); the decoded answer."""
+        await self._get_session()
+        assert self._limit is not None
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.stats["retries"] += 1
+                if self.on_failure is not None:
+                    maybe = self.on_failure()
+                    if asyncio.iscoroutine(maybe):
+                        await maybe
+                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1) * (1 + random.random() * 0.1))
+            try:
+                async with self._limit:
+                    status, payload = await self.arequest("POST", url or self.url, "/generate", body)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
+                last = f"{type(err).__name__}: {err}"
+                continue
+            if status == 200:
+                return payload
+            message = payload.get("error", payload) if isinstance(payload, dict) else payload
+            if 400 <= status < 500 and status != 429:
+                raise RolloutRequestError(f"/generate refused ({status}): {message}")
+            last = f"HTTP {status}: {message}"
+        raise RolloutRequestError(f"/generate failed after {self.max_retries} retries; last error: {last}")
+
+    async def agenerate_one(
+        self,
+        prompt: list[int],
+        n: int,
+        sampling_params: dict[str, Any],
+        *,
+        seed: int | None = None,
+        return_logprob: bool = True,
+        return_routed_experts: bool = False,
+        num_layers: int | None = None,
+        url: str | None = None,
+    ) -> list[Sample]:
+        """The n samples of one prompt, as one request (so one engine prefills the prompt once)."""
+        params = dict(sampling_params, n=n)
+        if seed is not None:
+            params["sampling_seed"] = seed
+        body: dict[str, Any] = {"input_ids": prompt, "sampling_params": params, "return_logprob": return_logprob}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        answer = await self.agenerate(body, url)
+        answers = answer if isinstance(answer, list) else [answer]
+        if len(answers) != n:
+            raise RolloutRequestError(f"/generate with n={n} answered {len(answers)} samples")
+        samples = [sample_from_response(prompt, a, num_layers) for a in answers]
+        budget = int(params.get("max_new_tokens", 128))
+        for j, sample in enumerate(samples):
+            while sample.finish_reason == "abort" and len(sample.response_ids) < budget:
+                self.stats["continued_after_abort"] += 1
+                rest = dict(params, n=1, max_new_tokens=budget - len(sample.response_ids))
+                if seed is not None:
+                    rest["sampling_seed"] = seed + j + 7919 * len(sample.response_ids)
+                more = await self.agenerate(dict(body, input_ids=prompt + sample.response_ids, sampling_params=rest))
+                more = more[0] if isinstance(more, list) else more
+                sample = _join(sample, sample_from_response(prompt + sample.response_ids, more, num_layers))
+            samples[j] = sample
+        return samples
+
+    async def agenerate_samples(
+        self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any], seed: int | None = None, **kwargs: Any
+    ) -> list[Sample]:
+        """`n` samples for each prompt, prompt-major; sample j of prompt i is seeded `seed + i * n + j`."""
+        groups = await asyncio.gather(
+            *(
+                self.agenerate_one(p, n, sampling_params, seed=None if seed is None else seed + i * n, **kwargs)
+                for i, p in enumerate(prompts)
+            )
+        )
+        return [s for group in groups for s in group]
+
+    def generate_samples(
+        self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any], seed: int | None = None, **kwargs: Any
+    ) -> list[Sample]:
+        """Sync `agenerate_samples`."""
+        return self.run(self.agenerate_samples(prompts, n, sampling_params, seed, **kwargs))
+
+    def close(self) -> None:
+        """Close the HTTP session and stop the loop thread."""
+
+        async def _close() -> None:
+            if self._session is not None:
+                await self._session.close()
+
+        if self._thread.is_alive():
+            self.run(_close())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)

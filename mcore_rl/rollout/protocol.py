@@ -1,0 +1,240 @@
+"""SGLang's `/generate` JSON for the embedded server: request checking -> sequences, sequences -> response objects.
+
+The field names and shapes are SGLang 0.5.x's (`sglang/api/v1/api_types.py`: GenerateRequest, SamplingParams,
+GenerateResponse, GenerateMetaInfo); tests decode what we produce with those very structs. Every problem is a
+`BadRequest` naming the key and what was expected, answered with HTTP 400.
+
+```
+{"input_ids": [[...], ...] | [...], "text": ..., "sampling_params": {...} | [{...}], "return_logprob": ...,
+ "logprob_start_len": ..., "return_routed_experts": ..., "rid": ..., "stream": ...}
+   -> one Sequence per prompt x sampling_params.n (prompt-major) -> {"text", "output_ids", "meta_info", "index"}
+```
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from mcore_rl.rollout.scheduler import GenParams, Sequence
+
+
+class BadRequest(ValueError):
+    """A request the server answers with HTTP 400; the message names the key and what was expected."""
+
+
+#: SamplingParams keys we implement.
+SAMPLING_KEYS = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "min_new_tokens", "stop", "stop_token_ids",
+    "ignore_eos", "skip_special_tokens", "no_stop_trim", "n", "sampling_seed", "spaces_between_special_tokens",
+}  # fmt: skip
+#: SamplingParams keys SGLang has that we accept only at their default value (no constrained decoding, penalties).
+SAMPLING_DEFAULT_ONLY: dict[str, Any] = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "json_schema": None, "regex": None,
+    "ebnf": None, "structural_tag": None, "stop_regex": None, "stream_interval": None, "logit_bias": {},
+    "custom_params": None, "beam_width": None, "watermark": None, "choice": [],
+}  # fmt: skip
+#: Top-level /generate keys we implement.
+REQUEST_KEYS = {
+    "rid", "text", "input_ids", "stream", "sampling_params", "return_logprob", "logprob_start_len",
+    "return_text_in_logprobs", "return_routed_experts", "routed_experts_start_len", "top_logprobs_num",
+}  # fmt: skip
+#: Top-level keys SGLang has that we accept only when absent, null, false or empty (multimodal, LoRA, disaggregation).
+REQUEST_DEFAULT_ONLY = {
+    "token_ids_logprob", "return_hidden_states", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "bootstrap_pair_key", "decode_tp_size", "routed_dp_rank", "disagg_prefill_dp_rank", "image_data", "mm_hashes",
+    "video_data", "audio_data", "extra_key", "priority", "cache_salt", "require_reasoning", "lora_path",
+    "session_params", "kv_hints", "routing_key", "max_thinking_tokens", "session_id", "custom_logit_processor",
+    "custom_labels", "images_config", "return_prompt_token_ids", "return_sampling_mask", "modalities",
+    # sglang-router 0.3.x re-serialises every /generate it forwards with these fields (at their defaults)
+    "background", "no_logs", "return_bytes", "return_entropy",
+}  # fmt: skip
+#: Keys with no effect here, whatever their value: the model name (one model per server), metrics logging.
+REQUEST_IGNORED = {"model", "log_metrics"}
+
+
+def _per_prompt(value: Any, count: int, key: str, is_item: Callable[[Any], bool]) -> list[Any]:
+    """A value given once for all prompts, or as a list with one item per prompt."""
+    if isinstance(value, list) and not is_item(value):
+        if len(value) != count:
+            raise BadRequest(
+                f"{key} has {len(value)} entries for {count} prompts; expected one per prompt or one value"
+            )
+        return value
+    return [value] * count
+
+
+def _int(params: dict, key: str, default: int, low: int | None = None) -> int:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
+        raise BadRequest(f"sampling_params.{key}={value!r} is invalid: expected an integer >= {low}")
+    return value
+
+
+def _float(params: dict, key: str, default: float, ok: Callable[[float], bool], expected: str) -> float:
+    value = params.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not ok(float(value)):
+        raise BadRequest(f"sampling_params.{key}={value!r} is invalid: expected {expected}")
+    return float(value)
+
+
+def parse_sampling_params(params: Any, vocab_size: int) -> tuple[GenParams, int, dict[str, bool]]:
+    """SGLang sampling_params -> (GenParams, n, text options); BadRequest for unknown keys or bad values."""
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise BadRequest(f"sampling_params must be an object, got {type(params).__name__}")
+    for key, value in params.items():
+        if key in SAMPLING_KEYS:
+            continue
+        if key in SAMPLING_DEFAULT_ONLY:
+            if value not in (None, SAMPLING_DEFAULT_ONLY[key]):
+                raise BadRequest(
+                    f"sampling_params.{key}={value!r} is not supported by the embedded server "
+                    f"(only the default {SAMPLING_DEFAULT_ONLY[key]!r})"
+                )
+            continue
+        raise BadRequest(f"unknown sampling_params key {key!r}; expected one of {sorted(SAMPLING_KEYS)}")
+    stop = params.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest(f"sampling_params.stop={params.get('stop')!r} is invalid: expected a string or strings")
+    stop_ids = params.get("stop_token_ids") or ()
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in stop_ids):
+        raise BadRequest(f"sampling_params.stop_token_ids={stop_ids!r}: expected token ids in [0, {vocab_size})")
+    top_k = _int(params, "top_k", -1)
+    if top_k == 0 or top_k < -1:
+        raise BadRequest(f"sampling_params.top_k={top_k} is invalid: expected -1 (off) or an integer >= 1")
+    seed = params.get("sampling_seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise BadRequest(f"sampling_params.sampling_seed={seed!r} is invalid: expected an integer")
+    for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
+        if not isinstance(params.get(key, False), bool):
+            raise BadRequest(f"sampling_params.{key}={params[key]!r} is invalid: expected true or false")
+    gen = GenParams(
+        max_new_tokens=_int(params, "max_new_tokens", 128, low=0),  # 0: prompt logprobs only (scoring)
+        temperature=_float(params, "temperature", 1.0, lambda v: v >= 0, ">= 0 (0 = greedy)"),
+        top_p=_float(params, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        top_k=top_k,
+        min_p=_float(params, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
+        min_new_tokens=_int(params, "min_new_tokens", 0, low=0),
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_ids),
+        ignore_eos=params.get("ignore_eos", False),
+        seed=seed,
+    )
+    text = {k: params.get(k, d) for k, d in (("skip_special_tokens", True), ("no_stop_trim", False))}
+    return gen, _int(params, "n", 1, low=1), text
+
+
+def parse_generate(
+    body: Any, *, vocab_size: int, context_length: int, encode: Callable[[str], list[int]] | None
+) -> tuple[list[Sequence], bool, bool]:
+    """A /generate body -> (sequences in output order, whether the answer is a list, stream)."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    for key, value in body.items():
+        if key in REQUEST_KEYS or key in REQUEST_IGNORED:
+            continue
+        if key in REQUEST_DEFAULT_ONLY:
+            if value not in (None, False, [], {}, "", 0):
+                raise BadRequest(f"{key} is not supported by the embedded server (leave it unset)")
+            continue
+        raise BadRequest(f"unknown request key {key!r}; expected one of {sorted(REQUEST_KEYS)}")
+    if (body.get("input_ids") is None) == (body.get("text") is None):
+        raise BadRequest("give exactly one of input_ids (token ids) and text")
+    if body.get("top_logprobs_num") not in (None, 0):
+        raise BadRequest("top_logprobs_num is not supported by the embedded server (leave it unset or 0)")
+    if body.get("input_ids") is not None:
+        ids = body["input_ids"]
+        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batched else [ids]
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+                raise BadRequest(f"input_ids[{i}] must be a non-empty list of integer token ids")
+    else:
+        if encode is None:
+            raise BadRequest("text prompts need a tokenizer; this server was started without one (send input_ids)")
+        texts = body["text"]
+        batched = isinstance(texts, list)
+        prompts = [encode(t) for t in (texts if batched else [texts])]
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise BadRequest(f"input_ids[{i}] has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        if len(prompt) >= context_length:
+            raise BadRequest(
+                f"input_ids[{i}] has {len(prompt)} tokens; the context length is {context_length} "
+                "(the prompt must leave room for at least one new token)"
+            )
+    count = len(prompts)
+    all_params = _per_prompt(body.get("sampling_params"), count, "sampling_params", lambda v: False)
+    want_logprob = _per_prompt(body.get("return_logprob", False), count, "return_logprob", lambda v: False)
+    start_len = _per_prompt(body.get("logprob_start_len", -1), count, "logprob_start_len", lambda v: False)
+    rids = _per_prompt(body.get("rid"), count, "rid", lambda v: False)
+    routed = bool(body.get("return_routed_experts", False))
+    routed_start = body.get("routed_experts_start_len", 0)
+    seqs: list[Sequence] = []
+    for i, prompt in enumerate(prompts):
+        gen, n, text_opts = parse_sampling_params(all_params[i], vocab_size)
+        if not isinstance(start_len[i], int) or start_len[i] < -1 or start_len[i] >= len(prompt):
+            raise BadRequest(f"logprob_start_len={start_len[i]!r}: expected -1 (none) or an index into the prompt")
+        if not isinstance(routed_start, int) or not 0 <= routed_start <= len(prompt):
+            raise BadRequest(f"routed_experts_start_len={routed_start!r}: expected an integer in [0, {len(prompt)}]")
+        rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
+        for j in range(n):
+            seed = None if gen.seed is None else gen.seed + j
+            seq = Sequence(
+                rid if n == 1 else f"{rid}_{j}",
+                list(prompt),
+                GenParams(**{**gen.__dict__, "seed": seed}),
+                return_logprob=bool(want_logprob[i]),
+                logprob_start_len=start_len[i],
+                return_routed_experts=routed,
+                routed_experts_start_len=routed_start,
+            )
+            seq.text_options = text_opts  # type: ignore[attr-defined]
+            seqs.append(seq)
+    return seqs, batched or len(seqs) > 1, bool(body.get("stream", False))
+
+
+def response_object(
+    seq: Sequence, index: int, decode: Callable[[Seq[int], bool], str] | None, text_in_logprobs: bool = False
+) -> dict[str, Any]:
+    """One sequence as SGLang's GenerateResponse (`text`, `output_ids`, `meta_info`, `index`)."""
+    options = getattr(seq, "text_options", {"skip_special_tokens": True, "no_stop_trim": False})
+    text = decode(seq.output_ids, options["skip_special_tokens"]) if decode is not None else ""
+    matched = (seq.finish or {}).get("matched")
+    if isinstance(matched, str) and not options["no_stop_trim"] and matched in text:
+        text = text[: text.rindex(matched)]
+    meta: dict[str, Any] = {
+        "id": seq.rid,
+        "finish_reason": seq.finish,
+        "prompt_tokens": len(seq.prompt_ids),
+        "completion_tokens": len(seq.output_ids),
+        "cached_tokens": seq.cached_tokens,
+        "weight_version": None if seq.weight_version is None else str(seq.weight_version),
+        "weight_versions": [{"version": str(v), "start": s, "end": e} for v, s, e in seq.weight_versions],
+        "e2e_latency": time.monotonic() - seq.created,
+    }
+    if seq.return_logprob:
+
+        def token_text(t: int) -> str | None:
+            return decode([t], False) if (text_in_logprobs and decode is not None) else None
+
+        meta["output_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(seq.output_logprobs, seq.output_ids)]
+        if seq.input_logprobs is not None:
+            tokens = seq.prompt_ids[seq.logprob_start_len :]
+            meta["input_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(seq.input_logprobs, tokens)]
+    routed = seq.routed_experts()
+    if routed is not None:
+        meta["routed_experts"] = base64.b64encode(routed.contiguous().numpy().tobytes()).decode("ascii")
+    return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta, "index": index}

@@ -1,0 +1,183 @@
+"""sglang-router in front of the rollout engines: start it on loopback, add and remove workers, stop it.
+
+    router = Router(["http://127.0.0.1:31001", "http://127.0.0.1:31002"], policy="cache_aware", api_key=key)
+    url = router.start()                  # http://127.0.0.1:<port>; /generate goes here
+    router.remove_worker(dead_url); ...; router.add_worker(restarted_url)
+    router.stop()
+
+With `api_key` the router sends it to the workers and asks it of its own clients (`Authorization: Bearer`).
+The router (PyPI `sglang-router`, a Rust binary; 0.3.x API) probes each worker's /health, /server_info and
+/model_info when it is added, and proxies /generate (retrying on another worker when one fails). Weight updates,
+pause and continue are not proxied: the controller sends those to every engine directly. Workers are added with
+`POST /workers {"url"}` (answered 202, registered in the background, so `add_worker` polls `GET /workers` until
+the worker is listed healthy) and removed with `DELETE /workers/{id}`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+#: sglang_router.launch_router --policy choices this project uses (rollout.router_policy is checked against them)
+POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _http(
+    method: str, url: str, body: Any = None, timeout: float = 10.0, api_key: str | None = None
+) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            raw = response.read()
+            status = response.status
+    except urllib.error.HTTPError as err:
+        raw, status = err.read(), err.code
+    try:
+        return status, json.loads(raw) if raw else None
+    except json.JSONDecodeError:
+        return status, raw.decode(errors="replace")
+
+
+class Router:
+    """One sglang-router process on loopback (see the module docstring)."""
+
+    def __init__(
+        self,
+        worker_urls: list[str],
+        *,
+        policy: str = "cache_aware",
+        api_key: str | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_dir: str | None = None,
+        request_timeout_s: float = 600.0,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"router policy {policy!r} is invalid: expected one of {POLICIES}")
+        self.worker_urls = list(worker_urls)
+        self.policy = policy
+        self.api_key = api_key
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="mcore_rl_router_")
+        self.log_path = os.path.join(self.log_dir, f"router-{self.port}.log")
+        self.request_timeout_s = request_timeout_s
+        self._proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        """The launch_router command line."""
+        cmd = [
+            sys.executable, "-m", "sglang_router.launch_router",
+            "--host", self.host, "--port", str(self.port), "--policy", self.policy,
+            "--request-timeout-secs", str(int(self.request_timeout_s)),
+            # A dead engine's requests are retried on the others; the controller, not the router's periodic probe,
+            # decides when an engine is dead and removes it, so the probe only needs to be slow and cheap.
+            "--retry-max-retries", "3", "--health-check-interval-secs", "30", "--log-level", "warn",
+            "--log-dir", self.log_dir,
+            # its Prometheus exporter binds 29000 by default: two routers on one machine would collide
+            "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
+        ]  # fmt: skip
+        if self.worker_urls:
+            cmd += ["--worker-urls", *self.worker_urls]
+        if self.api_key:
+            cmd += ["--api-key", self.api_key]
+        return cmd
+
+    def start(self, timeout_s: float = 120.0) -> str:
+        """Launch the router and wait until it answers /health with every initial worker registered; its URL."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"sglang-router exited with code {self._proc.returncode}:\n{self._log_tail()}")
+            try:
+                if _http("GET", self.url + "/health", timeout=2, api_key=self.api_key)[0] == 200 and self._registered(
+                    self.worker_urls
+                ):
+                    return self.url
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"sglang-router did not come up within {timeout_s:.0f} s:\n{self._log_tail()}")
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The router's worker list (`GET /workers`): dicts with id, url, is_healthy, load, ..."""
+        status, body = _http("GET", self.url + "/workers", api_key=self.api_key)
+        if status != 200 or not isinstance(body, dict):
+            raise RuntimeError(f"sglang-router GET /workers answered {status}: {body}")
+        return body.get("workers", [])
+
+    def _registered(self, urls: list[str]) -> bool:
+        listed = {w.get("url"): w for w in self.workers()}
+        return all(u in listed and listed[u].get("is_healthy", True) for u in urls)
+
+    def add_worker(self, url: str, timeout_s: float = 60.0) -> None:
+        """Register `url` and wait until the router lists it healthy (the router answers 202 and probes it)."""
+        body: dict[str, Any] = {"url": url, "worker_type": "regular"}
+        if self.api_key:
+            body["api_key"] = self.api_key
+        status, answer = _http("POST", self.url + "/workers", body, api_key=self.api_key)
+        if status not in (200, 201, 202):
+            raise RuntimeError(f"sglang-router refused worker {url}: {status} {answer}")
+        deadline = time.monotonic() + timeout_s
+        while not self._registered([url]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sglang-router did not register worker {url} within {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def remove_worker(self, url: str, timeout_s: float = 30.0) -> None:
+        """Deregister `url` (a no-op when it is not listed) and wait until it is gone from the list."""
+        for worker in self.workers():
+            if worker.get("url") == url:
+                _http("DELETE", f"{self.url}/workers/{worker['id']}", api_key=self.api_key)
+        deadline = time.monotonic() + timeout_s
+        while any(w.get("url") == url for w in self.workers()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sglang-router still lists worker {url} after {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def _log_tail(self, lines: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        """Terminate the router (its whole process group), then kill it if it lingers."""
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=10)
+        except ProcessLookupError:
+            pass

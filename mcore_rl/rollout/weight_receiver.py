@@ -1,0 +1,261 @@
+"""The receiving end of weight sync inside the embedded server: payload decoding, staging and the atomic commit.
+
+```
+/begin_weight_update                      open a session (a session left open by a dead sender is discarded)
+/update_weights_from_tensor | _distributed | _disk
+    payload -> named tensors -> every name/shape checked against the model -> staged (copies, not yet visible)
+/end_weight_update                        commit between two decode steps: staged tensors copied into the
+                                          parameters, weight_version set; a session with a refused bucket commits
+                                          nothing (old weights and version stay)
+```
+Staging costs up to one model's bytes on the engine and buys atomicity without stopping generation while buckets
+stream in: requests keep decoding on the old weights until the commit, and no token mixes versions.
+
+Tensor payloads are SGLang's: base64 of a `ForkingPickler` dump (CPU tensors through shared memory with torch's
+`file_system` strategy; CUDA IPC handles on GPU), either a list of `(name, tensor)` or, with
+`load_format="flattened_bucket"`, `{"flattened_tensor": uint8, "metadata": [...]}`. They are unpickled with an
+allow-list (tensor and storage rebuilders, plain containers), as SGLang's own `SafeUnpickler` does, so a request
+cannot name arbitrary callables.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import pickle
+import threading
+import types
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mcore_rl.rollout.engine import HFRolloutEngine
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+class WeightUpdateError(ValueError):
+    """A refused weight update; the server answers 400 with `{"success": false, "message": ...}`."""
+
+
+_ALLOWED_MODULE_PREFIXES = ("torch.multiprocessing.reductions", "torch._utils", "torch.storage", "torch._tensor")
+_ALLOWED_GLOBALS = {
+    ("builtins", n) for n in ("list", "tuple", "dict", "str", "int", "float", "bool", "bytes", "bytearray", "slice")
+} | {
+    ("collections", "OrderedDict"),
+    ("copyreg", "__newobj__"),
+    ("copyreg", "_reconstructor"),
+    ("types", "SimpleNamespace"),
+    ("torch", "Size"),
+    ("torch", "dtype"),
+    ("torch", "device"),
+    ("torch", "Tensor"),
+    ("torch", "UntypedStorage"),
+    ("torch.nn.parameter", "Parameter"),
+    ("multiprocessing.resource_sharer", "DupFd"),
+}
+
+
+class FlattenedTensorMetadata(types.SimpleNamespace):
+    """Stands in for `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata` when a client pickled SGLang's
+    class (name, shape, dtype, start_idx, end_idx, numel)."""
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"):
+            return FlattenedTensorMetadata
+        if (module, name) in _ALLOWED_GLOBALS or (
+            module.startswith(_ALLOWED_MODULE_PREFIXES) and name.startswith(("rebuild_", "_rebuild_", "_load_"))
+        ):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module in ("torch", "torch.storage") and name.endswith("Storage"):  # storage classes (plain data)
+            return super().find_class(module, name)
+        raise WeightUpdateError(f"payload refers to {module}.{name}, which a weight payload may not contain")
+
+
+def decode_payload(payload: str | bytes, load_format: str | None) -> NamedTensors:
+    """One TP rank's serialized tensors -> named tensors (views of the shared buffers; copy before keeping)."""
+    try:
+        raw = base64.b64decode(payload, validate=True) if isinstance(payload, str) else payload
+        obj = _SafeUnpickler(io.BytesIO(raw)).load()
+    except WeightUpdateError:
+        raise
+    except Exception as err:
+        raise WeightUpdateError(f"serialized_named_tensors could not be decoded: {err}") from err
+    if load_format == "flattened_bucket":
+        if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
+            raise WeightUpdateError(
+                'a flattened_bucket payload is {"flattened_tensor": uint8 tensor, "metadata": [...]}'
+            )
+        flat = obj["flattened_tensor"]
+        out = []
+        for meta in obj["metadata"]:
+            size = int(torch.Size(meta.shape).numel()) * meta.dtype.itemsize
+            if meta.end_idx - meta.start_idx != size or meta.end_idx > flat.numel():
+                raise WeightUpdateError(f"bucket metadata of {meta.name!r} does not fit its shape or the buffer")
+            out.append((meta.name, flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)))
+        return out
+    if load_format not in (None, "auto"):
+        raise WeightUpdateError(f"load_format={load_format!r} is not supported; expected null or 'flattened_bucket'")
+    if isinstance(obj, dict):
+        obj = list(obj.items())
+    if not isinstance(obj, list) or not all(isinstance(i, tuple) and len(i) == 2 for i in obj):
+        raise WeightUpdateError("a tensor payload is a list of (name, tensor) pairs")
+    return obj
+
+
+def encode_payload(named: NamedTensors, load_format: str | None = "flattened_bucket") -> str:
+    """The client side: named tensors -> one base64 payload, in the format `decode_payload` (and SGLang) reads.
+
+    CPU tensors are shared through torch's `file_system` strategy (the receiver maps the same memory; the default
+    `file_descriptor` strategy cannot cross between unrelated processes), CUDA tensors as IPC handles. The tensors
+    must stay alive until the receiving call returns.
+    """
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as tmp
+
+    tmp.set_sharing_strategy("file_system")
+    if load_format == "flattened_bucket":
+        flat, metadata = flatten(named)
+        obj: Any = {"flattened_tensor": flat, "metadata": metadata}
+    else:
+        obj = [(name, t.detach()) for name, t in named]
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def flatten(named: NamedTensors) -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
+    """Named tensors -> one uint8 buffer + metadata records with SGLang's FlattenedTensorMetadata fields (plain
+    SimpleNamespace, which SGLang's SafeUnpickler admits and its loader reads by attribute)."""
+    if not named:
+        raise ValueError("cannot flatten an empty bucket")
+    pieces, metadata, offset = [], [], 0
+    for name, tensor in named:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        metadata.append(
+            types.SimpleNamespace(
+                name=name,
+                shape=tensor.shape,
+                dtype=tensor.dtype,
+                start_idx=offset,
+                end_idx=offset + flat.numel(),
+                numel=flat.numel(),
+            )
+        )
+        pieces.append(flat)
+        offset += flat.numel()
+    return torch.cat(pieces), metadata
+
+
+class WeightReceiver:
+    """Staged weight updates for one `HFRolloutEngine` (see the module docstring). Thread-safe."""
+
+    def __init__(self, engine: HFRolloutEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._staged: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._failed: str | None = None
+        self._version: str | None = None
+        self.groups: dict[str, Any] = {}
+
+    @property
+    def session_open(self) -> bool:
+        return self._staged is not None
+
+    def begin(self) -> str:
+        with self._lock:
+            dropped = "" if self._staged is None else f" (discarded an unfinished session of {len(self._staged)})"
+            self._staged, self._failed, self._version = {}, None, None
+        return "weight update session opened" + dropped
+
+    def stage(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: str | None) -> int:
+        """Check every tensor, then stage copies of them; WeightUpdateError (and the session is spoiled) if any is
+        refused, so a later end_weight_update commits nothing."""
+        with self._lock:
+            if self._staged is None:
+                raise WeightUpdateError("no weight update session: call /begin_weight_update first")
+            checked = []
+            try:
+                for name, tensor in named:
+                    view = self.engine.target_view(name, tensor)
+                    if view is not None:
+                        checked.append((name, view, tensor))
+            except ValueError as err:
+                self._failed = str(err)
+                raise WeightUpdateError(f"bucket refused, old weights kept: {err}") from err
+            for name, view, tensor in checked:
+                self._staged[name] = (view, tensor.to(view.dtype, copy=True))
+            if weight_version is not None:
+                self._version = str(weight_version)
+            return len(checked)
+
+    def discard(self) -> None:
+        """Drop the open session, if any, without committing."""
+        with self._lock:
+            self._staged, self._failed, self._version = None, None, None
+
+    def take_commit(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
+        """Close the session: the (parameter view, new value) pairs and version to commit; WeightUpdateError if the
+        session had a refused bucket or none was open."""
+        with self._lock:
+            staged, failed, version = self._staged, self._failed, self._version
+            self._staged, self._failed, self._version = None, None, None
+        if staged is None:
+            raise WeightUpdateError("no weight update session: call /begin_weight_update first")
+        if failed is not None:
+            raise WeightUpdateError(f"a bucket of this session was refused ({failed}); nothing committed")
+        return list(staged.values()), version
+
+    def receive_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, load_format: str | None
+    ) -> NamedTensors:
+        """Receive one broadcast (per tensor, or one flattened bucket) from rank 0 of `group_name`."""
+        from mcore_rl.parallel.update_group import broadcast
+
+        group = self.groups.get(group_name)
+        if group is None:
+            raise WeightUpdateError(f"no update group {group_name!r}: call /init_weights_update_group first")
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise WeightUpdateError("names, dtypes and shapes must be non-empty lists of the same length")
+        try:
+            types_ = [getattr(torch, d.removeprefix("torch.")) for d in dtypes]
+            assert all(isinstance(t, torch.dtype) for t in types_)
+        except (AttributeError, AssertionError) as err:
+            raise WeightUpdateError(f"dtypes {dtypes!r} are not all torch dtype names") from err
+        device = self.engine.device
+        if load_format == "flattened_bucket":
+            sizes = [int(torch.Size(s).numel()) * t.itemsize for s, t in zip(shapes, types_)]
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            broadcast(group, flat)
+            out, offset = [], 0
+            for name, shape, dtype, size in zip(names, shapes, types_, sizes):
+                out.append((name, flat[offset : offset + size].view(dtype).reshape(shape)))
+                offset += size
+            return out
+        tensors = [(name, torch.empty(shape, dtype=t, device=device)) for name, shape, t in zip(names, shapes, types_)]
+        for _, tensor in tensors:
+            broadcast(group, tensor)
+        return tensors
+
+
+def read_safetensors_dir(path: str) -> NamedTensors:
+    """Every tensor of the `*.safetensors` files in `path` (for /update_weights_from_disk)."""
+    from safetensors import safe_open
+
+    if not os.path.isdir(path):
+        raise WeightUpdateError(f"model_path {path!r} is not a directory")
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise WeightUpdateError(f"model_path {path!r} holds no .safetensors files")
+    out = []
+    for file in files:
+        with safe_open(os.path.join(path, file), framework="pt") as handle:
+            out.extend((name, handle.get_tensor(name)) for name in handle.keys())  # noqa: SIM118
+    return out
