@@ -193,6 +193,7 @@ class RolloutConfig:
     max_running_requests: int = 256  #: embedded server: sequences decoded together (continuous batching)
     request_timeout_s: float = 600.0  #: client: seconds before one /generate attempt is given up and retried
     max_retries: int = 3  #: client: retries of a failed /generate (engine died, timeout) before the step fails
+    health_check_interval_s: float = 2.0  #: seconds between the pool's /health probes of every engine
     num_cpus: float = 1.0  #: Ray CPUs reserved per embedded engine
     seed: int = 0  #: sampling seed (step number is added; sample i of a request uses seed + i)
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
@@ -210,6 +211,12 @@ class RolloutConfig:
             f"one of {ROUTER_POLICIES}",
         )
         _check(self.request_timeout_s > 0, "rollout.request_timeout_s", self.request_timeout_s, "> 0")
+        _check(
+            self.health_check_interval_s > 0,
+            "rollout.health_check_interval_s",
+            self.health_check_interval_s,
+            "> 0",
+        )
         _check(
             isinstance(self.max_retries, int) and self.max_retries >= 0,
             "rollout.max_retries",

@@ -59,6 +59,12 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl.reward.loader import build_reward_fn
     from mcore_rl.reward.manager import RewardManager
 
+    if cfg.rollout.engine == "sglang":  # checked here, not in the config: a CPU login node validates GPU recipes
+        from mcore_rl.rollout.sglang_launcher import sglang_unavailable_reason
+
+        reason = sglang_unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"rollout.engine=sglang cannot run here: {reason}")
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     tokenizer, loader, tokenizer_dir = setup_data(cfg)
     reward = RewardManager(

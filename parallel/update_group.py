@@ -13,9 +13,23 @@ can hold several groups (one per pipeline stage) beside its own training groups.
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class UpdateGroup:
+    """A joined broadcast group; it keeps the TCP store alive as long as the group (rank 0 serves it)."""
+
+    name: str
+    rank: int
+    world_size: int
+    backend: str
+    group: dist.ProcessGroup
+    store: Any
 
 
 def new_update_group(
@@ -26,7 +40,7 @@ def new_update_group(
     world_size: int,
     group_name: str,
     timeout_s: float = 300.0,
-) -> dist.ProcessGroup:
+) -> UpdateGroup:
     """Join (rank 0: host) the broadcast group `group_name`; blocks until all `world_size` ranks have joined.
 
     `backend` is gloo (CPU tensors) or nccl (CUDA tensors). Raises ValueError for a bad argument, RuntimeError (from
@@ -47,12 +61,11 @@ def new_update_group(
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    group._mcore_rl_store = store  # the store must outlive the group (rank 0 serves it)
-    return group
+    return UpdateGroup(group_name, rank, world_size, backend, group, store)
 
 
-def broadcast(group: dist.ProcessGroup, tensor: torch.Tensor, src: int = 0) -> None:
+def broadcast(group: UpdateGroup, tensor: torch.Tensor, src: int = 0) -> None:
     """Broadcast `tensor` from `src` to every rank of `group`, in place; waits for completion."""
     options = dist.BroadcastOptions()
     options.rootRank = src
-    group.broadcast([tensor], options).wait()
+    group.group.broadcast([tensor], options).wait()

@@ -43,6 +43,8 @@ def test_three_step_run_completes_and_writes_metrics(tmp_path: Path):
     # rollout logprobs come from the engine, old logprobs from Megatron: exact sync makes them agree (fp32)
     assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in lines)
     assert (run_dir / "copy_digit.parquet").is_file()
+    # generation went through sglang-router to the embedded server over HTTP
+    assert list((run_dir / "rollout").glob("router-*.log"))
     summary = [line for line in out.stdout.splitlines() if line.startswith("summary:")]
     assert summary and "steps=3" in summary[0]
 
@@ -57,6 +59,9 @@ def test_three_step_run_completes_and_writes_metrics(tmp_path: Path):
         (["rollout.top_p=1.5"], "rollout.top_p=1.5 is invalid: expected in (0, 1]"),
         (["model.path=/nonexistent"], "config.json does not exist"),
         (["algorithm.adv_estimator=gae"], "needs a critic (PPO), which the RL loop does not run yet"),
+        (["rollout.engine=sglang"], "rollout.engine=sglang cannot run here: "),
+        (["rollout.router_policy=fastest"], "rollout.router_policy='fastest' is invalid: expected one of"),
+        (["rollout.sglang.ep=3", "rollout.sglang.tp=8"], "rollout.sglang.ep=3 is invalid: expected a divisor"),
     ],
 )
 def test_bad_cli_input_names_the_problem_and_exits_nonzero(overrides, message):
@@ -69,7 +74,7 @@ def test_bad_cli_input_names_the_problem_and_exits_nonzero(overrides, message):
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["algorithm.adv_estimator=rloo"],
+        ["algorithm.adv_estimator=rloo", "rollout.num_engines=2"],
         ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
         ["algorithm.adv_estimator=reinforce_plus_plus"],
         [

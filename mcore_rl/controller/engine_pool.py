@@ -6,8 +6,9 @@ EnginePool.start: N engines (CPU/GPU embedded servers as Ray actors | real SGLan
 generate:         client -> router -> engines (the n samples of a prompt are one request: one engine, one prefill)
 sync_weights:     every engine directly: begin_weight_update -> flattened buckets (update_weights_from_tensor)
                   -> end_weight_update; the version fence is the engine's atomic commit
-a request fails:  client.on_failure -> /health of every engine -> a dead one leaves the router, a new engine starts,
-                  is synced to the current weight version, and only then joins the router
+an engine dies:   found by the pool's /health probe (every health_check_interval_s) or when a request fails
+                  (client.on_failure): it leaves the router (whose retries move its in-flight requests to the
+                  others), a new engine starts, is synced to the current weight version, and only then joins
 ```
 """
 
@@ -124,12 +125,6 @@ class EnginePool:
         self._check_lock: asyncio.Lock | None = None
         self._restarting: dict[int, threading.Thread] = {}
         self.log_dir = log_dir
-        if cfg.engine == "sglang":
-            from mcore_rl.rollout.sglang_launcher import sglang_unavailable_reason
-
-            reason = sglang_unavailable_reason()
-            if reason is not None:
-                raise ValueError(f"rollout.engine=sglang cannot start: {reason}")
         self.engines = [Engine(i, url, handle) for i, (url, handle) in enumerate(self._start_engines(cfg.num_engines))]
         self.router = Router(
             [e.url for e in self.engines],
@@ -144,8 +139,11 @@ class EnginePool:
             api_key=self.api_key,
             timeout_s=cfg.request_timeout_s,
             max_retries=cfg.max_retries,
-            on_failure=self._on_failure,
+            on_failure=self._check_engines,
         )
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._monitor_loop, name="engine-monitor", daemon=True)
+        self._monitor.start()
 
     # ------------------------------------------------------------------ engines
     def _start_engines(self, count: int) -> list[tuple[str, Any]]:
@@ -267,8 +265,16 @@ class EnginePool:
         self.client.post(url, "/update_weights_from_disk", body)
 
     # ------------------------------------------------------------------ faults
-    async def _on_failure(self) -> None:
-        """Called by the client before retrying a failed request: take dead engines out of the router."""
+    def _monitor_loop(self) -> None:
+        while not self._stop.wait(self.cfg.health_check_interval_s):
+            try:
+                self.client.run(self._check_engines())
+            except Exception:  # noqa: BLE001 (a probe must never kill the run; the next one tries again)
+                log.exception("engine health check failed")
+
+    async def _check_engines(self) -> None:
+        """Probe every engine's /health; a dead one leaves the router and is restarted in the background. The client
+        also calls this before retrying a failed request."""
         if self._check_lock is None:
             self._check_lock = asyncio.Lock()
         async with self._check_lock:
@@ -315,6 +321,9 @@ class EnginePool:
             thread.join(timeout=timeout_s)
 
     def shutdown(self) -> None:
+        self._stop.set()
+        self._monitor.join(timeout=30)
+        self.wait_for_restarts()
         self.client.close()
         self.router.stop()
         for engine in self.engines:
