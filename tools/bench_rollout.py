@@ -1,0 +1,295 @@
+"""Benchmark the embedded rollout server (continuous batching over HTTP) against transformers' own `generate`.
+
+    python tools/bench_rollout.py                       # 64 requests, prompts 8..96 tokens, budgets 8..128 tokens
+    python tools/bench_rollout.py --requests 128 --max-new-tokens-max 256 --hidden 512 --layers 8 --threads 2
+    python tools/bench_rollout.py --quick               # tiny sizes: a smoke run of a few seconds (ratio meaningless)
+
+One random Qwen3-MoE-shaped model (fp32, CPU; default hidden 256, 4 layers, 8 experts top-2, vocab 4096) is built
+by the server's engine (`init_seed`), saved with `save_pretrained` and loaded again by the baseline, so both sides
+run identical weights. Then, in one process and one after the other (never overlapping):
+
+    throughput   the same R prompts (lengths uniform in 8..96) with per-request budgets (max_new_tokens uniform in
+                 8..--max-new-tokens-max, ignore_eos, greedy):
+                   server  R concurrent /generate requests through RolloutClient -> sequences join and leave the
+                           running batch at decode-step boundaries (mcore_rl/rollout/scheduler.py)
+                   hf      ONE static left-padded batch through `model.generate`, which runs every row until the
+                           longest budget; only the useful tokens (the sum of the budgets) are counted, so the
+                           steps it spends on rows that are already done are its loss, as they are in an RL rollout
+    prefix reuse 16 prompts x n=8 samples sent as 16 requests with sampling_params.n=8: the server's prefill_tokens
+                 and cached_tokens counters (and the responses' meta_info.cached_tokens) show that the n samples of
+                 a prompt are prefilled once
+
+It prints useful tokens, seconds and tokens/s for both sides, the ratio server/hf (the target: >= 1.0), the
+server's decode steps and prefill counters, how many greedy responses match transformers' token for token (a
+check that both sides computed the same thing; float summation order can flip a near-tie), and finally one line:
+
+    rollout: requests=<R> tokens=<T> server_tok_s=<a> hf_tok_s=<b> ratio=<r> prefill_saved=<fraction>
+
+`--threads` (default 1) sets torch's intra-op threads for both sides, so the comparison holds on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.utils import logging as hf_logging
+
+from mcore_rl.rollout.client import RolloutClient
+from mcore_rl.rollout.server import EngineServer, ServerThread, build_server
+
+COUNTERS = ("prefill_tokens", "cached_tokens", "decode_steps", "generated_tokens")
+
+
+def moe_config(hidden: int, layers: int, experts: int = 8, top_k: int = 2, vocab: int = 4096) -> dict[str, Any]:
+    """An HF config.json dict for a random Qwen3-MoE of the given width and depth (every layer MoE)."""
+    heads = 4
+    return dict(
+        model_type="qwen3_moe",
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        moe_intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        head_dim=hidden // heads,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
+@dataclass
+class Workload:
+    """Prompts and their response budgets (one request each)."""
+
+    prompts: list[list[int]]
+    budgets: list[int]
+
+    @property
+    def useful_tokens(self) -> int:
+        """Tokens the requests asked for: with ignore_eos, exactly what each one generates."""
+        return sum(self.budgets)
+
+
+def make_workload(
+    requests: int, prompt_len: tuple[int, int], budget: tuple[int, int], vocab: int, seed: int
+) -> Workload:
+    """`requests` random prompts with lengths uniform in `prompt_len` and budgets uniform in `budget` (inclusive)."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(requests)]
+    return Workload(prompts, [rng.randint(*budget) for _ in range(requests)])
+
+
+def server_counters(client: RolloutClient) -> dict[str, int]:
+    """The batcher's cumulative counters from /server_info."""
+    status, info = client.get(client.url, "/server_info")
+    if status != 200:
+        raise RuntimeError(f"/server_info answered {status}: {info}")
+    state = info["internal_states"][0]
+    return {k: int(state[k]) for k in COUNTERS}
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before[k] for k in COUNTERS}
+
+
+def run_server(
+    client: RolloutClient, prompts: list[list[int]], params: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], float, dict[str, int]]:
+    """Send one /generate per prompt, all at once; (response objects flattened, seconds, counter deltas)."""
+
+    async def send_all() -> list[Any]:
+        bodies = [{"input_ids": p, "sampling_params": sp, "return_logprob": True} for p, sp in zip(prompts, params)]
+        return await asyncio.gather(*(client.agenerate(body) for body in bodies))
+
+    before = server_counters(client)
+    start = time.perf_counter()
+    answers = client.run(send_all())
+    seconds = time.perf_counter() - start
+    flat = [obj for answer in answers for obj in (answer if isinstance(answer, list) else [answer])]
+    return flat, seconds, _delta(before, server_counters(client))
+
+
+def server_throughput(client: RolloutClient, work: Workload) -> tuple[list[list[int]], float, dict[str, int]]:
+    """The workload through the server, greedy with ignore_eos: (tokens per request, seconds, counter deltas)."""
+    params = [{"max_new_tokens": b, "temperature": 0.0, "ignore_eos": True} for b in work.budgets]
+    answers, seconds, counters = run_server(client, work.prompts, params)
+    outputs = [list(a["output_ids"]) for a in answers]
+    short = [i for i, (out, b) in enumerate(zip(outputs, work.budgets)) if len(out) != b]
+    if short:
+        raise RuntimeError(f"requests {short[:5]} did not generate exactly their budget despite ignore_eos")
+    return outputs, seconds, counters
+
+
+@torch.inference_mode()
+def hf_throughput(model: PreTrainedModel, work: Workload) -> tuple[list[list[int]], float]:
+    """The workload as one static left-padded batch through `model.generate` (greedy, until the longest budget):
+    (each request's first `budget` tokens, seconds)."""
+    width, longest = max(len(p) for p in work.prompts), max(work.budgets)
+    ids = torch.zeros(len(work.prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(work.prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    start = time.perf_counter()
+    # The model has no EOS id (a random config), so every row runs exactly `longest` tokens.
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=longest, do_sample=False, pad_token_id=0, use_cache=True
+    )
+    seconds = time.perf_counter() - start
+    if out.shape[1] != width + longest:
+        raise RuntimeError(f"generate stopped after {out.shape[1] - width} of {longest} tokens")
+    return [out[row, width : width + b].tolist() for row, b in enumerate(work.budgets)], seconds
+
+
+@dataclass
+class PrefixReuse:
+    """Prompt tokens the requests asked to prefill, and what the server computed."""
+
+    requested: int  #: sum over every sample of its prompt length
+    computed: int  #: the server's prefill_tokens counter delta
+    cached_counter: int  #: the server's cached_tokens counter delta
+    cached_meta: int  #: sum of meta_info.cached_tokens over the responses
+    seconds: float
+
+    @property
+    def saved(self) -> float:
+        """Fraction of the requested prompt tokens that were not prefilled again."""
+        return 1.0 - self.computed / self.requested
+
+
+def prefix_reuse(client: RolloutClient, work: Workload, n: int, seed: int) -> PrefixReuse:
+    """Each prompt as one request with sampling_params.n = n (seeded sampling)."""
+    params = [
+        {"max_new_tokens": b, "temperature": 1.0, "ignore_eos": True, "n": n, "sampling_seed": seed + i * n}
+        for i, b in enumerate(work.budgets)
+    ]
+    answers, seconds, counters = run_server(client, work.prompts, params)
+    if len(answers) != n * len(work.prompts):
+        raise RuntimeError(f"expected {n * len(work.prompts)} samples, got {len(answers)}")
+    return PrefixReuse(
+        requested=n * sum(len(p) for p in work.prompts),
+        computed=counters["prefill_tokens"],
+        cached_counter=counters["cached_tokens"],
+        cached_meta=sum(int(a["meta_info"]["cached_tokens"]) for a in answers),
+        seconds=seconds,
+    )
+
+
+def _agreement(server: list[list[int]], hf: list[list[int]]) -> tuple[int, float]:
+    """(requests whose tokens are identical, mean fraction of each response before the first difference)."""
+    same = sum(s == h for s, h in zip(server, hf))
+    prefix = [next((i for i, (a, b) in enumerate(zip(s, h)) if a != b), len(s)) / len(s) for s, h in zip(server, hf)]
+    return same, sum(prefix) / len(prefix)
+
+
+def build_both(config: dict[str, Any], max_running: int, seed: int) -> tuple[EngineServer, PreTrainedModel]:
+    """The server (its engine initialises the weights from `seed`) and a transformers model loaded from the
+    server's weights through `save_pretrained` -> `from_pretrained`, checked tensor by tensor."""
+    server = build_server(config, max_running_requests=max_running, init_seed=seed)
+    with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
+        server.engine.model.save_pretrained(tmp)
+        hf_model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    reference = server.engine.model.state_dict()
+    if any(not torch.equal(t, reference[name]) for name, t in hf_model.state_dict().items()):
+        raise RuntimeError("the baseline did not load the server's weights")
+    return server, hf_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64, help="concurrent requests in the throughput scenario")
+    parser.add_argument("--max-new-tokens-max", type=int, default=128, help="budgets are uniform in 8..this")
+    parser.add_argument("--hidden", type=int, default=256, help="model hidden size (4 heads, experts as wide)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (all MoE: 8 experts, top-2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads, for both sides")
+    parser.add_argument("--seed", type=int, default=0, help="model init, prompts, budgets and sampling")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes: 8 requests, budgets <= 16, hidden 64, 2 layers, prefix reuse 4 x n=4",
+    )
+    args = parser.parse_args(argv)
+    prompt_len, prefix_prompts, prefix_n, prefix_budget = (8, 96), 16, 8, (8, 32)
+    if args.quick:
+        args.requests, args.max_new_tokens_max, args.hidden, args.layers = 8, 16, 64, 2
+        prompt_len, prefix_prompts, prefix_n, prefix_budget = (4, 16), 4, 4, (2, 4)
+    if args.requests < 1 or args.max_new_tokens_max < 8 or args.threads < 1 or args.hidden % 8:
+        parser.error("need --requests >= 1, --max-new-tokens-max >= 8, --threads >= 1, --hidden a multiple of 8")
+    # Set before any torch work: the server's batcher thread picks the intra-op thread count up from here.
+    torch.set_num_threads(args.threads)
+    hf_logging.disable_progress_bar()  # save/load bars would interleave with the report
+    config = moe_config(args.hidden, args.layers)
+    work = make_workload(args.requests, prompt_len, (8, args.max_new_tokens_max), config["vocab_size"], args.seed)
+    prefix_work = make_workload(prefix_prompts, prompt_len, prefix_budget, config["vocab_size"], args.seed + 1)
+    server, hf_model = build_both(config, max(args.requests, prefix_prompts * prefix_n), args.seed)
+    params = sum(p.numel() for p in hf_model.parameters())
+    print(
+        f"model: qwen3_moe hidden={args.hidden} layers={args.layers} experts=8 top-2 vocab={config['vocab_size']} "
+        f"({params / 1e6:.1f}M params, fp32, cpu, {torch.get_num_threads()} threads)"
+    )
+    print(
+        f"workload: {args.requests} requests, prompts {prompt_len[0]}..{prompt_len[1]} tokens "
+        f"({sum(map(len, work.prompts))} in all), budgets 8..{args.max_new_tokens_max} "
+        f"(useful {work.useful_tokens}, longest {max(work.budgets)})"
+    )
+    thread = ServerThread(server)
+    client = RolloutClient(thread.url)
+    try:
+        warmup = make_workload(2, (4, 8), (4, 4), config["vocab_size"], args.seed + 2)
+        server_throughput(client, warmup)  # first-call costs (HTTP session, allocator) on both sides
+        hf_throughput(hf_model, warmup)
+        hf_out, hf_s = hf_throughput(hf_model, work)
+        server_out, server_s, counters = server_throughput(client, work)
+        reuse = prefix_reuse(client, prefix_work, prefix_n, args.seed)
+    finally:
+        client.close()
+        thread.stop()
+    tokens = work.useful_tokens
+    server_rate, hf_rate = tokens / server_s, tokens / hf_s
+    hf_rows = len(work.prompts) * max(work.budgets)
+    print(
+        f"server: {tokens} tokens in {server_s:.2f} s = {server_rate:.1f} tok/s;"
+        + "".join(f" {k}={v}" for k, v in counters.items())
+    )
+    print(
+        f"hf:     {tokens} tokens in {hf_s:.2f} s = {hf_rate:.1f} tok/s; {max(work.budgets)} steps x "
+        f"{len(work.prompts)} rows = {hf_rows} tokens generated, {tokens / hf_rows:.0%} of them useful"
+    )
+    print(
+        f"ratio: {server_rate / hf_rate:.2f}; {hf_rows / tokens:.2f} if a step cost in proportion to its rows "
+        "(prefill and a step's fixed cost do not shrink with the batch)"
+    )
+    same, prefix = _agreement(server_out, hf_out)
+    print(
+        f"greedy agreement: {same}/{len(work.prompts)} responses token-identical to hf "
+        f"(on average {prefix:.0%} of a response before the first difference)"
+    )
+    print(
+        f"prefix reuse: {prefix_prompts} prompts x n={prefix_n} as {prefix_prompts} requests: "
+        f"{reuse.requested} prompt tokens requested, {reuse.computed} prefilled "
+        f"(cached_tokens: counter {reuse.cached_counter}, meta_info {reuse.cached_meta}) in {reuse.seconds:.2f} s"
+    )
+    print(
+        f"rollout: requests={args.requests} tokens={tokens} server_tok_s={server_rate:.1f} hf_tok_s={hf_rate:.1f} "
+        f"ratio={server_rate / hf_rate:.2f} prefill_saved={reuse.saved:.3f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
