@@ -249,3 +249,27 @@ def test_update_weights_from_tensors_increments_weight_version() -> None:
     with pytest.raises(ValueError, match="unknown tensor"):
         engine.update_weights_from_tensors([("nope.weight", torch.zeros(1))])
     assert engine.weight_version == 7
+
+
+def test_deepseek_v3_engine_skips_mtp_layers_and_loads_the_router_bias() -> None:
+    from _parity import DEEPSEEK_TINY
+
+    config = dict(DEEPSEEK_TINY, model_type="deepseek_v3")
+    engine, source = HFRolloutEngine(config, init_seed=0), HFRolloutEngine(config, init_seed=1)
+    named = dict(source.state_dict_hf())
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert bias in named, "the router bias is a checkpoint tensor (a persistent buffer in transformers)"
+    named[bias] = torch.randn_like(named[bias])
+    mtp = {"model.layers.2.eh_proj.weight": torch.zeros(32, 64), "model.layers.2.enorm.weight": torch.zeros(32)}
+    engine.update_weights_from_tensors([*named.items(), *mtp.items()])  # MTP layer 2 = num_hidden_layers: skipped
+    for name, tensor in named.items():
+        assert torch.equal(engine.state_dict_hf()[name], tensor), name
+    with pytest.raises(ValueError, match="unknown tensor 'model.layers.3.eh_proj.weight'"):
+        engine.load_weights([("model.layers.3.eh_proj.weight", torch.zeros(32, 64))])  # beyond the MTP layers
+    from mcore_rl.rollout.scheduler import ContinuousBatcher, GenParams, Sequence
+
+    seq = Sequence("r", [1, 2, 3], GenParams(max_new_tokens=3, temperature=0), return_routed_experts=True)
+    ContinuousBatcher(engine).run_until_done([seq])
+    routed = seq.routed_experts()  # [prompt + response - 1 tokens, layers, top-k]; the dense layer 0 is -1
+    assert tuple(routed.shape) == (3 + 3 - 1, 2, DEEPSEEK_TINY["num_experts_per_tok"])
+    assert (routed[:, 0] == -1).all() and ((routed[:, 1] >= 0) & (routed[:, 1] < 8)).all()
