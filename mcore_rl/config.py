@@ -229,6 +229,31 @@ class RolloutConfig:
 
 
 @dataclass
+class SyncConfig:
+    """Weight sync, actor -> engines (resharding/sync/): plan -> bucketed execution -> transport -> version fence."""
+
+    #: distributed (broadcast groups: gloo on CPU, NCCL on GPU) | tensor (shared memory / CUDA IPC, same node) | disk
+    transport: str = "distributed"
+    mode: str = "full"  #: full (engines get whole HF tensors) | shard_aware (each engine rank only what it keeps)
+    bucket_bytes: int = 256 << 20  #: bytes per bucket; at least the largest exported tensor
+    #: generation during a sync: none (the embedded server stages the update and commits it atomically between two
+    #: decode steps) | in_place | retract | abort (SGLang's /pause_generation modes)
+    pause_mode: str = "none"
+    timeout_s: float = 300.0  #: seconds a broadcast or an engine's answer may take before the sync fails
+
+    def validate(self) -> None:
+        from mcore_rl.resharding.sync.plan import MODES
+        from mcore_rl.resharding.sync.transports import TRANSPORTS
+
+        _check(self.transport in TRANSPORTS, "sync.transport", self.transport, f"one of {TRANSPORTS}")
+        _check(self.mode in MODES, "sync.mode", self.mode, f"one of {MODES}")
+        _positive("sync.bucket_bytes", self.bucket_bytes)
+        pauses = ("none", "in_place", "retract", "abort")
+        _check(self.pause_mode in pauses, "sync.pause_mode", self.pause_mode, f"one of {pauses}")
+        _check(self.timeout_s > 0, "sync.timeout_s", self.timeout_s, "> 0")
+
+
+@dataclass
 class AlgorithmConfig:
     """Advantage estimation."""
 
@@ -306,13 +331,14 @@ class RLConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def validate(self) -> None:
-        for group in (self.model, self.actor, self.rollout, self.algorithm, self.data, self.trainer):
+        for group in (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.trainer):
             group.validate()
         self.check_model()
         total = self.data.batch_size * self.rollout.n

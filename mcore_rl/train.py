@@ -5,7 +5,7 @@
 
 One step:  prompts -> rollout engines behind sglang-router (SGLang's HTTP API) -> rule reward -> actor logprobs
            (old) and reference logprobs -> advantages -> PPO-clip update on the Megatron ranks
-           -> weight sync (actor -> every engine, version += 1)
+           -> weight sync (resharding/sync: actor ranks stream buckets to every engine, version += 1)
 Each step prints one metrics line and appends it to <run_dir>/metrics.jsonl; the run ends with a `summary:` line.
 """
 
@@ -54,6 +54,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl.algorithms import kl_penalty, masked_mean
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.engine_pool import EnginePool
+    from mcore_rl.controller.weight_sync import WeightSync
     from mcore_rl.controller.samples import outcome_advantages, reduce_rank_metrics, samples_to_batch
     from mcore_rl.metrics.logger import MetricsLogger
     from mcore_rl.reward.loader import build_reward_fn
@@ -93,8 +94,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
             runtime=cfg.trainer.runtime,
             log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
         )
+        sync = WeightSync(actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir)
         version = 1
-        engines.sync_weights(actor.export_hf(), version)  # the engines start from the actor's weights
+        sync.push(version)  # the engines start from the actor's weights
         log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"))
         eos = [tokenizer.eos_token_id]
         start = time.time()
@@ -121,11 +123,13 @@ def run(cfg: RLConfig) -> dict[str, float]:
             batch.tensors["advantages"] = outcome_advantages(
                 cfg.algorithm, scored.scores, batch.response_mask, group_ids
             )
+            sync.weights_changing()  # an engine replaced from here on waits for the next push
             update = reduce_rank_metrics(ActorGroup.gather_dp(actor.call("update", batch)))
             timer.lap("time/update")
 
             version += 1
-            engines.sync_weights(actor.export_hf(), version)
+            engines.wait_for_restarts()
+            sync.push(version)
             timer.lap("time/sync")
 
             mask = batch.response_mask

@@ -82,7 +82,10 @@ def _fp8_rank(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
 
     actor = MegatronActor(rank, world, ModelConfig(path=path), ActorConfig(world_size=1, use_ref=False))
     actor.initialize("127.0.0.1", 0)  # the harness already started torch.distributed
-    return dict(actor.export_hf())
+    from mcore_rl.resharding.weight_map import export_hf_weights
+
+    exported = export_hf_weights(actor.chunks, actor.contexts, actor.weight_map, actor.pg.tp, actor.pg.expt_tp)
+    return {name: t.clone() for name, t in exported}
 
 
 def test_fp8_checkpoint_is_dequantized_on_load(checkpoint, tmp_path):

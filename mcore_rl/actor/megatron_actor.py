@@ -4,8 +4,8 @@ Every rank of the actor group runs the same calls in step (the controller calls 
 
     logprobs(batch)   -> forward through Megatron's pipeline schedule, per-token logprobs of the responses
     update(batch)     -> PPO-clip / GRPO loss over mini-batches, backward, finalize grads, optimizer step
-    export_hf()       -> HF-named full tensors this rank owns (TP/ETP gathered; experts from their EP rank; layers
-                         from their PP stage), for the weight sync
+    sync_send(...)    -> this rank's part of the weight-sync plan: TP/ETP gather per bucket, HF layout, to the
+                         engines (actor/sync_sender.py, resharding/sync/)
 
 Each rank receives the whole batch and keeps its data-parallel shard; results come back from the ranks that hold
 them (last pipeline stage, tp/cp rank 0) tagged with their dp rank.
@@ -29,7 +29,7 @@ from mcore_rl.config import ActorConfig, ModelConfig
 from mcore_rl.models.base import HFConfig
 from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
 from mcore_rl.parallel.groups import init_distributed, initialize_model_parallel
-from mcore_rl.resharding.weight_map import WeightMapError, export_hf_weights, load_hf_weights
+from mcore_rl.resharding.weight_map import WeightMapError, load_hf_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -317,14 +317,47 @@ class MegatronActor:
 
     # ------------------------------------------------------------------------------------------- export
     @torch.no_grad()
-    def export_hf(self) -> list[tuple[str, torch.Tensor]]:
-        """HF-named full tensors owned by this rank (collective over TP/ETP groups: call on every rank)."""
-        return [
-            (name, tensor.detach().cpu().clone())
-            for name, tensor in export_hf_weights(
-                self.chunks, self.contexts, self.weight_map, self.pg.tp, self.pg.expt_tp
-            )
-        ]
+    # ------------------------------------------------------------------------------------------- weight sync
+    def _sender(self):  # noqa: ANN202
+        from mcore_rl.actor.sync_sender import SyncSender
+
+        if getattr(self, "_sync", None) is None:
+            self._sync = SyncSender(self)
+        return self._sync
+
+    def sync_plan(self, engines: dict[str, int], bucket_bytes: int, mode: str) -> str:
+        """Compute the weight-sync plan (collective); returns its digest (see actor/sync_sender.py)."""
+        return self._sender().plan(engines, bucket_bytes, mode)
+
+    def sync_summary(self) -> dict[str, Any]:
+        return self._sender().summary()
+
+    def sync_addresses(self) -> dict[str, tuple[str, int]]:
+        """Rendezvous addresses of the broadcast groups this rank leads."""
+        return self._sender().addresses()
+
+    def sync_join(self, name: str, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Host the broadcast group `name` (blocks until the engines have joined)."""
+        self._sender().join(name, host, port, world_size, backend, timeout_s)
+
+    def sync_drop_groups(self) -> None:
+        self._sender().drop_groups()
+
+    def sync_send(
+        self,
+        version: int,
+        transport: str,
+        engine_urls: list[str],
+        api_key: str | None,
+        disk_dir: str | None = None,
+        ranks_per_engine: int = 1,
+        timeout_s: float = 300.0,
+    ) -> dict[str, Any]:
+        """Send this rank's part of the plan (collective within each stream's gather group)."""
+        return self._sender().send(version, transport, engine_urls, api_key, disk_dir, ranks_per_engine, timeout_s)
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def _sum_metrics(outputs: list[dict[str, float]]) -> dict[str, float]:

@@ -52,16 +52,6 @@ class ActorGroup:
             return torch.cat(payloads)
         return payloads
 
-    def export_hf(self) -> list[tuple[str, torch.Tensor]]:
-        """All HF-named tensors of the policy, each exactly once (from the rank that owns it)."""
-        named: list[tuple[str, torch.Tensor]] = []
-        for part in self.call("export_hf"):
-            named.extend(part)
-        names = [n for n, _ in named]
-        if len(set(names)) != len(names):
-            raise RuntimeError("export produced a tensor name twice: ownership of shards is wrong")
-        return named
-
     def shutdown(self) -> None:
         for handle in self.handles:
             ray.kill(handle)

@@ -4,8 +4,7 @@
 EnginePool.start: N engines (CPU/GPU embedded servers as Ray actors | real SGLang servers) on loopback, one per-run
                   API key -> sglang-router in front of them -> RolloutClient(router)
 generate:         client -> router -> engines (the n samples of a prompt are one request: one engine, one prefill)
-sync_weights:     every engine directly: begin_weight_update -> flattened buckets (update_weights_from_tensor)
-                  -> end_weight_update; the version fence is the engine's atomic commit
+weights:          pushed to every engine directly by controller/weight_sync.py (the router proxies no control call)
 an engine dies:   found by the pool's /health probe (every health_check_interval_s) or when a request fails
                   (client.on_failure): it leaves the router (whose retries move its in-flight requests to the
                   others), a new engine starts, is synced to the current weight version, and only then joins
@@ -19,7 +18,6 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,10 +28,8 @@ from mcore_rl.config import RolloutConfig
 from mcore_rl.rollout.client import RolloutClient
 from mcore_rl.rollout.router import Router
 from mcore_rl.rollout.sampling import Sample
-from mcore_rl.rollout.weight_receiver import encode_payload
 
 log = logging.getLogger(__name__)
-NamedTensors = list[tuple[str, torch.Tensor]]
 
 
 class EmbeddedEngineActor:
@@ -80,21 +76,6 @@ class Engine:
     handle: Any  # the Ray actor that owns the server process
 
 
-def bucket_named_tensors(named: NamedTensors, bucket_bytes: int) -> Iterator[NamedTensors]:
-    """Consecutive groups of tensors of at most `bucket_bytes` each (a larger tensor travels alone)."""
-    bucket: NamedTensors = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
-
-
 class EnginePool:
     """See the module docstring."""
 
@@ -108,7 +89,6 @@ class EnginePool:
         runtime: str,
         log_dir: str,
         init_seed: int = 0,
-        bucket_bytes: int = 256 << 20,
     ) -> None:
         self.cfg = cfg
         self.model = model
@@ -116,11 +96,13 @@ class EnginePool:
         self.dtype = dtype
         self.runtime = runtime
         self.init_seed = init_seed
-        self.bucket_bytes = bucket_bytes
         self.api_key = secrets.token_hex(16)  # per run: engines and router answer nobody else
-        self.weight_version: int | None = None
+        self.weight_version: int | None = None  #: set by the weight sync after each push
         self.restarts = 0
-        self._weights: NamedTensors = []  # what the last sync pushed: a restarted engine gets the same
+        #: replacement engines up but not yet at the current weight version, kept out of the router
+        self.pending: set[str] = set()
+        #: called with a replacement engine's URL; True if it synced it (then it joins the router at once)
+        self.on_engine_started: Any = None
         self._lock = threading.Lock()
         self._check_lock: asyncio.Lock | None = None
         self._restarting: dict[int, threading.Thread] = {}
@@ -221,48 +203,13 @@ class EnginePool:
         }
         return self.client.generate_samples(prompts, n, params, seed)
 
-    # ------------------------------------------------------------------ weights
-    def sync_weights(self, named: NamedTensors, version: int) -> None:
-        """Push `named` (HF names) to every engine as version `version`; each engine commits it atomically."""
-        self.wait_for_restarts()
-        self._weights, self.weight_version = list(named), version
-        for url in self.urls:
-            self._push(url, named, version)
-
-    def _push(self, url: str, named: NamedTensors, version: int) -> None:
-        if self.cfg.engine == "sglang":
-            self._push_disk(url, named, version)
-            return
-        self.client.post(url, "/begin_weight_update")
-        try:
-            for bucket in bucket_named_tensors(named, self.bucket_bytes):
-                payload = encode_payload(bucket, "flattened_bucket")
-                body = {
-                    "serialized_named_tensors": [payload],
-                    "load_format": "flattened_bucket",
-                    "flush_cache": False,
-                    "weight_version": str(version),
-                }
-                self.client.post(url, "/update_weights_from_tensor", body)
-                del payload  # the shared-memory buffer of this bucket can go once the engine staged its copy
-        except Exception:
-            self.client.run(self.client.arequest("POST", url, "/begin_weight_update", {}))  # discard the session
-            raise
-        self.client.post(url, "/end_weight_update")
-
-    def _push_disk(self, url: str, named: NamedTensors, version: int) -> None:
-        """Real SGLang engines may sit on other nodes than this driver, where its shared memory is out of reach:
-        they load the version from safetensors in the run dir (a shared file system on clusters)."""
-        from mcore_rl.resharding.hf_io import write_safetensors
-
-        path = os.path.join(self.log_dir, "weights", f"v{version}")
-        if not os.path.isdir(path):
-            tmp = f"{path}.tmp"
-            os.makedirs(tmp, exist_ok=True)
-            write_safetensors(os.path.join(tmp, "model.safetensors"), dict(named))
-            os.replace(tmp, path)
-        body = {"model_path": path, "weight_version": str(version), "flush_cache": False}
-        self.client.post(url, "/update_weights_from_disk", body)
+    # ------------------------------------------------------------------ weights (pushed by controller/weight_sync.py)
+    def admit_pending(self) -> None:
+        """Replacement engines that a push has just brought to the current version join the router."""
+        with self._lock:
+            ready, self.pending = list(self.pending), set()
+        for url in ready:
+            self.router.add_worker(url)
 
     # ------------------------------------------------------------------ faults
     def _monitor_loop(self) -> None:
@@ -302,12 +249,14 @@ class EnginePool:
                 pass
         try:
             ((url, handle),) = self._start_engines(1)
-            if self.weight_version is not None:
-                self._push(url, self._weights, self.weight_version)  # synced before it sees any traffic
-            self.router.add_worker(url)
             with self._lock:
                 self.engines[dead.index] = Engine(dead.index, url, handle)
+                self.pending.add(url)
                 self.restarts += 1
+            # Synced before it sees any traffic: now if the actor still holds the current version, else by the
+            # next push (which then adds it to the router).
+            if self.on_engine_started is not None and self.on_engine_started(url):
+                self.admit_pending()
             log.warning("rollout engine %d restarted at %s (weight version %s)", dead.index, url, self.weight_version)
         finally:
             with self._lock:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
+from mcore_rl.resharding.sync.plan import ShardRule
 from mcore_rl.resharding.weight_map import WeightMap
 
 
@@ -64,12 +65,28 @@ class HFConfig:
         return float(theta)
 
 
+#: How SGLang's loaders shard each HF tensor across an engine's ranks (first match wins; the rest is replicated):
+#: what a shard-aware weight sync sends each engine rank. GQA families (llama, qwen2, qwen3, qwen3_moe) use these.
+GQA_ENGINE_SHARDS: tuple[ShardRule, ...] = (
+    ShardRule(r"\.experts\.\d+\.(gate_proj|up_proj)\.", "expert", 0),
+    ShardRule(r"\.experts\.\d+\.down_proj\.", "expert", 1),
+    ShardRule(r"\.self_attn\.q_proj\.", "attn", 0),
+    ShardRule(r"\.self_attn\.(k_proj|v_proj)\.", "kv", 0),
+    ShardRule(r"\.self_attn\.o_proj\.", "attn", 1),
+    ShardRule(r"\.(shared_experts?\.)?(gate_proj|up_proj)\.", "dense", 0),
+    ShardRule(r"\.(shared_experts?\.)?down_proj\.", "dense", 1),
+    ShardRule(r"(embed_tokens|lm_head)\.weight$", "vocab", 0),
+)
+
+
 class ModelFamily:
     """Base class of a family; subclasses set `model_type` and implement the three methods."""
 
     model_type: str = ""
     #: architectures name written into exported config.json
     architecture: str = ""
+    #: engine-side sharding of HF tensors (see GQA_ENGINE_SHARDS)
+    engine_shards: tuple[ShardRule, ...] = GQA_ENGINE_SHARDS
 
     def shape(self, hf: HFConfig) -> ModelShape:
         """The sizes a parallel layout must divide."""

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from mcore_rl.resharding.sync.transports.tensor import encode_payload, flatten  # noqa: F401 (the client side)
 from mcore_rl.rollout.engine import HFRolloutEngine
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -107,51 +108,6 @@ def decode_payload(payload: str | bytes, load_format: str | None) -> NamedTensor
     if not isinstance(obj, list) or not all(isinstance(i, tuple) and len(i) == 2 for i in obj):
         raise WeightUpdateError("a tensor payload is a list of (name, tensor) pairs")
     return obj
-
-
-def encode_payload(named: NamedTensors, load_format: str | None = "flattened_bucket") -> str:
-    """The client side: named tensors -> one base64 payload, in the format `decode_payload` (and SGLang) reads.
-
-    CPU tensors are shared through torch's `file_system` strategy (the receiver maps the same memory; the default
-    `file_descriptor` strategy cannot cross between unrelated processes), CUDA tensors as IPC handles. The tensors
-    must stay alive until the receiving call returns.
-    """
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing as tmp
-
-    tmp.set_sharing_strategy("file_system")
-    if load_format == "flattened_bucket":
-        flat, metadata = flatten(named)
-        obj: Any = {"flattened_tensor": flat, "metadata": metadata}
-    else:
-        obj = [(name, t.detach()) for name, t in named]
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def flatten(named: NamedTensors) -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
-    """Named tensors -> one uint8 buffer + metadata records with SGLang's FlattenedTensorMetadata fields (plain
-    SimpleNamespace, which SGLang's SafeUnpickler admits and its loader reads by attribute)."""
-    if not named:
-        raise ValueError("cannot flatten an empty bucket")
-    pieces, metadata, offset = [], [], 0
-    for name, tensor in named:
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        metadata.append(
-            types.SimpleNamespace(
-                name=name,
-                shape=tensor.shape,
-                dtype=tensor.dtype,
-                start_idx=offset,
-                end_idx=offset + flat.numel(),
-                numel=flat.numel(),
-            )
-        )
-        pieces.append(flat)
-        offset += flat.numel()
-    return torch.cat(pieces), metadata
 
 
 class WeightReceiver:

@@ -1,0 +1,130 @@
+"""The actor rank's side of weight sync: the plan (every rank computes the same), broadcast groups, sending.
+
+    digest = sender.plan(engine_layout, bucket_bytes, mode)       # all ranks; digests must agree
+    sender.addresses()                                           # streams this rank leads -> (host, port)
+    sender.join(stream_name, host, port, world_size, backend)    # leader = rank 0 of the stream's group
+    stats = sender.send(version, transport="distributed", engine_urls=[...], api_key=...)
+
+The plan comes from every rank's exported tensors (all-gathered metadata, `resharding/sync/inventory.py`), so it
+is the same on every rank; `resharding/sync/execute.py` does the gathering, packing and sending.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.parallel.update_group import UpdateGroup, new_update_group
+from mcore_rl.resharding.sync.execute import SyncExecutor
+from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
+from mcore_rl.resharding.sync.plan import EngineLayout, SyncPlan, build_plan
+from mcore_rl.resharding.sync.transports import DiskTransport, DistributedTransport, TensorTransport
+
+
+class SyncSender:
+    """Weight-sync state of one actor rank (built lazily by the actor; see the module docstring)."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self.plan_: SyncPlan | None = None
+        self.executor: SyncExecutor | None = None
+        self.groups: dict[str, UpdateGroup] = {}
+
+    def plan(self, engines: dict[str, int], bucket_bytes: int, mode: str) -> str:
+        """Compute the plan (collective over the actor's world); returns its digest."""
+        a = self.actor
+        coords = a.layout.coords(a.rank, a.world_size)
+        mine = local_sources(a.chunks, a.contexts, a.weight_map, coords.pp_rank, a.pg.tp.size(), a.pg.expt_tp.size())
+        every: list[Any] = [None] * a.world_size
+        dist.all_gather_object(every, mine)
+        hf = a.spec.hf
+        self.plan_ = build_plan(
+            merge_sources(every),
+            actor_layout=a.layout,
+            world_size=a.world_size,
+            engines=EngineLayout(**engines),
+            rules=a.spec.family.engine_shards,
+            bucket_bytes=bucket_bytes,
+            mode=mode,
+            num_experts=a.spec.family.shape(hf).num_experts,
+            num_kv_heads=a.spec.family.shape(hf).num_query_groups,
+        )
+        groups = {
+            "tp": a.pg.tp if a.pg.tp.size() > 1 else None,
+            "etp": a.pg.expt_tp if a.pg.expt_tp.size() > 1 else None,
+        }
+        self.executor = SyncExecutor(self.plan_, a.rank, a.chunks, a.contexts, a.weight_map, groups)
+        return self.plan_.digest()
+
+    def summary(self) -> dict[str, Any]:
+        """Sizes of the plan, for logs and benchmarks."""
+        plan = self._plan()
+        return {
+            "streams": len(plan.streams),
+            "stream_names": [s.name for s in plan.streams],
+            "buckets": len(plan.buckets),
+            "bytes": plan.nbytes,
+            "largest_tensor_bytes": plan.largest_tensor_bytes,
+            "bucket_bytes": plan.bucket_bytes,
+            "engines": asdict(plan.engines),
+            "mode": plan.mode,
+        }
+
+    def _plan(self) -> SyncPlan:
+        if self.plan_ is None:
+            raise RuntimeError("weight sync has no plan yet: call sync_plan first")
+        return self.plan_
+
+    def addresses(self) -> dict[str, tuple[str, int]]:
+        """A rendezvous address (this node, a free port) for every stream this rank leads."""
+        host, _ = self.actor.rendezvous_address()
+        from mcore_rl.parallel.groups import free_port
+
+        return {s.name: (host, free_port()) for s in self._plan().streams if s.leader == self.actor.rank}
+
+    def join(self, name: str, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
+        """Host the broadcast group `name` as its rank 0 (blocks until every engine rank has joined)."""
+        self.groups.pop(name, None)
+        self.groups[name] = new_update_group(backend, host, port, 0, world_size, name, timeout_s)
+
+    def drop_groups(self) -> None:
+        self.groups.clear()
+
+    def send(
+        self,
+        version: int,
+        transport: str,
+        engine_urls: list[str],
+        api_key: str | None,
+        disk_dir: str | None = None,
+        ranks_per_engine: int = 1,
+        timeout_s: float = 300.0,
+    ) -> dict[str, Any]:
+        """Run this rank's part of the plan through `transport` (collective within each stream's gather group)."""
+        if self.executor is None:
+            raise RuntimeError("weight sync has no plan yet: call sync_plan first")
+        device = torch.device("cuda", torch.cuda.current_device()) if self.actor.runtime == "cuda" else "cpu"
+        if transport == "distributed":
+            sink: Any = DistributedTransport(
+                self.groups, engine_urls, api_key=api_key, weight_version=str(version), timeout_s=timeout_s,
+                device=device,
+            )  # fmt: skip
+        elif transport == "tensor":
+            sink = TensorTransport(
+                engine_urls, api_key=api_key, weight_version=str(version), ranks_per_engine=ranks_per_engine,
+                timeout_s=timeout_s, device=device,
+            )  # fmt: skip
+        elif transport == "disk":
+            if disk_dir is None:
+                raise ValueError("the disk transport needs a directory")
+            sink = DiskTransport(disk_dir)
+        else:
+            raise ValueError(f"unknown sync transport {transport!r}; expected distributed, tensor or disk")
+        try:
+            stats = self.executor.run(sink)
+        finally:
+            sink.close()
+        return asdict(stats)

@@ -1,0 +1,193 @@
+"""Run this rank's part of a sync plan: gather, transform into the flat bucket, hand it to the transport.
+
+```
+for each stream this rank is in, for each bucket (same order on every rank of the stream's group):
+    gather   one all_gather_into_tensor over the group (tp or etp) of this rank's shard bytes of the bucket's
+             sharded tensors (one collective per bucket, not per tensor)
+    pack     leader only: each source's transform (transforms.py to_hf: QKV split per query group, GLU halves,
+             vocab padding trimmed, row/column joins) written into the bucket buffer at the planned offsets
+    send     leader only: transport.send(bucket, buffer); the transport works while the next bucket is gathered
+```
+Memory: a leader holds at most two buckets at once (the one in flight and the one being built), plus the gather
+buffer of the bucket being built, which holds its sharded tensors' bytes (at most one bucket); the executor counts
+every buffer it allocates (`Allocations`), so a test can assert the bound from the counts.
+
+Double buffering: while bucket k is in flight, bucket k+1 is gathered (its collective overlaps the transport);
+packing k+1 waits for k's send to complete when a new buffer would exceed two buckets.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from mcore_rl.resharding.sync.inventory import global_name
+from mcore_rl.resharding.sync.plan import Bucket, Stream, SyncPlan
+from mcore_rl.resharding.weight_map import Rule, ShardContext, WeightMap
+
+
+class Transport(Protocol):
+    """Where buckets go (see resharding/sync/transports/). `send` may return before the bytes have left; the buffer
+    must then stay untouched until `wait()` returns."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor: ...
+
+    def send(self, stream: Stream, bucket: Bucket, buffer: torch.Tensor) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+@dataclass
+class Allocations:
+    """Bytes of the executor's live buffers, and the peak (counted from the buffers themselves, freed by GC)."""
+
+    current: int = 0
+    peak: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        with self._lock:
+            self.current += nbytes
+            self.peak = max(self.peak, self.current)
+        weakref.finalize(tensor, self._free, nbytes)
+        return tensor
+
+    def _free(self, nbytes: int) -> None:
+        with self._lock:
+            self.current -= nbytes
+
+
+@dataclass
+class SyncStats:
+    buckets: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0
+    gather_s: float = 0.0
+    pack_s: float = 0.0
+    wait_s: float = 0.0
+    peak_extra_bytes: int = 0
+
+
+class SyncExecutor:
+    """One actor rank's executor for one plan (built once, run once per weight version)."""
+
+    def __init__(
+        self,
+        plan: SyncPlan,
+        rank: int,
+        chunks: list[torch.nn.Module],
+        contexts: list[ShardContext],
+        weight_map: WeightMap,
+        groups: dict[str, dist.ProcessGroup | None],
+    ) -> None:
+        """`groups` maps "tp" and "etp" to this rank's Megatron TP / expert-TP groups (None when of size 1)."""
+        self.plan = plan
+        self.rank = rank
+        self.groups = groups
+        self.alloc = Allocations()
+        self._tensors: dict[str, tuple[Rule, torch.Tensor]] = {}
+        for chunk, ctx in zip(chunks, contexts):
+            for name, tensor in chunk.state_dict(keep_vars=True).items():
+                if name.endswith("_extra_state") or tensor is None:
+                    continue
+                if name == "embedding.word_embeddings.weight" and not getattr(chunk, "pre_process", True):
+                    continue
+                rule, local = weight_map.match(name)
+                self._tensors[global_name(rule, local, ctx)] = (rule, tensor)
+        self._streams = plan.streams_of(rank)
+        for stream in self._streams:
+            for bucket in plan.buckets_of(stream.index):
+                for i in bucket.sources:
+                    name = plan.sources[i].mcore
+                    if name not in self._tensors:
+                        raise ValueError(f"sync plan stream {stream.name} needs {name!r}, which rank {rank} lacks")
+
+    def run(self, transport: Transport) -> SyncStats:
+        """Send every bucket of this rank's streams through `transport` (collective within each stream's group)."""
+        stats = SyncStats()
+        start = time.perf_counter()
+        for stream in self._streams:
+            leader = stream.leader == self.rank
+            for bucket, gathered, offsets in self._gathered(stream, stats):
+                if not leader:
+                    continue
+                t0 = time.perf_counter()
+                if gathered is not None:  # the gather buffer is alive: let the bucket in flight land first
+                    transport.wait()
+                stats.wait_s += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                buffer = self._pack(bucket, gathered, offsets, transport)
+                del gathered
+                stats.pack_s += time.perf_counter() - t0
+                transport.send(stream, bucket, buffer)
+                stats.buckets += 1
+                stats.bytes_sent += bucket.nbytes
+        t0 = time.perf_counter()
+        transport.wait()
+        stats.wait_s += time.perf_counter() - t0
+        stats.seconds = time.perf_counter() - start
+        stats.peak_extra_bytes = self.alloc.peak
+        return stats
+
+    # ------------------------------------------------------------------ gather
+    def _gathered(
+        self, stream: Stream, stats: SyncStats
+    ) -> Iterator[tuple[Bucket, torch.Tensor | None, dict[int, int]]]:
+        """Per bucket: the gathered shard bytes [group, bytes] (None when nothing is sharded) and each sharded
+        source's byte offset in a row."""
+        axis = "tp" if stream.ep_rank is None else "etp"
+        group = self.groups.get(axis) if len(stream.group) > 1 else None
+        for bucket in self.plan.buckets_of(stream.index):
+            sharded = [i for i in bucket.sources if self.plan.sources[i].axis is not None]
+            if group is None or not sharded:
+                yield bucket, None, {}
+                continue
+            t0 = time.perf_counter()
+            offsets, pieces, size = {}, [], 0
+            for i in sharded:
+                tensor = self._tensors[self.plan.sources[i].mcore][1].detach()
+                offsets[i] = size
+                flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+                pieces.append(flat)
+                size += flat.numel()
+            send = self.alloc.track(torch.cat(pieces)) if len(pieces) > 1 else pieces[0]
+            out = self.alloc.track(torch.empty(len(stream.group) * size, dtype=torch.uint8, device=send.device))
+            dist.all_gather_into_tensor(out, send, group=group)
+            del send, pieces
+            stats.gather_s += time.perf_counter() - t0
+            yield bucket, out.view(len(stream.group), size), offsets
+
+    # ------------------------------------------------------------------ pack
+    def _pack(
+        self, bucket: Bucket, gathered: torch.Tensor | None, offsets: dict[int, int], transport: Transport
+    ) -> torch.Tensor:
+        buffer = self.alloc.track(transport.allocate(bucket.nbytes))
+        by_source: dict[int, list[Any]] = {}
+        for entry in bucket.entries:
+            by_source.setdefault(entry.source, []).append(entry)
+        with torch.no_grad():
+            for i, entries in by_source.items():
+                source = self.plan.sources[i]
+                rule, tensor = self._tensors[source.mcore]
+                dtype = tensor.dtype
+                if gathered is not None and i in offsets:
+                    n = source.shard_bytes
+                    shards = [
+                        gathered[g, offsets[i] : offsets[i] + n].view(dtype).view(source.shard_shape)
+                        for g in range(gathered.shape[0])
+                    ]
+                else:
+                    shards = [tensor.detach()]
+                values = rule.transform.to_hf(shards)
+                for entry in entries:
+                    target = buffer[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
+                    target.copy_(values[entry.output])
+        return buffer

@@ -1,0 +1,188 @@
+"""What the actor holds, as data: every Megatron tensor that weight sync exports, where it lives and what it becomes.
+
+A `SourceTensor` names one Megatron tensor by its *global* name (layer and expert indices as in a tp=pp=ep=1 model),
+with its per-rank shard shape, the mesh axis its shards are gathered over, the pipeline stage (and EP rank, for
+experts) that holds it, and the HF tensors it exports to (names and shapes). The sync plan is computed from a list
+of them. Two ways to get that list, which agree (a test compares them):
+
+```
+live ranks:  each rank's chunks (local names, shard shapes, ShardContext) -> all_gather_object -> union, deduplicated
+meta model:  one model built on the meta device at tp=pp=ep=1 (no ranks, no memory; for tools/plan_sync.py at cluster
+             scale) -> stage/EP owner from the actor layout -> shard shape at the actor's tp/etp via the transform
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore_rl.resharding.weight_map import Rule, ShardContext, WeightMap
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One exported Megatron tensor (see the module docstring)."""
+
+    mcore: str  #: global Megatron name
+    pp_rank: int  #: the pipeline rank holding it
+    vstage: int  #: its virtual stage on that rank
+    ep_rank: int | None  #: the EP rank owning it (experts), None for dense tensors
+    axis: str | None  #: "tp" | "etp": its shards are gathered over that group (of more than one rank); else None
+    shard_shape: tuple[int, ...]  #: one rank's shard
+    dtype: str  #: torch dtype name, e.g. "bfloat16"
+    hf: tuple[str, ...]  #: HF names it exports to (transform outputs, then aliases)
+    hf_shapes: tuple[tuple[int, ...], ...]
+    num_outputs: int = 1  #: how many of `hf` the transform produces; the rest are aliases (copies of output 0)
+    #: position in its model chunk: sorts tensors in model order (a stage's own chunk on live ranks, the whole model
+    #: on the meta path: the same relative order, so it takes no part in equality)
+    order: int = field(default=0, compare=False)
+
+    @property
+    def shard_bytes(self) -> int:
+        return _numel(self.shard_shape) * torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def hf_bytes(self) -> int:
+        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return sum(_numel(s) for s in self.hf_shapes) * size
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def global_name(rule: Rule, local: dict[str, int], ctx: ShardContext) -> str:
+    """The rule's Megatron template with this chunk's local layer/expert indices made global."""
+    fields = {}
+    if "layer" in local:
+        fields["layer"] = local["layer"] + ctx.layer_offset
+    if "expert" in local:
+        fields["expert"] = local["expert"] + ctx.ep_rank * ctx.num_local_experts
+    return rule.mcore.format(**fields)
+
+
+def hf_outputs(rule: Rule, weight_map: WeightMap, local: dict[str, int], ctx: ShardContext, shard: torch.Tensor,
+               num_shards: int) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:  # fmt: skip
+    """HF names and shapes a tensor exports to, computed on meta shards (no data moves)."""
+    meta = torch.empty(shard.shape, dtype=shard.dtype, device="meta")
+    values = rule.transform.to_hf([meta] * num_shards)
+    names = weight_map.hf_names(rule, local, ctx) + weight_map.hf_names(rule, local, ctx, aliases=True)
+    shapes = [tuple(v.shape) for v in values] + [tuple(values[0].shape)] * len(rule.aliases)
+    return tuple(names), tuple(shapes)
+
+
+def local_sources(
+    chunks: list[torch.nn.Module],
+    contexts: list[ShardContext],
+    weight_map: WeightMap,
+    pp_rank: int,
+    tp_size: int,
+    etp_size: int,
+) -> list[SourceTensor]:
+    """The exported tensors of this rank's chunks (the same selection `export_hf_weights` makes)."""
+    out = []
+    for vstage, (chunk, ctx) in enumerate(zip(chunks, contexts)):
+        order = 0
+        for name, tensor in chunk.state_dict(keep_vars=True).items():
+            if name.endswith("_extra_state") or tensor is None:
+                continue
+            if name == "embedding.word_embeddings.weight" and not getattr(chunk, "pre_process", True):
+                continue  # the MTP stage's copy of the first stage's embedding (Megatron ties the two)
+            rule, local = weight_map.match(name)
+            if not rule.export:
+                continue
+            axis = rule.transform.axis_for(tensor.shape)
+            size = {"tp": tp_size, "etp": etp_size}.get(axis or "", 1)
+            names, shapes = hf_outputs(rule, weight_map, local, ctx, tensor, size)
+            out.append(
+                SourceTensor(
+                    mcore=global_name(rule, local, ctx),
+                    pp_rank=pp_rank,
+                    vstage=vstage,
+                    ep_rank=ctx.ep_rank if rule.is_expert else None,
+                    axis=axis if size > 1 else None,
+                    shard_shape=tuple(tensor.shape),
+                    dtype=str(tensor.dtype).removeprefix("torch."),
+                    hf=names,
+                    hf_shapes=shapes,
+                    num_outputs=len(shapes) - len(rule.aliases),
+                    order=order,
+                )
+            )
+            order += 1
+    return out
+
+
+def merge_sources(per_rank: Iterable[list[SourceTensor]]) -> list[SourceTensor]:
+    """The union of every rank's sources (data-parallel replicas and TP peers hold the same entries), in a stable
+    order: stage, virtual stage, dense before experts, EP rank, model order."""
+    seen: dict[str, SourceTensor] = {}
+    for sources in per_rank:
+        for s in sources:
+            prior = seen.setdefault(s.mcore, s)
+            if prior != s:
+                raise ValueError(f"ranks disagree about Megatron tensor {s.mcore!r}: {prior} vs {s}")
+    return sorted(seen.values(), key=lambda s: (s.pp_rank, s.vstage, s.ep_rank is not None, s.ep_rank or 0, s.order))
+
+
+def meta_sources(
+    build_whole_model: Callable[[], tuple[list[torch.nn.Module], list[ShardContext]]],
+    weight_map: WeightMap,
+    actor_layout: Any,
+    num_layers: int,
+    num_experts: int,
+) -> list[SourceTensor]:
+    """The sources of an actor layout without its ranks: `build_whole_model()` builds the model at tp=pp=ep=1 on the
+    meta device (with the actor's padded vocabulary, which depends on its tp); stage and EP owner come from
+    `actor_layout`, shard shapes from the transforms at its tp/etp."""
+    chunks, contexts = build_whole_model()
+    stage_layers = actor_layout.pp_stage_layers(num_layers)
+    vpp = actor_layout.virtual_stages
+    owner = {layer: divmod(i, vpp) for i, layers in enumerate(stage_layers) for layer in layers}
+    per_expert = num_experts // actor_layout.ep if num_experts else 0
+    # Built at tp=1, so ask each transform for its axis as if sharded (gather size 2 marks "sharded if tp > 1").
+    whole = local_sources(chunks, contexts, weight_map, 0, 2, 2)
+    chunk_shapes = {
+        global_name(*weight_map.match(n), contexts[0]): tuple(t.shape)
+        for n, t in chunks[0].state_dict(keep_vars=True).items()
+        if t is not None and not n.endswith("_extra_state")
+    }
+    out = []
+    last = (actor_layout.pp - 1, vpp - 1)
+    for s in whole:
+        rule, local = weight_map.match(s.mcore)
+        if "layer" in local and s.mcore.startswith("decoder."):
+            pp_rank, vstage = owner[local["layer"]]
+        elif s.mcore.startswith(("embedding.",)):
+            pp_rank, vstage = 0, 0
+        else:  # final norm, output layer, MTP layers
+            pp_rank, vstage = last
+        ep_rank = local["expert"] // per_expert if rule.is_expert else None
+        size = {"tp": actor_layout.tp, "etp": actor_layout.expert_tp}.get(s.axis or "", 1)
+        # local_sources computed HF shapes from 2 shards of the tp=1 tensor: recompute from the one real shard
+        meta = torch.empty(chunk_shapes[s.mcore], dtype=getattr(torch, s.dtype), device="meta")
+        hf = rule.transform.to_hf([meta])
+        shard = rule.transform.to_megatron(hf[: rule.transform.num_hf], 0, size)
+        out.append(
+            SourceTensor(
+                mcore=s.mcore,
+                pp_rank=pp_rank,
+                vstage=vstage,
+                ep_rank=ep_rank,
+                axis=s.axis if size > 1 else None,
+                shard_shape=tuple(shard.shape),
+                dtype=s.dtype,
+                hf=s.hf,
+                hf_shapes=tuple(tuple(t.shape) for t in hf) + (tuple(hf[0].shape),) * len(rule.aliases),
+                num_outputs=len(hf),
+                order=s.order,
+            )
+        )
+    return merge_sources([out])

@@ -1,0 +1,321 @@
+"""The weight-sync plan: pure data, identical on every rank, computed once per (actor layout, engine layout, buckets).
+
+```
+sources (inventory.py) -> streams: one per (pipeline stage, dense | EP rank); its leader sends, its TP/ETP group
+                                   gathers (dense: tp ranks of dp replica 0; experts: etp ranks of the owning EP rank)
+                       -> buckets: each stream's HF tensors packed back to back (4-byte dtypes first, so every offset
+                                   is aligned: SGLang's receiving FlattenedTensorBucket requires it) up to bucket_bytes
+                       -> receivers: which engine ranks keep which slice of each HF tensor (mode full: everything;
+                                   shard_aware: its TP slice, experts only on their EP owner)
+```
+Stages and EP ranks stream in parallel (different leaders, different broadcast groups). `SyncPlan.digest()` hashes
+everything, so ranks can check they agree before any byte moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+
+from mcore_rl.resharding.sync.inventory import SourceTensor
+
+MODES = ("full", "shard_aware")
+_ITEMSIZE = {"float64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
+
+
+class PlanError(ValueError):
+    """A plan that cannot work (layout does not divide the model, bucket too small, ...); the message says why."""
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """The rollout engines: how many, and each engine's tensor / expert / attention-data parallelism."""
+
+    num_engines: int = 1
+    tp: int = 1  #: ranks per engine
+    ep: int = 1  #: expert-parallel size inside an engine (divides tp); experts are TP-split over tp // ep
+    dp_attention: int = 1  #: attention data-parallel groups (attention weights TP-split over tp // dp_attention)
+
+    def validate(self, num_heads: int, num_kv_heads: int, num_experts: int) -> None:
+        for name in ("num_engines", "tp", "ep", "dp_attention"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"engine layout {name}={getattr(self, name)}: expected >= 1")
+        if self.tp % self.ep or self.tp % self.dp_attention:
+            raise PlanError(
+                f"engine tp={self.tp} must be divisible by ep={self.ep} and dp_attention={self.dp_attention}"
+            )
+        attn_tp = self.tp // self.dp_attention
+        if num_heads % attn_tp:
+            raise PlanError(f"num_attention_heads={num_heads} is not divisible by the engine's attention tp={attn_tp}")
+        if num_kv_heads and (num_kv_heads % attn_tp and attn_tp % num_kv_heads):
+            raise PlanError(f"num_key_value_heads={num_kv_heads} and engine attention tp={attn_tp} do not divide")
+        if num_experts and num_experts % self.ep:
+            raise PlanError(f"num_experts={num_experts} is not divisible by the engine's ep={self.ep}")
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """How an engine shards HF tensors whose names match `pattern` (family knowledge: SGLang's loaders).
+
+    kind: replicate | attn (split `dim` over attention tp) | kv (k/v heads: split, or replicated when fewer heads than
+    ranks) | dense (split `dim` over the engine's tp) | vocab (rows over tp) | expert (owner EP rank only; split `dim`
+    over the expert tp).
+    """
+
+    pattern: str
+    kind: str
+    dim: int = 0
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One HF tensor in a bucket."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int  #: byte offset in the bucket
+    nbytes: int
+    source: int  #: index into SyncPlan.sources
+    output: int  #: which output of the source's transform (aliases repeat output 0)
+    shard: str  #: the ShardRule kind that places it on engine ranks
+    dim: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    stream: int
+    index: int  #: position in its stream
+    nbytes: int
+    entries: tuple[Entry, ...]
+
+    @property
+    def sources(self) -> list[int]:
+        return sorted({e.source for e in self.entries})
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The tensors one leader rank sends: a pipeline stage's dense tensors, or one EP rank's experts there."""
+
+    index: int
+    pp_rank: int
+    ep_rank: int | None
+    leader: int  #: actor rank that packs and sends
+    group: tuple[int, ...]  #: actor ranks that gather with the leader (leader first), over tp or etp
+    name: str  #: the broadcast group's name, e.g. "pp0-dense", "pp1-ep3"
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    mode: str
+    bucket_bytes: int
+    actor: str
+    engines: EngineLayout
+    sources: tuple[SourceTensor, ...]
+    streams: tuple[Stream, ...]
+    buckets: tuple[Bucket, ...]
+    rules: tuple[ShardRule, ...] = field(repr=False)
+    num_experts: int = 0
+    num_kv_heads: int = 0
+
+    def digest(self) -> str:
+        """sha256 over the whole plan: equal on every rank that computed the same plan."""
+        data = json.dumps(asdict(self), sort_keys=True, default=str).encode()
+        return hashlib.sha256(data).hexdigest()
+
+    def streams_of(self, rank: int) -> list[Stream]:
+        """The streams `rank` takes part in (as leader or gather peer), in plan order."""
+        return [s for s in self.streams if rank in s.group]
+
+    def buckets_of(self, stream: int) -> list[Bucket]:
+        return [b for b in self.buckets if b.stream == stream]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def largest_tensor_bytes(self) -> int:
+        return max((e.nbytes for b in self.buckets for e in b.entries), default=0)
+
+    # ------------------------------------------------------------------ receivers
+    def receive_slice(self, entry: Entry, engine_rank: int) -> tuple[int, int] | None:
+        """The rows (start, length along entry.dim) engine rank `engine_rank` keeps of `entry`; None: nothing.
+
+        Mode full: every rank keeps the whole tensor. shard_aware: see ShardRule.
+        """
+        size = entry.shape[entry.dim] if entry.shape else 1
+        if self.mode == "full" or entry.shard == "replicate" or not entry.shape:
+            return (0, size)
+        eng = self.engines
+        if entry.shard == "expert":
+            expert = int(_EXPERT.search(entry.name)[1])
+            moe_tp = eng.tp // eng.ep
+            owner = expert // (self.num_experts // eng.ep)
+            if engine_rank // moe_tp != owner:
+                return None
+            return _part(size, moe_tp, engine_rank % moe_tp)
+        if entry.shard == "attn":
+            attn_tp = eng.tp // eng.dp_attention
+            return _part(size, attn_tp, engine_rank % attn_tp)
+        if entry.shard == "kv":
+            attn_tp = eng.tp // eng.dp_attention
+            heads = self.num_kv_heads or attn_tp
+            if heads >= attn_tp:
+                return _part(size, attn_tp, engine_rank % attn_tp)
+            return _part(size, heads, (engine_rank % attn_tp) * heads // attn_tp)  # each head on attn_tp/heads ranks
+        if entry.shard in ("dense", "vocab"):
+            return _part(size, eng.tp, engine_rank)
+        raise PlanError(f"unknown shard kind {entry.shard!r} for {entry.name}")
+
+    def received_bytes(self, engine_rank: int) -> int:
+        """Bytes one engine rank receives (every engine's rank r receives the same)."""
+        total = 0
+        for bucket in self.buckets:
+            for e in bucket.entries:
+                got = self.receive_slice(e, engine_rank)
+                if got is not None:
+                    total += e.nbytes // max(1, e.shape[e.dim] if e.shape else 1) * got[1]
+        return total
+
+    def check_coverage(self) -> list[str]:
+        """Problems with the receivers: every byte of every tensor is kept by some rank of each engine, exactly once
+        per rank, slices in bounds, and ranks that must not hold a tensor (other EP owners) get none of it."""
+        problems = []
+        ranks = range(self.engines.tp)
+        for bucket in self.buckets:
+            for e in bucket.entries:
+                size = e.shape[e.dim] if e.shape else 1
+                slices = [(r, self.receive_slice(e, r)) for r in ranks]
+                held = sorted(s for _, s in slices if s is not None)
+                if any(start < 0 or start + length > size for start, length in held):
+                    problems.append(f"{e.name}: a slice is out of bounds {held}")
+                covered, distinct = 0, sorted(set(held))
+                for start, length in distinct:
+                    if start != covered and start > covered:
+                        problems.append(f"{e.name}: rows {covered}..{start} reach no engine rank")
+                    covered = max(covered, start + length)
+                if covered != size:
+                    problems.append(f"{e.name}: rows {covered}..{size} reach no engine rank")
+                if self.mode == "shard_aware" and e.shard == "expert":
+                    owners = {r // (self.engines.tp // self.engines.ep) for r, s in slices if s is not None}
+                    if len(owners) != 1:
+                        problems.append(f"{e.name}: held by EP ranks {sorted(owners)}, expected its one owner")
+        seen: dict[str, int] = {}
+        for bucket in self.buckets:
+            for e in bucket.entries:
+                seen[e.name] = seen.get(e.name, 0) + 1
+        problems += [f"{name}: sent {n} times" for name, n in seen.items() if n != 1]
+        return problems
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _part(size: int, parts: int, index: int) -> tuple[int, int]:
+    """Part `index` of `parts` near-equal parts of `size` rows (the last takes the remainder; vocab rows need not
+    divide)."""
+    step = -(-size // parts)
+    start = min(size, index * step)
+    return start, max(0, min(size, start + step) - start)
+
+
+def shard_kind(rules: tuple[ShardRule, ...], name: str) -> tuple[str, int]:
+    for rule in rules:
+        if re.search(rule.pattern, name):
+            return rule.kind, rule.dim
+    return "replicate", 0
+
+
+def build_plan(
+    sources: list[SourceTensor],
+    *,
+    actor_layout,  # noqa: ANN001 (ParallelLayout; resharding takes it as data)
+    world_size: int,
+    engines: EngineLayout,
+    rules: tuple[ShardRule, ...],
+    bucket_bytes: int,
+    mode: str = "full",
+    num_experts: int = 0,
+    num_kv_heads: int = 0,
+) -> SyncPlan:
+    """The plan (see the module docstring). PlanError when the bucket cannot hold a tensor or a mode is unknown."""
+    if mode not in MODES:
+        raise PlanError(f"sync mode {mode!r} is invalid: expected one of {MODES}")
+    largest = max(sources, key=lambda s: s.hf_bytes)
+    if largest.hf_bytes > bucket_bytes:
+        raise PlanError(
+            f"sync.bucket_bytes={bucket_bytes} is smaller than {largest.mcore} ({largest.hf_bytes} bytes as "
+            f"{', '.join(largest.hf)}), which is sent whole: raise sync.bucket_bytes to at least {largest.hf_bytes}"
+        )
+    streams: dict[tuple[int, int | None], Stream] = {}
+    for s in sources:
+        key = (s.pp_rank, s.ep_rank)
+        if key not in streams:
+            streams[key] = _stream(len(streams), s.pp_rank, s.ep_rank, actor_layout, world_size)
+    buckets: list[Bucket] = []
+    for key, stream in streams.items():
+        members = [(i, s) for i, s in enumerate(sources) if (s.pp_rank, s.ep_rank) == key]
+        pending: list[tuple[int, SourceTensor]] = []
+        size = 0
+        for i, s in members:
+            if pending and size + s.hf_bytes > bucket_bytes:
+                buckets.append(_bucket(stream.index, len(buckets), pending, rules))
+                pending, size = [], 0
+            pending.append((i, s))
+            size += s.hf_bytes
+        if pending:
+            buckets.append(_bucket(stream.index, len(buckets), pending, rules))
+    # bucket index inside its stream
+    counters: dict[int, int] = {}
+    numbered = []
+    for b in buckets:
+        numbered.append(Bucket(b.stream, counters.get(b.stream, 0), b.nbytes, b.entries))
+        counters[b.stream] = counters.get(b.stream, 0) + 1
+    return SyncPlan(
+        mode=mode,
+        bucket_bytes=bucket_bytes,
+        actor=actor_layout.describe(),
+        engines=engines,
+        sources=tuple(sources),
+        streams=tuple(streams.values()),
+        buckets=tuple(numbered),
+        rules=tuple(rules),
+        num_experts=num_experts,
+        num_kv_heads=num_kv_heads,
+    )
+
+
+def _stream(index: int, pp_rank: int, ep_rank: int | None, layout, world_size: int) -> Stream:  # noqa: ANN001
+    coords = [layout.coords(r, world_size) for r in range(world_size)]
+    if ep_rank is None:
+        group = [c.rank for c in coords if c.pp_rank == pp_rank and c.cp_rank == 0 and c.dp_rank == 0]
+        group.sort(key=lambda r: coords[r].tp_rank)
+        name = f"pp{pp_rank}-dense"
+    else:
+        group = [c.rank for c in coords if c.pp_rank == pp_rank and c.ep_rank == ep_rank and c.edp_rank == 0]
+        group.sort(key=lambda r: coords[r].etp_rank)
+        name = f"pp{pp_rank}-ep{ep_rank}"
+    return Stream(index, pp_rank, ep_rank, group[0], tuple(group), name)
+
+
+def _bucket(stream: int, index: int, members: list[tuple[int, SourceTensor]], rules: tuple[ShardRule, ...]) -> Bucket:
+    items = []
+    for i, s in members:
+        for out, (name, shape) in enumerate(zip(s.hf, s.hf_shapes)):
+            n = 1
+            for d in shape:
+                n *= d
+            kind, dim = shard_kind(rules, name)
+            output = out if out < s.num_outputs else 0  # an alias is a copy of the first output
+            items.append((name, tuple(shape), s.dtype, n * _ITEMSIZE[s.dtype], i, output, kind, dim))
+    # widest dtype first: every offset stays a multiple of its tensor's item size
+    items.sort(key=lambda t: -_ITEMSIZE[t[2]])
+    entries, offset = [], 0
+    for name, shape, dtype, nbytes, source, out, kind, dim in items:
+        entries.append(Entry(name, shape, dtype, offset, nbytes, source, out, kind, dim))
+        offset += nbytes
+    return Bucket(stream, index, offset, tuple(entries))

@@ -1,0 +1,87 @@
+"""What the transports share: a one-deep background sender (double buffering) and a JSON POST."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class TransportError(RuntimeError):
+    """A bucket could not be delivered; the message names the engine, the bucket and the reason."""
+
+
+def http_post(url: str, body: dict[str, Any], api_key: str | None, timeout_s: float) -> dict[str, Any]:
+    """POST JSON to an engine and return its JSON answer; TransportError unless it says success."""
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(request, timeout=timeout_s) as response:
+            raw = response.read()
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        try:
+            message = json.loads(raw).get("message", raw.decode(errors="replace"))
+        except (ValueError, AttributeError):
+            message = raw.decode(errors="replace")
+        raise TransportError(f"{url} answered {err.code}: {message}") from None
+    except OSError as err:
+        raise TransportError(f"{url} did not answer: {err}") from err
+    answer = json.loads(raw) if raw.strip() else {}
+    if isinstance(answer, dict) and answer.get("success") is False:
+        raise TransportError(f"{url} refused: {answer.get('message')}")
+    return answer
+
+
+class BackgroundSender:
+    """Runs `send_fn(item)` on one worker thread with at most one item in flight: `submit` waits for the previous
+    item to finish, so the caller builds bucket k+1 while bucket k is sent and never holds more than two."""
+
+    def __init__(self, send_fn: Callable[[Any], None]) -> None:
+        self._send_fn = send_fn
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="sync-sender", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                if self._error is None:
+                    self._send_fn(item)
+            except BaseException as err:  # noqa: BLE001 (re-raised by wait/submit on the caller's thread)
+                self._error = err
+            finally:
+                self._idle.set()
+
+    def submit(self, item: Any) -> None:
+        self.wait()
+        self._idle.clear()
+        self._queue.put(item)
+
+    def wait(self) -> None:
+        self._idle.wait()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+
+def allocate_plain(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -1,0 +1,87 @@
+"""The `distributed` transport: each bucket is broadcast from its stream's leader to every engine rank.
+
+```
+leader (rank 0 of group "<stream name>")        engine ranks 1..N (joined with /init_weights_update_group)
+  POST /update_weights_from_distributed  ---->  each engine: receive one flattened bucket (names, dtypes, shapes)
+  broadcast(bucket)                      ====>  ... stage it; the POST answers once the bytes are in
+```
+The POSTs go out first and the broadcast follows (the engines join it from their request handlers), as in slime.
+One group per stream, so pipeline stages and EP ranks stream to the engines in parallel. NCCL on GPU, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from mcore_rl.parallel.update_group import UpdateGroup, broadcast
+from mcore_rl.resharding.sync.plan import Bucket, Stream
+from mcore_rl.resharding.sync.transports.base import BackgroundSender, TransportError, http_post
+
+
+class DistributedTransport:
+    """See the module docstring. `groups` maps stream names to the leader's joined update groups."""
+
+    def __init__(
+        self,
+        groups: dict[str, UpdateGroup],
+        engine_urls: list[str],
+        *,
+        api_key: str | None,
+        weight_version: str,
+        timeout_s: float = 300.0,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.groups = groups
+        self.engine_urls = list(engine_urls)
+        self.api_key = api_key
+        self.weight_version = weight_version
+        self.timeout_s = timeout_s
+        self.device = device
+        self._http = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)), thread_name_prefix="sync-http")
+        self._sender = BackgroundSender(self._send)
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def send(self, stream: Stream, bucket: Bucket, buffer: torch.Tensor) -> None:
+        self._sender.submit((stream, bucket, buffer))
+
+    def _send(self, item: tuple[Stream, Bucket, torch.Tensor]) -> None:
+        stream, bucket, buffer = item
+        group = self.groups.get(stream.name)
+        if group is None:
+            raise TransportError(f"no update group {stream.name!r} on the leader: connect the engines first")
+        body: dict[str, Any] = {
+            "names": [e.name for e in bucket.entries],
+            "dtypes": [e.dtype for e in bucket.entries],
+            "shapes": [list(e.shape) for e in bucket.entries],
+            "group_name": stream.name,
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "weight_version": self.weight_version,
+        }
+        calls = [
+            self._http.submit(http_post, url + "/update_weights_from_distributed", body, self.api_key, self.timeout_s)
+            for url in self.engine_urls
+        ]
+        try:
+            broadcast(group, buffer)
+        finally:
+            errors = []
+            for url, call in zip(self.engine_urls, calls):
+                try:
+                    call.result()
+                except TransportError as err:
+                    errors.append(f"bucket {bucket.index} of {stream.name} -> {url}: {err}")
+        if errors:
+            raise TransportError("; ".join(errors))
+
+    def wait(self) -> None:
+        self._sender.wait()
+
+    def close(self) -> None:
+        self._sender.close()
+        self._http.shutdown(wait=False)
