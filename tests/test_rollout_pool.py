@@ -38,6 +38,21 @@ def make_pool(tmp_path, **overrides) -> EnginePool:
     return EnginePool(cfg, model=dict(HF), tokenizer=None, dtype="float32", runtime="cpu", log_dir=str(tmp_path))
 
 
+def push(pool: EnginePool, named: list, version: int, urls: list[str] | None = None) -> None:
+    """Weights from the test process to engines through the HTTP API (the weight-sync pipeline's tensor transport,
+    without actor ranks): begin -> flattened bucket -> end, then the pool's bookkeeping."""
+    from mcore_rl.resharding.sync.transports import encode_payload
+
+    payload = encode_payload(named, "flattened_bucket")
+    body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket", "weight_version": str(version)}
+    for url in urls or pool.urls:
+        pool.client.post(url, "/begin_weight_update")
+        pool.client.post(url, "/update_weights_from_tensor", body)
+        pool.client.post(url, "/end_weight_update")
+    pool.weight_version = version
+    pool.admit_pending()
+
+
 def stats(pool: EnginePool, url: str) -> dict:
     return pool.client.get(url, "/server_info")[1]["internal_states"][0]
 
@@ -52,7 +67,7 @@ def test_two_engines_behind_the_router(ray_session, tmp_path) -> None:
     pool = make_pool(tmp_path, router_policy="round_robin")
     try:
         source = HFRolloutEngine(dict(HF), init_seed=1)
-        pool.sync_weights(list(source.state_dict_hf().items()), version=1)
+        push(pool, list(source.state_dict_hf().items()), version=1)
         assert [pool.client.get(u, "/get_weight_version")[1]["weight_version"] for u in pool.urls] == ["1", "1"]
         samples = pool.generate(PROMPTS[:8], n=2, seed=0, stop_token_ids=[])
         assert [s.response_ids for s in samples] == [r for r in expected_greedy(1, PROMPTS[:8]) for _ in range(2)]
@@ -68,7 +83,7 @@ def test_two_engines_behind_the_router(ray_session, tmp_path) -> None:
 def test_cache_aware_routing_keeps_a_prompt_on_one_engine(ray_session, tmp_path) -> None:
     pool = make_pool(tmp_path, router_policy="cache_aware")
     try:
-        pool.sync_weights(list(HFRolloutEngine(dict(HF), init_seed=1).state_dict_hf().items()), version=1)
+        push(pool, list(HFRolloutEngine(dict(HF), init_seed=1).state_dict_hf().items()), version=1)
         prompt = list(range(1, 40))
         before = [stats(pool, u)["prefill_tokens"] for u in pool.urls]
         for _ in range(4):
@@ -83,7 +98,10 @@ def test_engine_killed_mid_step_is_replaced_and_resynced(ray_session, tmp_path) 
     pool = make_pool(tmp_path)
     try:
         source = HFRolloutEngine(dict(HF), init_seed=2)
-        pool.sync_weights(list(source.state_dict_hf().items()), version=1)
+        weights = list(source.state_dict_hf().items())
+        # the weight sync's role: bring a replacement to the current version before it joins the router
+        pool.on_engine_started = lambda url: push(pool, weights, pool.weight_version, [url]) or True
+        push(pool, weights, version=1)
         dead_url, dead_pid = pool.urls[0], pool.engine_pids()[0]
         result: dict = {}
         step = threading.Thread(target=lambda: result.update(s=pool.generate(PROMPTS, n=4, seed=0, stop_token_ids=[])))

@@ -128,6 +128,7 @@ class SyncExecutor:
                 del gathered
                 stats.pack_s += time.perf_counter() - t0
                 transport.send(stream, bucket, buffer)
+                del buffer  # the transport holds it while in flight; no reference here may keep it longer
                 stats.buckets += 1
                 stats.bytes_sent += bucket.nbytes
         t0 = time.perf_counter()
@@ -155,15 +156,21 @@ class SyncExecutor:
             for i in sharded:
                 tensor = self._tensors[self.plan.sources[i].mcore][1].detach()
                 offsets[i] = size
-                flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-                pieces.append(flat)
-                size += flat.numel()
-            send = self.alloc.track(torch.cat(pieces)) if len(pieces) > 1 else pieces[0]
-            out = self.alloc.track(torch.empty(len(stream.group) * size, dtype=torch.uint8, device=send.device))
-            dist.all_gather_into_tensor(out, send, group=group)
-            del send, pieces
+                pieces.append(tensor)
+                size += tensor.numel() * tensor.element_size()
+            # In place: this rank's shard bytes go straight into its row of the output, which is the collective's
+            # input, so no separate send buffer exists (Megatron gathers its distributed optimizer's params alike).
+            out = self.alloc.track(torch.empty(len(stream.group) * size, dtype=torch.uint8, device=pieces[0].device))
+            mine = out[stream.group.index(self.rank) * size : (stream.group.index(self.rank) + 1) * size]
+            for i, tensor in zip(sharded, pieces):
+                mine[offsets[i] : offsets[i] + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(
+                    tensor.shape
+                ).copy_(tensor)
+            dist.all_gather_into_tensor(out, mine, group=group)
+            del pieces, mine
             stats.gather_s += time.perf_counter() - t0
             yield bucket, out.view(len(stream.group), size), offsets
+            del out  # before the next bucket's gather: one gather buffer alive at a time
 
     # ------------------------------------------------------------------ pack
     def _pack(

@@ -85,8 +85,10 @@ def local_sources(
     pp_rank: int,
     tp_size: int,
     etp_size: int,
+    keep_axis: bool = False,
 ) -> list[SourceTensor]:
-    """The exported tensors of this rank's chunks (the same selection `export_hf_weights` makes)."""
+    """The exported tensors of this rank's chunks (the same selection `export_hf_weights` makes). `keep_axis`
+    records each tensor's split axis even where its group has one rank (the meta path builds at tp=1)."""
     out = []
     for vstage, (chunk, ctx) in enumerate(zip(chunks, contexts)):
         order = 0
@@ -107,7 +109,7 @@ def local_sources(
                     pp_rank=pp_rank,
                     vstage=vstage,
                     ep_rank=ctx.ep_rank if rule.is_expert else None,
-                    axis=axis if size > 1 else None,
+                    axis=axis if size > 1 or keep_axis else None,
                     shard_shape=tuple(tensor.shape),
                     dtype=str(tensor.dtype).removeprefix("torch."),
                     hf=names,
@@ -147,13 +149,7 @@ def meta_sources(
     vpp = actor_layout.virtual_stages
     owner = {layer: divmod(i, vpp) for i, layers in enumerate(stage_layers) for layer in layers}
     per_expert = num_experts // actor_layout.ep if num_experts else 0
-    # Built at tp=1, so ask each transform for its axis as if sharded (gather size 2 marks "sharded if tp > 1").
-    whole = local_sources(chunks, contexts, weight_map, 0, 2, 2)
-    chunk_shapes = {
-        global_name(*weight_map.match(n), contexts[0]): tuple(t.shape)
-        for n, t in chunks[0].state_dict(keep_vars=True).items()
-        if t is not None and not n.endswith("_extra_state")
-    }
+    whole = local_sources(chunks, contexts, weight_map, 0, 1, 1, keep_axis=True)
     out = []
     last = (actor_layout.pp - 1, vpp - 1)
     for s in whole:
@@ -166,10 +162,8 @@ def meta_sources(
             pp_rank, vstage = last
         ep_rank = local["expert"] // per_expert if rule.is_expert else None
         size = {"tp": actor_layout.tp, "etp": actor_layout.expert_tp}.get(s.axis or "", 1)
-        # local_sources computed HF shapes from 2 shards of the tp=1 tensor: recompute from the one real shard
-        meta = torch.empty(chunk_shapes[s.mcore], dtype=getattr(torch, s.dtype), device="meta")
-        hf = rule.transform.to_hf([meta])
-        shard = rule.transform.to_megatron(hf[: rule.transform.num_hf], 0, size)
+        hf = [torch.empty(shape, dtype=getattr(torch, s.dtype), device="meta") for shape in s.hf_shapes]
+        shard = rule.transform.to_megatron(hf[: s.num_outputs], 0, size)
         out.append(
             SourceTensor(
                 mcore=s.mcore,
@@ -180,8 +174,8 @@ def meta_sources(
                 shard_shape=tuple(shard.shape),
                 dtype=s.dtype,
                 hf=s.hf,
-                hf_shapes=tuple(tuple(t.shape) for t in hf) + (tuple(hf[0].shape),) * len(rule.aliases),
-                num_outputs=len(hf),
+                hf_shapes=s.hf_shapes,
+                num_outputs=s.num_outputs,
                 order=s.order,
             )
         )

@@ -66,6 +66,7 @@ class BackgroundSender:
             except BaseException as err:  # noqa: BLE001 (re-raised by wait/submit on the caller's thread)
                 self._error = err
             finally:
+                del item  # the bucket's buffer must not outlive its send (the memory bound counts it)
                 self._idle.set()
 
     def submit(self, item: Any) -> None:

@@ -43,8 +43,15 @@ def _record(name: str, shape: Any, dtype: torch.dtype, start: int, nbytes: int) 
     )
 
 
-def encode(obj: Any) -> str:
-    """ForkingPickler dump (tensors shared, not copied) -> base64 text."""
+class SharedPayload(str):
+    """Base64 text of a pickle whose tensors live in shared memory, holding those tensors: the receiver maps the
+    memory by name, which exists only as long as a tensor refers to it, so keep the payload until the call returns."""
+
+    keep: Any
+
+
+def encode(obj: Any) -> SharedPayload:
+    """ForkingPickler dump (tensors shared, not copied) -> base64 text that keeps `obj` alive."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing as tmp
@@ -52,10 +59,12 @@ def encode(obj: Any) -> str:
     tmp.set_sharing_strategy("file_system")
     buf = io.BytesIO()
     ForkingPickler(buf).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    payload = SharedPayload(base64.b64encode(buf.getvalue()).decode("ascii"))
+    payload.keep = obj
+    return payload
 
 
-def encode_payload(named: NamedTensors, load_format: str | None = "flattened_bucket") -> str:
+def encode_payload(named: NamedTensors, load_format: str | None = "flattened_bucket") -> SharedPayload:
     """Named tensors -> one payload of `load_format` (flattened_bucket, or null: a list of (name, tensor))."""
     if load_format == "flattened_bucket":
         flat, metadata = flatten(named)
