@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from mcore_rl.reward import rule
+from mcore_rl.reward import code_reward, rule
 
 RewardResult = float | dict[str, Any]
 
@@ -60,6 +60,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     **{source: rule.synthetic_digits_score for source in SYNTHETIC_DATA_SOURCES},
     **{source: rule.gsm8k_score for source in GSM8K_DATA_SOURCES},
     **{source: rule.math_boxed_score for source in MATH_DATA_SOURCES},
+    **{source: code_reward.code_compute_score for source in code_reward.CODE_DATA_SOURCES},
 }
 
 
