@@ -54,8 +54,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl.algorithms import kl_penalty, masked_mean
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.engine_pool import EnginePool
-    from mcore_rl.controller.weight_sync import WeightSync
     from mcore_rl.controller.samples import outcome_advantages, reduce_rank_metrics, samples_to_batch
+    from mcore_rl.controller.weight_sync import WeightSync
     from mcore_rl.metrics.logger import MetricsLogger
     from mcore_rl.reward.loader import build_reward_fn
     from mcore_rl.reward.manager import RewardManager
@@ -94,7 +94,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
             runtime=cfg.trainer.runtime,
             log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
         )
-        sync = WeightSync(actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir)
+        sync = WeightSync(
+            actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, _hf_config(cfg)
+        )
         version = 1
         sync.push(version)  # the engines start from the actor's weights
         log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"))
@@ -163,6 +165,13 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
 _PROMPT_FIELDS = ("data_source", "ground_truth", "extra_info")
 _SHOWN = ("actor/pg_loss", "actor/clip_frac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss")
+
+
+def _hf_config(cfg: RLConfig) -> dict[str, Any]:
+    if cfg.model.path:
+        with open(os.path.join(cfg.model.path, "config.json")) as f:
+            return json.load(f)
+    return dict(cfg.model.hf_config)
 
 
 def _engine_model(cfg: RLConfig) -> Any:

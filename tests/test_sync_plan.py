@@ -92,6 +92,7 @@ def _plan(entry, layout_name: str, engines: EngineLayout, mode: str, bucket_byte
     return build_plan(
         sources, actor_layout=layout, world_size=WORLD, engines=engines, rules=rules, bucket_bytes=bucket_bytes,
         mode=mode, num_experts=shape.num_experts, num_kv_heads=shape.num_query_groups,
+        num_heads=shape.num_attention_heads,
     )  # fmt: skip
 
 
@@ -177,8 +178,7 @@ def test_refusals_name_the_problem(inventories) -> None:
         _plan(entry, "ep2", EngineLayout(), "full", bucket_bytes=1024)
     with pytest.raises(PlanError, match="sync mode 'halves' is invalid"):
         _plan(entry, "ep2", EngineLayout(), "halves")
-    shape = entry[1]
     with pytest.raises(PlanError, match="num_attention_heads=4 is not divisible by the engine's attention tp=8"):
-        EngineLayout(1, tp=8).validate(shape.num_attention_heads, shape.num_query_groups, shape.num_experts)
+        _plan(entry, "ep2", EngineLayout(1, tp=8), "full")
     with pytest.raises(PlanError, match="num_experts=4 is not divisible by the engine's ep=8"):
-        EngineLayout(1, tp=8, ep=8, dp_attention=2).validate(4, 2, shape.num_experts)
+        _plan(entry, "ep2", EngineLayout(1, tp=8, ep=8, dp_attention=2), "full")

@@ -51,6 +51,7 @@ class SyncSender:
             mode=mode,
             num_experts=a.spec.family.shape(hf).num_experts,
             num_kv_heads=a.spec.family.shape(hf).num_query_groups,
+            num_heads=a.spec.family.shape(hf).num_attention_heads,
         )
         groups = {
             "tp": a.pg.tp if a.pg.tp.size() > 1 else None,

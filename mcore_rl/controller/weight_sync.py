@@ -48,8 +48,17 @@ class WeightSync:
     """See the module docstring."""
 
     def __init__(
-        self, actor: ActorGroup, pool: EnginePool, cfg: SyncConfig, rollout: RolloutConfig, runtime: str, run_dir: str
+        self,
+        actor: ActorGroup,
+        pool: EnginePool,
+        cfg: SyncConfig,
+        rollout: RolloutConfig,
+        runtime: str,
+        run_dir: str,
+        model: dict[str, Any] | None = None,
     ) -> None:
+        """`model`: the actor's HF config; every engine must answer /model_info with the same model (checked
+        before anything moves)."""
         self.actor, self.pool, self.cfg, self.rollout = actor, pool, cfg, rollout
         self.backend = "nccl" if runtime == "cuda" else "gloo"
         self.run_dir = run_dir
@@ -66,7 +75,21 @@ class WeightSync:
         self.digest = digests.pop()
         self.summary = ray.get(actor.handles[0].sync_summary.remote())
         self._connected: list[str] = []
+        self.model = model or {}
+        for url in pool.urls:
+            self.check_engine(url)
         pool.on_engine_started = self._engine_started
+
+    def check_engine(self, url: str) -> None:
+        """SyncError unless the engine at `url` serves the actor's model (type, layers, vocabulary where it says)."""
+        status, info = self.pool.client.get(url, "/model_info")
+        if status != 200 or not isinstance(info, dict):
+            raise SyncError(f"engine {url} did not answer /model_info ({status})")
+        for key in ("model_type", "num_hidden_layers", "vocab_size"):
+            if key in info and key in self.model and info[key] != self.model[key]:
+                raise SyncError(
+                    f"engine {url} serves another model: its {key} is {info[key]!r}, the actor's is {self.model[key]!r}"
+                )
 
     # ------------------------------------------------------------------ groups
     def connect(self, urls: list[str]) -> None:
@@ -94,6 +117,8 @@ class WeightSync:
                         "master_address": host, "master_port": port, "rank_offset": 1 + i * self.ranks_per_engine,
                         "world_size": world, "group_name": name, "backend": self.backend,
                     }  # fmt: skip
+                    if self.rollout.engine == "hf":  # our server also takes the broadcast timeout (SGLang has none)
+                        body["timeout_s"] = self.cfg.timeout_s
                     calls.append(self.pool.client.apost(url, "/init_weights_update_group", body, self.cfg.timeout_s))
 
             async def _all() -> None:
@@ -174,6 +199,7 @@ class WeightSync:
         with self._lock:
             if self.version is None or self.actor_version != self.version:
                 return False
+            self.check_engine(url)
             alive = [u for u in self.pool.urls if u not in self.pool.pending] + [url]
             self.connect(alive)
             self.push(self.version, urls=[url])

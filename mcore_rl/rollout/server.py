@@ -302,6 +302,7 @@ class EngineServer:
             "paused": self.batcher.paused,
             "weights_released": bool(self._released),
             "weight_update_session_open": self.receiver.session_open,
+            "staged_tensors": self.receiver.staged_count,
             **self.batcher.stats,
         }
 
@@ -373,10 +374,13 @@ class EngineServer:
         world = self._field(body, "world_size", int)
         name = self._field(body, "group_name", str, "weight_update_group")
         backend = self._field(body, "backend", str, "nccl")
+        # not in SGLang's request: how long a broadcast of this group may wait for its sender (a dead sender's
+        # bucket fails after it, and the session with it)
+        timeout_s = float(self._field(body, "timeout_s", (int, float), 300.0))
         if backend == "nccl" and self.engine.device.type != "cuda":
             backend = "gloo"  # this engine holds CPU tensors; gloo is the CPU broadcast backend
         try:
-            group = await asyncio.to_thread(new_update_group, backend, address, port, rank, world, name)
+            group = await asyncio.to_thread(new_update_group, backend, address, port, rank, world, name, timeout_s)
         except (ValueError, RuntimeError) as err:
             return _refused(f"could not join update group {name!r} at {address}:{port}: {err}")
         self.receiver.groups[name] = group

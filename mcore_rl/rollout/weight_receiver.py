@@ -125,6 +125,11 @@ class WeightReceiver:
     def session_open(self) -> bool:
         return self._staged is not None
 
+    @property
+    def staged_count(self) -> int:
+        """Tensors staged in the open session (0 when none is open)."""
+        return len(self._staged or {})
+
     def begin(self) -> str:
         with self._lock:
             dropped = "" if self._staged is None else f" (discarded an unfinished session of {len(self._staged)})"
@@ -137,6 +142,8 @@ class WeightReceiver:
         with self._lock:
             if self._staged is None:
                 raise WeightUpdateError("no weight update session: call /begin_weight_update first")
+            if self._failed is not None:
+                raise WeightUpdateError(f"this session already had a refused bucket ({self._failed}); begin again")
             checked = []
             try:
                 for name, tensor in named:

@@ -241,10 +241,13 @@ def build_plan(
     mode: str = "full",
     num_experts: int = 0,
     num_kv_heads: int = 0,
+    num_heads: int = 0,
 ) -> SyncPlan:
-    """The plan (see the module docstring). PlanError when the bucket cannot hold a tensor or a mode is unknown."""
+    """The plan (see the module docstring). PlanError when the engine layout does not divide the model, the bucket
+    cannot hold a tensor or a mode is unknown."""
     if mode not in MODES:
         raise PlanError(f"sync mode {mode!r} is invalid: expected one of {MODES}")
+    engines.validate(num_heads or engines.tp, num_kv_heads, num_experts)
     largest = max(sources, key=lambda s: s.hf_bytes)
     if largest.hf_bytes > bucket_bytes:
         raise PlanError(
