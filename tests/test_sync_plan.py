@@ -182,3 +182,45 @@ def test_refusals_name_the_problem(inventories) -> None:
         _plan(entry, "ep2", EngineLayout(1, tp=8), "full")
     with pytest.raises(PlanError, match="num_experts=4 is not divisible by the engine's ep=8"):
         _plan(entry, "ep2", EngineLayout(1, tp=8, ep=8, dp_attention=2), "full")
+
+
+def test_coverage_names_a_missing_or_duplicated_tensor(inventories) -> None:
+    import dataclasses
+
+    plan = _plan(inventories[("qwen3", "tp2")], "tp2", EngineLayout(), "full")
+    first, *rest = plan.buckets
+    dropped = dataclasses.replace(first, entries=first.entries[1:])
+    missing = dataclasses.replace(plan, buckets=(dropped, *rest))
+    assert missing.check_coverage() == [f"{first.entries[0].name}: sent 0 times, expected once"]
+    twice = dataclasses.replace(plan, buckets=(first, first, *rest))
+    assert any("sent 2 times" in p for p in twice.check_coverage())
+
+
+def test_plan_sync_tool_checks_a_1024_rank_deepseek_plan_within_a_minute() -> None:
+    import subprocess
+    import sys
+
+    cmd = [
+        sys.executable, "tools/plan_sync.py", "--recipe", "deepseek_v3_671b_32n", "--actor-nodes", "64",
+        "--engine-nodes", "64", "--engine-tp", "32", "--engine-ep", "32", "--dp-attention", "4",
+        "--set", "actor.world_size=512",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("plan: ")]
+    assert [line.split()[3] for line in lines] == ["mode=full", "mode=shard_aware"]
+    for line in lines:
+        fields = dict(item.split("=") for item in line.split()[1:])
+        assert fields["model"] == "deepseek_v3" and fields["ranks"] == "1024" and fields["coverage"] == "ok"
+        assert float(fields["bound_s"]) <= float(fields["predicted_s"]) <= 1.5 * float(fields["bound_s"])
+    assert float(dict(i.split("=") for i in lines[1].split()[1:])["predicted_s"]) <= 2.5
+
+
+def test_plan_sync_tool_refuses_bad_arguments() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "tools/plan_sync.py", "--recipe", "no_such_recipe"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "--recipe no_such_recipe" in out.stderr

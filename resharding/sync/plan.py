@@ -204,11 +204,13 @@ class SyncPlan:
                     owners = {r // (self.engines.tp // self.engines.ep) for r, s in slices if s is not None}
                     if len(owners) != 1:
                         problems.append(f"{e.name}: held by EP ranks {sorted(owners)}, expected its one owner")
-        seen: dict[str, int] = {}
+        seen: dict[str, int] = {name: 0 for s in self.sources for name in s.hf}  # what the model exports
         for bucket in self.buckets:
             for e in bucket.entries:
+                if e.name not in seen:
+                    problems.append(f"{e.name}: sent, but the model exports no such tensor")
                 seen[e.name] = seen.get(e.name, 0) + 1
-        problems += [f"{name}: sent {n} times" for name, n in seen.items() if n != 1]
+        problems += [f"{name}: sent {n} times, expected once" for name, n in seen.items() if n != 1]
         return problems
 
 
