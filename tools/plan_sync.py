@@ -15,8 +15,8 @@ bytes per link class, and a predicted time from this transfer model:
     gather     each stream's TP/ETP all-gather inside the actor node: gathered bytes x (g-1)/g / NVLink bus bandwidth
     transport  per (stream, distinct slice) one broadcast spanning the engine ranks that keep it, in every engine: a
                leader sends each byte of each distinct slice once (ring/tree broadcast; receivers forward), so its NIC
-               carries the stream once; a receiving GPU takes its own slices from every stream. Over NVLink when sender and receiver
-               share a node (colocated), else InfiniBand (one NIC per GPU).
+               carries the stream once; a receiving GPU takes its own slices from every stream. Over NVLink when
+               sender and receiver share a node (colocated), else InfiniBand (one NIC per GPU).
     predicted  max(gather, busiest sending link, busiest receiving link) + one bucket of pipeline fill, since
                gathers, packing and sends of successive buckets overlap (double buffering)
     bound      the bytes the busiest receiving GPU must take / its link bandwidth (nothing can beat it)
@@ -212,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         loads = link_loads(plan, actor_world, args.gpus_per_node, args.engine_nodes)
         p = predict(plan, loads, bw, args.engine_nodes, args.gpus_per_node)
         gb = plan.nbytes / 1e9
+        per_gpu, sender = max(loads["received"].values()) / 1e9, max(loads["sent"].values()) / 1e9
+        nvlink, ib = loads["by_class"]["nvlink"] / 1e9, loads["by_class"]["ib"] / 1e9
         print(
             f"[{mode}] {len(plan.streams)} streams, {len(plan.buckets)} buckets, model {gb:.1f} GB; per engine GPU "
-            f"{max(loads['received'].values()) / 1e9:.1f} GB; busiest sender {max(loads['sent'].values()) / 1e9:.1f} GB; "
-            f"links: NVLink {loads['by_class']['nvlink'] / 1e9:.0f} GB, IB {loads['by_class']['ib'] / 1e9:.0f} GB in all; "
+            f"{per_gpu:.1f} GB; busiest sender {sender:.1f} GB; links: NVLink {nvlink:.0f} GB, IB {ib:.0f} GB in all; "
             f"phases: gather {p['gather_s']:.2f} s, send {p['send_s']:.2f} s, receive {p['receive_s']:.2f} s; "
             f"planned in {time.perf_counter() - t0:.1f} s"
         )  # fmt: skip
