@@ -425,3 +425,35 @@ def test_bench_block_copy_smoke(capsys):
     assert bench_block_copy.main(["--blocks", "6", "--mib", "1", "--repeat", "1"]) == 0
     out = capsys.readouterr().out
     assert "copy_blocks (cpu)" in out and "index_copy_" in out and "GB/s" in out
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tables_traced_from_the_transforms_pack_a_bucket(tp: int) -> None:
+    """resharding/sync/blocks.py: run each transform on index shards, compress to blocks, copy: the HF tensors."""
+    import itertools
+
+    from mcore_rl.resharding.sync.blocks import blocks_of, trace_outputs
+    from mcore_rl.resharding.transforms import QKV, FusedColumns, Split, VocabSplit
+
+    cases = [
+        (Split(dim=0), [torch.randn(8, 6)]),
+        (Split(dim=1), [torch.randn(6, 8)]),
+        (FusedColumns(num_hf=2), [torch.randn(8, 6), torch.randn(8, 6)]),
+        (QKV(num_heads=8, num_query_groups=4, head_dim=2), [torch.randn(16, 6), torch.randn(8, 6), torch.randn(8, 6)]),
+        (VocabSplit(vocab_size=10, padded_vocab=16), [torch.randn(10, 6).bfloat16()]),
+        (Split(dim=0), [torch.randn(8)]),
+    ]
+    for transform, hf in cases:
+        shards = [transform.to_megatron(hf, g, tp) for g in range(tp)]
+        row = shards[0].numel() * shards[0].element_size()
+        gathered = torch.cat([s.contiguous().reshape(-1).view(torch.uint8) for s in shards])
+        expected = transform.to_hf(shards)
+        sizes = [t.numel() * t.element_size() for t in expected]
+        offsets = list(itertools.accumulate([0, *sizes[:-1]]))
+        index = trace_outputs(transform, tuple(shards[0].shape), shards[0].element_size(), [g * row for g in range(tp)])
+        blocks = [b for out, off in zip(index, offsets) for b in blocks_of(out, shards[0].element_size(), off)]
+        bucket = torch.zeros(sum(sizes), dtype=torch.uint8)
+        copy_blocks_reference(gathered, bucket, torch.tensor(blocks, dtype=torch.int64).reshape(-1, 6))
+        for t, off, n in zip(expected, offsets, sizes):
+            assert torch.equal(bucket[off : off + n].view(t.dtype).view(t.shape), t.contiguous()), transform
+        assert len(blocks) <= 4 * tp * len(expected) + 8, "rows with one pattern merge into few blocks"

@@ -4,8 +4,10 @@
 for each stream this rank is in, for each bucket (same order on every rank of the stream's group):
     gather   one all_gather_into_tensor over the group (tp or etp) of this rank's shard bytes of the bucket's
              sharded tensors (one collective per bucket, not per tensor)
-    pack     leader only: each source's transform (transforms.py to_hf: QKV split per query group, GLU halves,
-             vocab padding trimmed, row/column joins) written into the bucket buffer at the planned offsets
+    pack     leader only: the gathered tensors go into the bucket buffer at their planned offsets in HF layout (QKV
+             split per query group, GLU halves, vocab padding trimmed, row/column joins) by ONE block copy
+             (kernels/block_copy.py: Triton on GPU) whose table the plan traced from the transforms (blocks.py);
+             tensors that need no gather are copied by their transform's to_hf views
     send     leader only: transport.send(bucket, buffer); the transport works while the next bucket is gathered
 ```
 Memory: a leader holds at most two buckets at once (the one in flight and the one being built), plus the gather
@@ -28,6 +30,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from mcore_rl.kernels.block_copy import copy_blocks
+from mcore_rl.resharding.sync.blocks import blocks_of, trace_outputs
 from mcore_rl.resharding.sync.inventory import global_name
 from mcore_rl.resharding.sync.plan import Bucket, Stream, SyncPlan
 from mcore_rl.resharding.weight_map import Rule, ShardContext, WeightMap
@@ -109,6 +113,36 @@ class SyncExecutor:
                     name = plan.sources[i].mcore
                     if name not in self._tensors:
                         raise ValueError(f"sync plan stream {stream.name} needs {name!r}, which rank {rank} lacks")
+        self._tables = self._block_tables()
+
+    def _block_tables(self) -> dict[tuple[int, int], torch.Tensor]:
+        """Per (stream, bucket) this rank leads with a gather: the block-copy table that packs its gathered bytes
+        into the bucket (resharding/sync/blocks.py), built once per plan."""
+        tables = {}
+        for stream in self._streams:
+            if stream.leader != self.rank or len(stream.group) == 1:
+                continue
+            g = len(stream.group)
+            for bucket in self.plan.buckets_of(stream.index):
+                sharded = [i for i in bucket.sources if self.plan.sources[i].axis is not None]
+                if not sharded:
+                    continue
+                row = sum(self.plan.sources[i].shard_bytes for i in sharded)
+                rows: list[tuple[int, ...]] = []
+                offset = 0
+                for i in sharded:
+                    source = self.plan.sources[i]
+                    rule = self._tensors[source.mcore][0]
+                    size = torch.empty((), dtype=getattr(torch, source.dtype)).element_size()
+                    outputs = trace_outputs(
+                        rule.transform, source.shard_shape, size, [k * row + offset for k in range(g)]
+                    )
+                    for entry in bucket.entries:
+                        if entry.source == i:
+                            rows += blocks_of(outputs[entry.output], size, entry.offset)
+                    offset += source.shard_bytes
+                tables[(stream.index, bucket.index)] = torch.tensor(rows, dtype=torch.int64).reshape(-1, 6)
+        return tables
 
     def run(self, transport: Transport) -> SyncStats:
         """Send every bucket of this rank's streams through `transport` (collective within each stream's group)."""
@@ -180,20 +214,16 @@ class SyncExecutor:
         by_source: dict[int, list[Any]] = {}
         for entry in bucket.entries:
             by_source.setdefault(entry.source, []).append(entry)
+        if gathered is not None:  # every gathered tensor of the bucket in one block-copy (one launch on GPU)
+            copy_blocks(gathered.reshape(-1), buffer, self._tables[(bucket.stream, bucket.index)])
         with torch.no_grad():
             for i, entries in by_source.items():
+                if gathered is not None and i in offsets:
+                    continue
                 source = self.plan.sources[i]
                 rule, tensor = self._tensors[source.mcore]
                 dtype = tensor.dtype
-                if gathered is not None and i in offsets:
-                    n = source.shard_bytes
-                    shards = [
-                        gathered[g, offsets[i] : offsets[i] + n].view(dtype).view(source.shard_shape)
-                        for g in range(gathered.shape[0])
-                    ]
-                else:
-                    shards = [tensor.detach()]
-                values = rule.transform.to_hf(shards)
+                values = rule.transform.to_hf([tensor.detach()])
                 for entry in entries:
                     target = buffer[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
                     target.copy_(values[entry.output])
