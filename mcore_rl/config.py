@@ -240,6 +240,9 @@ class SyncConfig:
     #: decode steps) | in_place | retract | abort (SGLang's /pause_generation modes)
     pause_mode: str = "none"
     timeout_s: float = 300.0  #: seconds a broadcast or an engine's answer may take before the sync fails
+    #: send the family's FP8 targets (attention and MLP projections) as 128x128-blockwise e4m3 + weight_scale_inv,
+    #: for engines serving FP8 (the rollout then runs the quantised model; tools/fp8_parity.py gates its accuracy)
+    fp8: bool = False
 
     def validate(self) -> None:
         from mcore_rl.resharding.sync.plan import MODES

@@ -40,13 +40,15 @@ def _actor(rank: int, world: int, hf: dict, layout: dict):
     return actor
 
 
-def _deliver_rank(rank: int, world: int, hf: dict, layout: dict, engines: dict, mode: str):
+def _deliver_rank(
+    rank: int, world: int, hf: dict, layout: dict, engines: dict, mode: str, fp8: bool = False, bucket: int = BUCKET
+):
     """Sync through the in-process transport; rank 0 gathers what every leader delivered and the reference export."""
     from mcore_rl.resharding.sync.transports import InProcessTransport
     from mcore_rl.resharding.weight_map import export_hf_weights
 
     actor = _actor(rank, world, hf, layout)
-    digest = actor.sync_plan(engines, BUCKET, mode)
+    digest = actor.sync_plan(engines, bucket, mode, fp8)
     sender = actor._sender()
     delivered: dict[str, torch.Tensor] = {}
     slices: dict[tuple[str, int], torch.Tensor] = {}
@@ -56,11 +58,13 @@ def _deliver_rank(rank: int, world: int, hf: dict, layout: dict, engines: dict, 
         for e in bucket.entries:
             tensor = buffer[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape).clone()
             assert e.name not in delivered, f"{e.name} arrived twice"
-            delivered[e.name] = tensor
+            # fp8 tensors travel home as bytes: all_gather_object cannot pickle float8 storages (torch 2.13)
+            delivered[e.name] = tensor.view(torch.uint8) if e.quant == "fp8" else tensor
             for engine_rank in range(plan.engines.tp):  # what each engine rank keeps in this mode
                 got = plan.receive_slice(e, engine_rank)
                 if got is not None:
-                    slices[(e.name, engine_rank)] = tensor.narrow(e.dim, *got) if tensor.dim() else tensor
+                    value = delivered[e.name]
+                    slices[(e.name, engine_rank)] = value.narrow(e.dim, *got) if value.dim() else value
 
     stats = sender.executor.run(InProcessTransport(receive))
     reference = {
@@ -169,3 +173,32 @@ def test_engine_logits_equal_megatron_after_a_sync(server, transport, tmp_path) 
     with torch.no_grad():
         engine = server.server.engine.model(ids).logits
     assert (engine - megatron[:, :, : engine.shape[-1]]).abs().max().item() <= 1e-4
+
+
+def test_fp8_sync_sends_the_family_targets_blockwise_quantised() -> None:
+    from mcore_rl.kernels.fp8_blockwise import dequantize_blockwise, quantize_blockwise_ref
+    from mcore_rl.models.base import FP8_TARGETS
+    from mcore_rl.rollout.weight_receiver import _dequantize_fp8
+
+    hf = dict(MOE, hidden_size=256, moe_intermediate_size=128, intermediate_size=256, head_dim=64)
+    parts = run_on_ranks(
+        _deliver_rank, 2, (hf, dict(tp=2, sequence_parallel=True), dict(num_engines=1), "full", True, 1 << 21)
+    )
+    delivered, reference = {}, {}
+    for _, got, ref, *_ in parts[0]:
+        delivered.update(got)
+        reference.update(ref)
+    targets = [n for n in reference if FP8_TARGETS.match(n)]
+    assert targets and all(delivered[n].dtype == torch.uint8 for n in targets)  # e4m3 bytes (see _deliver_rank)
+    for name in targets:  # exactly the quantisation of the reference, scales included
+        q, scale_inv = quantize_blockwise_ref(reference[name], (128, 128))
+        assert torch.equal(delivered[name], q.view(torch.uint8)), name
+        assert torch.equal(delivered[name + "_scale_inv"], scale_inv), name
+    for name in set(reference) - set(targets):
+        assert torch.equal(delivered[name], reference[name]), name
+    # the receiving engine dequantises what it stages
+    fp8 = {n: t.view(torch.float8_e4m3fn) if n in targets else t for n, t in delivered.items()}
+    loaded = dict(_dequantize_fp8(list(fp8.items())))
+    name = targets[0]
+    expected = dequantize_blockwise(*quantize_blockwise_ref(reference[name], (128, 128)), (128, 128), torch.float32)
+    assert torch.equal(loaded[name], expected) and name + "_scale_inv" not in loaded

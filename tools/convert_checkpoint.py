@@ -39,7 +39,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 import resource
 import shutil
 import sys
@@ -49,7 +48,14 @@ from typing import Any
 
 import torch
 
-from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family, padded_vocab_size, supported_model_types
+from mcore_rl.models.base import (
+    FP8_TARGETS,
+    HFConfig,
+    UnsupportedModel,
+    get_family,
+    padded_vocab_size,
+    supported_model_types,
+)
 from mcore_rl.parallel.cpu_runtime import mode_suspended
 from mcore_rl.parallel.harness import RankFailed, run_on_ranks
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
@@ -80,12 +86,8 @@ LAYOUT_FILE = "mcore_rl_convert.json"
 HF_SUBDIR = "hf"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-#: the tensors DeepSeek-V3 / Qwen3 FP8 releases quantise: attention and MLP projections (shared and routed experts
-#: included); embeddings, lm_head, norms, the router and MTP's eh_proj stay in the model dtype
-QUANTIZE_RULE = re.compile(
-    r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?"
-    r"(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|gate_proj|up_proj|down_proj)\.weight$"
-)
+#: the tensors FP8 releases quantise (the families' shared definition, mcore_rl/models/base.py)
+QUANTIZE_RULE = FP8_TARGETS
 
 
 #: statistics of the last `main` call in this process (per-rank peak RSS, bytes, world): read by bench_convert.py

@@ -44,9 +44,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-PROJECTIONS = "q_proj k_proj v_proj o_proj q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj gate_proj up_proj down_proj"
-PROJECTIONS = tuple(PROJECTIONS.split())
-QUANTIZE_RULE = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(" + "|".join(PROJECTIONS) + r")\.weight$")
+from mcore_rl.models.base import FP8_TARGETS as QUANTIZE_RULE
+
 EXIT_PASS, EXIT_FAIL, EXIT_BAD_INPUT = 0, 1, 2
 
 

@@ -325,9 +325,9 @@ class MegatronActor:
             self._sync = SyncSender(self)
         return self._sync
 
-    def sync_plan(self, engines: dict[str, int], bucket_bytes: int, mode: str) -> str:
+    def sync_plan(self, engines: dict[str, int], bucket_bytes: int, mode: str, fp8: bool = False) -> str:
         """Compute the weight-sync plan (collective); returns its digest (see actor/sync_sender.py)."""
-        return self._sender().plan(engines, bucket_bytes, mode)
+        return self._sender().plan(engines, bucket_bytes, mode, fp8)
 
     def sync_summary(self) -> dict[str, Any]:
         return self._sender().summary()

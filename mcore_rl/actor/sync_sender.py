@@ -33,7 +33,7 @@ class SyncSender:
         self.executor: SyncExecutor | None = None
         self.groups: dict[str, UpdateGroup] = {}
 
-    def plan(self, engines: dict[str, int], bucket_bytes: int, mode: str) -> str:
+    def plan(self, engines: dict[str, int], bucket_bytes: int, mode: str, fp8: bool = False) -> str:
         """Compute the plan (collective over the actor's world); returns its digest."""
         a = self.actor
         coords = a.layout.coords(a.rank, a.world_size)
@@ -52,6 +52,7 @@ class SyncSender:
             num_experts=a.spec.family.shape(hf).num_experts,
             num_kv_heads=a.spec.family.shape(hf).num_query_groups,
             num_heads=a.spec.family.shape(hf).num_attention_heads,
+            fp8_targets=a.spec.family.fp8_targets if fp8 else None,
         )
         groups = {
             "tp": a.pg.tp if a.pg.tp.size() > 1 else None,

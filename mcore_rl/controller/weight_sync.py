@@ -69,7 +69,7 @@ class WeightSync:
         self.dirty: set[str] = set()
         self.last_stats: list[dict[str, Any]] = []
         self._lock = threading.RLock()
-        digests = set(actor.call("sync_plan", asdict(self.layout), cfg.bucket_bytes, cfg.mode))
+        digests = set(actor.call("sync_plan", asdict(self.layout), cfg.bucket_bytes, cfg.mode, cfg.fp8))
         if len(digests) != 1:
             raise SyncError(f"actor ranks computed different sync plans (digests {sorted(digests)})")
         self.digest = digests.pop()

@@ -7,6 +7,7 @@ by the HF `model_type` string, never by substring matching of names.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,6 +80,16 @@ GQA_ENGINE_SHARDS: tuple[ShardRule, ...] = (
 )
 
 
+#: The tensors FP8 releases (DeepSeek-V3, Qwen3 FP8) quantise blockwise (128x128 e4m3 + weight_scale_inv): attention
+#: and MLP projections, shared and routed experts included; embeddings, lm_head, norms, the router and MTP's eh_proj
+#: stay in the model dtype. Used by checkpoint conversion (--fp8), the FP8 parity gate and weight sync (sync.fp8).
+FP8_PROJECTIONS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+    "gate_proj", "up_proj", "down_proj",
+)  # fmt: skip
+FP8_TARGETS = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(.+\.)?(" + "|".join(FP8_PROJECTIONS) + r")\.weight$")
+
+
 class ModelFamily:
     """Base class of a family; subclasses set `model_type` and implement the three methods."""
 
@@ -87,6 +98,8 @@ class ModelFamily:
     architecture: str = ""
     #: engine-side sharding of HF tensors (see GQA_ENGINE_SHARDS)
     engine_shards: tuple[ShardRule, ...] = GQA_ENGINE_SHARDS
+    #: HF tensors that are FP8 (blockwise) in FP8 releases and FP8 weight syncs
+    fp8_targets: re.Pattern = FP8_TARGETS
 
     def shape(self, hf: HFConfig) -> ModelShape:
         """The sizes a parallel layout must divide."""

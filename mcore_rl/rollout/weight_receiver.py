@@ -146,6 +146,7 @@ class WeightReceiver:
                 raise WeightUpdateError(f"this session already had a refused bucket ({self._failed}); begin again")
             checked = []
             try:
+                named = _dequantize_fp8(list(named))
                 for name, tensor in named:
                     view = self.engine.target_view(name, tensor)
                     if view is not None:
@@ -206,6 +207,26 @@ class WeightReceiver:
         for _, tensor in tensors:
             broadcast(group, tensor)
         return tensors
+
+
+def _dequantize_fp8(named: NamedTensors) -> NamedTensors:
+    """FP8 tensors (e4m3 with a `<name>_scale_inv` in the same payload, 128x128 blocks: an FP8 sync or an FP8
+    checkpoint) -> float32 values for this engine's parameters; ValueError naming a scale that is missing."""
+    if not any(t.dtype == torch.float8_e4m3fn for _, t in named):
+        return named
+    from mcore_rl.kernels.fp8_blockwise import dequantize_blockwise
+
+    scales = {name.removesuffix("_scale_inv"): t for name, t in named if name.endswith("_scale_inv")}
+    out = []
+    for name, tensor in named:
+        if name.endswith("_scale_inv") and name.removesuffix("_scale_inv") in scales:
+            continue
+        if tensor.dtype == torch.float8_e4m3fn:
+            if name not in scales:
+                raise ValueError(f"FP8 tensor {name!r} came without {name}_scale_inv")
+            tensor = dequantize_blockwise(tensor, scales[name], (128, 128), torch.float32)
+        out.append((name, tensor))
+    return out
 
 
 def read_safetensors_dir(path: str) -> NamedTensors:

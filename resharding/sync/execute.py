@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.kernels.block_copy import copy_blocks
+from mcore_rl.kernels.fp8_blockwise import quantize_blockwise
 from mcore_rl.resharding.sync.blocks import blocks_of, trace_outputs
 from mcore_rl.resharding.sync.inventory import global_name
-from mcore_rl.resharding.sync.plan import Bucket, Stream, SyncPlan
+from mcore_rl.resharding.sync.plan import FP8_BLOCK, Bucket, Stream, SyncPlan
 from mcore_rl.resharding.weight_map import Rule, ShardContext, WeightMap
 
 
@@ -128,10 +129,14 @@ class SyncExecutor:
                 if not sharded:
                     continue
                 row = sum(self.plan.sources[i].shard_bytes for i in sharded)
+                fp8 = {e.source for e in bucket.entries if e.quant}
                 rows: list[tuple[int, ...]] = []
                 offset = 0
                 for i in sharded:
                     source = self.plan.sources[i]
+                    if i in fp8:  # quantised on the way: packed through its transform and the FP8 kernel instead
+                        offset += source.shard_bytes
+                        continue
                     rule = self._tensors[source.mcore][0]
                     size = torch.empty((), dtype=getattr(torch, source.dtype)).element_size()
                     outputs = trace_outputs(
@@ -214,17 +219,37 @@ class SyncExecutor:
         by_source: dict[int, list[Any]] = {}
         for entry in bucket.entries:
             by_source.setdefault(entry.source, []).append(entry)
-        if gathered is not None:  # every gathered tensor of the bucket in one block-copy (one launch on GPU)
-            copy_blocks(gathered.reshape(-1), buffer, self._tables[(bucket.stream, bucket.index)])
+        table = self._tables.get((bucket.stream, bucket.index))
+        if gathered is not None and table is not None and len(table):
+            # every gathered tensor of the bucket in one block copy (one launch on GPU)
+            copy_blocks(gathered.reshape(-1), buffer, table)
         with torch.no_grad():
             for i, entries in by_source.items():
-                if gathered is not None and i in offsets:
-                    continue
+                quantised = any(e.quant for e in entries)
+                if gathered is not None and i in offsets and not quantised:
+                    continue  # done by the block copy
                 source = self.plan.sources[i]
                 rule, tensor = self._tensors[source.mcore]
                 dtype = tensor.dtype
-                values = rule.transform.to_hf([tensor.detach()])
+                if gathered is not None and i in offsets:
+                    n = source.shard_bytes
+                    shards = [
+                        gathered[g, offsets[i] : offsets[i] + n].view(dtype).view(source.shard_shape)
+                        for g in range(gathered.shape[0])
+                    ]
+                else:
+                    shards = [tensor.detach()]
+                values = rule.transform.to_hf(shards)
+                scales = {e.name.removesuffix("_scale_inv"): e for e in entries if e.quant == "scale"}
                 for entry in entries:
-                    target = buffer[entry.offset : entry.offset + entry.nbytes].view(dtype).view(entry.shape)
-                    target.copy_(values[entry.output])
+                    if entry.quant == "scale":
+                        continue
+                    target = buffer[entry.offset : entry.offset + entry.nbytes]
+                    if entry.quant == "fp8":  # the family's FP8 layout: 128x128 e4m3 blocks + weight_scale_inv
+                        q, scale_inv = quantize_blockwise(values[entry.output].contiguous(), (FP8_BLOCK, FP8_BLOCK))
+                        target.view(q.dtype).view(entry.shape).copy_(q)
+                        s = scales[entry.name]
+                        buffer[s.offset : s.offset + s.nbytes].view(torch.float32).view(s.shape).copy_(scale_inv)
+                    else:
+                        target.view(dtype).view(entry.shape).copy_(values[entry.output])
         return buffer

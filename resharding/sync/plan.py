@@ -23,6 +23,7 @@ from mcore_rl.resharding.sync.inventory import SourceTensor
 
 MODES = ("full", "shard_aware")
 _ITEMSIZE = {"float64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "uint8": 1}
+# (FP8 entries: e4m3 bytes; their float32 scales come first in a bucket, as the widest dtype)
 
 
 class PlanError(ValueError):
@@ -82,6 +83,9 @@ class Entry:
     output: int  #: which output of the source's transform (aliases repeat output 0)
     shard: str  #: the ShardRule kind that places it on engine ranks
     dim: int
+    #: "" | "fp8": the output quantised to e4m3 (128x128 blocks) | "scale": its weight_scale_inv (of entry `name`
+    #: without the suffix)
+    quant: str = ""
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,7 @@ class SyncPlan:
     rules: tuple[ShardRule, ...] = field(repr=False)
     num_experts: int = 0
     num_kv_heads: int = 0
+    fp8: bool = False
 
     def digest(self) -> str:
         """sha256 over the whole plan: equal on every rank that computed the same plan."""
@@ -205,8 +210,14 @@ class SyncPlan:
                     if len(owners) != 1:
                         problems.append(f"{e.name}: held by EP ranks {sorted(owners)}, expected its one owner")
         seen: dict[str, int] = {name: 0 for s in self.sources for name in s.hf}  # what the model exports
+        fp8 = {e.name for b in self.buckets for e in b.entries if e.quant == "fp8"}
+        scales = [e.name.removesuffix("_scale_inv") for b in self.buckets for e in b.entries if e.quant == "scale"]
+        if sorted(scales) != sorted(fp8):
+            problems.append(f"FP8 tensors and their scales do not pair up: {sorted(set(fp8) ^ set(scales))[:5]}")
         for bucket in self.buckets:
             for e in bucket.entries:
+                if e.quant == "scale":
+                    continue
                 if e.name not in seen:
                     problems.append(f"{e.name}: sent, but the model exports no such tensor")
                 seen[e.name] = seen.get(e.name, 0) + 1
@@ -244,9 +255,11 @@ def build_plan(
     num_experts: int = 0,
     num_kv_heads: int = 0,
     num_heads: int = 0,
+    fp8_targets: re.Pattern | None = None,
 ) -> SyncPlan:
     """The plan (see the module docstring). PlanError when the engine layout does not divide the model, the bucket
-    cannot hold a tensor or a mode is unknown."""
+    cannot hold a tensor or a mode is unknown. With `fp8_targets`, the HF tensors it matches (2-D) travel as
+    128x128-blockwise e4m3 plus a float32 `<name>_scale_inv` (the family's FP8 release layout)."""
     if mode not in MODES:
         raise PlanError(f"sync mode {mode!r} is invalid: expected one of {MODES}")
     engines.validate(num_heads or engines.tp, num_kv_heads, num_experts)
@@ -268,12 +281,12 @@ def build_plan(
         size = 0
         for i, s in members:
             if pending and size + s.hf_bytes > bucket_bytes:
-                buckets.append(_bucket(stream.index, len(buckets), pending, rules))
+                buckets.append(_bucket(stream.index, len(buckets), pending, rules, fp8_targets))
                 pending, size = [], 0
             pending.append((i, s))
             size += s.hf_bytes
         if pending:
-            buckets.append(_bucket(stream.index, len(buckets), pending, rules))
+            buckets.append(_bucket(stream.index, len(buckets), pending, rules, fp8_targets))
     # bucket index inside its stream
     counters: dict[int, int] = {}
     numbered = []
@@ -291,6 +304,7 @@ def build_plan(
         rules=tuple(rules),
         num_experts=num_experts,
         num_kv_heads=num_kv_heads,
+        fp8=fp8_targets is not None,
     )
 
 
@@ -307,20 +321,43 @@ def _stream(index: int, pp_rank: int, ep_rank: int | None, layout, world_size: i
     return Stream(index, pp_rank, ep_rank, group[0], tuple(group), name)
 
 
-def _bucket(stream: int, index: int, members: list[tuple[int, SourceTensor]], rules: tuple[ShardRule, ...]) -> Bucket:
+def _bucket(
+    stream: int,
+    index: int,
+    members: list[tuple[int, SourceTensor]],
+    rules: tuple[ShardRule, ...],
+    fp8_targets: re.Pattern | None,
+) -> Bucket:
     items = []
     for i, s in members:
         for out, (name, shape) in enumerate(zip(s.hf, s.hf_shapes)):
-            n = 1
-            for d in shape:
-                n *= d
             kind, dim = shard_kind(rules, name)
             output = out if out < s.num_outputs else 0  # an alias is a copy of the first output
-            items.append((name, tuple(shape), s.dtype, n * _ITEMSIZE[s.dtype], i, output, kind, dim))
+            if fp8_targets is not None and len(shape) == 2 and fp8_targets.match(name):
+                grid = (-(-shape[0] // FP8_BLOCK), -(-shape[1] // FP8_BLOCK))
+                items.append((name, tuple(shape), "float8_e4m3fn", _numel(shape), i, output, kind, dim, "fp8"))
+                # scales are tiny: every engine rank gets all of them, whatever its slice of the weight
+                items.append(
+                    (name + "_scale_inv", grid, "float32", 4 * _numel(grid), i, output, "replicate", 0, "scale")
+                )
+            else:
+                items.append(
+                    (name, tuple(shape), s.dtype, _numel(shape) * _ITEMSIZE[s.dtype], i, output, kind, dim, "")
+                )
     # widest dtype first: every offset stays a multiple of its tensor's item size
     items.sort(key=lambda t: -_ITEMSIZE[t[2]])
     entries, offset = [], 0
-    for name, shape, dtype, nbytes, source, out, kind, dim in items:
-        entries.append(Entry(name, shape, dtype, offset, nbytes, source, out, kind, dim))
+    for name, shape, dtype, nbytes, source, out, kind, dim, quant in items:
+        entries.append(Entry(name, shape, dtype, offset, nbytes, source, out, kind, dim, quant))
         offset += nbytes
     return Bucket(stream, index, offset, tuple(entries))
+
+
+FP8_BLOCK = 128  #: DeepSeek-V3's blockwise FP8: 128 x 128 tiles, one float32 weight_scale_inv each
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
