@@ -344,6 +344,11 @@ class RLConfig:
         for group in (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.trainer):
             group.validate()
         self.check_model()
+        if self.sync.transport == "tensor" and self.rollout.engine == "sglang" and self.rollout.sglang.nnodes > 1:
+            raise ConfigError(
+                "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1: the tensor transport shares memory "
+                "(or CUDA IPC handles) within one node; expected sync.transport=distributed or disk"
+            )
         total = self.data.batch_size * self.rollout.n
         dp = self.actor.layout.to_layout().dp(self.actor.world_size)
         _check(

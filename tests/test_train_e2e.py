@@ -62,6 +62,12 @@ def test_three_step_run_completes_and_writes_metrics(tmp_path: Path):
         (["rollout.engine=sglang"], "rollout.engine=sglang cannot run here: "),
         (["rollout.router_policy=fastest"], "rollout.router_policy='fastest' is invalid: expected one of"),
         (["rollout.sglang.ep=3", "rollout.sglang.tp=8"], "rollout.sglang.ep=3 is invalid: expected a divisor"),
+        (["sync.transport=pigeon"], "sync.transport='pigeon' is invalid: expected one of ('distributed', 'tensor'"),
+        (["sync.bucket_bytes=0"], "sync.bucket_bytes=0 is invalid: expected a positive integer"),
+        (
+            ["sync.transport=tensor", "rollout.engine=sglang", "rollout.sglang.nnodes=2", "rollout.sglang.tp=16"],
+            "the tensor transport shares memory",
+        ),
     ],
 )
 def test_bad_cli_input_names_the_problem_and_exits_nonzero(overrides, message):
