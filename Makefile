@@ -2,7 +2,9 @@
 #   make run   -> the default job: a tiny RL run (GRPO, Qwen3-MoE-shaped model, EP=2 on 2 gloo ranks) on CPU
 #   make test  -> the test suite
 # Set-up creates .venv, installs torch==2.13.0 first (a CPU build here; an unpinned torch would pull CUDA wheels),
-# then this package with its test extra. It re-runs only when setup.py changes.
+# then this package with its test extra, then extracts a few SGLang 0.5.23 source files (API structs, weight bucket,
+# launch flags) into .venv/sglang-0.5.23/ for the contract tests; SGLang itself is not installed. It re-runs only
+# when setup.py or the fetch script changes.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,11 +13,12 @@ TORCH ?= torch==2.13.0
 
 .PHONY: run test lint setup clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py tools/fetch_sglang_contract.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) tools/fetch_sglang_contract.py --dest $(VENV)/sglang-0.5.23
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -49,10 +49,16 @@ setup(
         # megatron-core's torch_dist writer imports psutil in its worker processes; without it a save hangs.
         "psutil>=5.9",
         "numpy",
+        # The default job runs sglang-router (a Rust binary, CPU is fine) in front of our embedded aiohttp server.
+        "sglang-router>=0.3.2,<0.4",
+        "aiohttp>=3.9",
     ],
     extras_require={
         # GPU extras. NVIDIA apex is built from source (see README); the PyPI project named `apex` is unrelated.
         "gpu": ["transformer-engine[pytorch]>=2.0", "sglang>=0.4.6"],
-        "test": ["pytest>=8", "ruff>=0.6"],
+        # msgspec: SGLang's api_types.py (fetched by `make setup`, see tools/fetch_sglang_contract.py) needs it.
+        # triton: tests run the Triton kernels on CPU under TRITON_INTERPRET=1. It depends on nothing (torch stays as
+        # the Makefile pinned it); a CUDA torch already pins its own triton, which satisfies this. Wheels: Linux only.
+        "test": ["pytest>=8", "ruff>=0.6", "msgspec", "triton; platform_system == 'Linux'"],
     },
 )

@@ -82,7 +82,12 @@ def run_on_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), timeou
                 failures[rank] = payload
     finally:
         for proc in procs:
-            proc.join(timeout=5 if failures else 60)
+            # Poll (waitpid) rather than join(): join waits for the process's sentinel pipe, which a grandchild that
+            # inherited it keeps open after the rank has exited (torch's torch_shm_manager, started by ranks that
+            # share CPU tensors through the file_system strategy, lives on until its last client is gone).
+            stop = time.monotonic() + (5 if failures else 60)
+            while proc.is_alive() and time.monotonic() < stop:
+                time.sleep(0.02)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

@@ -46,7 +46,8 @@ def parse_version(version: Any) -> int | str:
 
 def sample_from_response(prompt: list[int], obj: dict[str, Any], num_layers: int | None = None) -> Sample:
     """One /generate answer -> Sample. Tokens come from `output_token_logprobs` (as slime reads them) when present,
-    else from `output_ids`; `routed_experts` (base64 int32) is reshaped to [tokens, layers, top_k]."""
+    else from `output_ids`; `routed_experts` (base64 int32) is reshaped to [tokens, layers, top_k] (with
+    `num_layers`) or [tokens, layers * top_k]."""
     meta = obj.get("meta_info") or {}
     entries = meta.get("output_token_logprobs")
     if entries is not None:
@@ -60,7 +61,9 @@ def sample_from_response(prompt: list[int], obj: dict[str, Any], num_layers: int
     if meta.get("routed_experts") is not None:
         flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
         positions = len(prompt) + len(tokens) - 1 - int(meta.get("routed_experts_start_len", 0))
-        routed = flat.reshape(positions, num_layers or -1, -1) if positions > 0 else flat.reshape(0, 0, 0)
+        # [positions, layers, top_k] when the caller knows the layer count, else [positions, layers * top_k]
+        shape = (positions, num_layers, -1) if num_layers else (positions, -1)
+        routed = flat.reshape(*shape) if positions > 0 else flat.reshape(0, *shape[1:-1], 0)
     return Sample(
         prompt_ids=list(prompt),
         response_ids=tokens,

@@ -207,11 +207,19 @@ def parse_generate(
 
 
 def response_object(
-    seq: Sequence, index: int, decode: Callable[[Seq[int], bool], str] | None, text_in_logprobs: bool = False
+    seq: Sequence,
+    index: int,
+    decode: Callable[[Seq[int], bool], str] | None,
+    text_in_logprobs: bool = False,
+    server_version: str | None = None,
 ) -> dict[str, Any]:
-    """One sequence as SGLang's GenerateResponse (`text`, `output_ids`, `meta_info`, `index`)."""
+    """One sequence as SGLang's GenerateResponse (`text`, `output_ids`, `meta_info`, `index`). `weight_version` is
+    the version of its last token, or the server's when it has none (aborted before sampling, scoring only)."""
+    # a consistent snapshot: the batcher thread may be appending (token first, then its logprob)
+    n = min(len(seq.output_ids), len(seq.output_logprobs))
+    output_ids, output_logprobs = seq.output_ids[:n], seq.output_logprobs[:n]
     options = getattr(seq, "text_options", {"skip_special_tokens": True, "no_stop_trim": False})
-    text = decode(seq.output_ids, options["skip_special_tokens"]) if decode is not None else ""
+    text = decode(output_ids, options["skip_special_tokens"]) if decode is not None else ""
     matched = (seq.finish or {}).get("matched")
     if isinstance(matched, str) and not options["no_stop_trim"] and matched in text:
         text = text[: text.rindex(matched)]
@@ -219,9 +227,9 @@ def response_object(
         "id": seq.rid,
         "finish_reason": seq.finish,
         "prompt_tokens": len(seq.prompt_ids),
-        "completion_tokens": len(seq.output_ids),
+        "completion_tokens": n,
         "cached_tokens": seq.cached_tokens,
-        "weight_version": None if seq.weight_version is None else str(seq.weight_version),
+        "weight_version": str(seq.weight_version) if seq.weight_version is not None else server_version,
         "weight_versions": [{"version": str(v), "start": s, "end": e} for v, s, e in seq.weight_versions],
         "e2e_latency": time.monotonic() - seq.created,
     }
@@ -230,11 +238,11 @@ def response_object(
         def token_text(t: int) -> str | None:
             return decode([t], False) if (text_in_logprobs and decode is not None) else None
 
-        meta["output_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(seq.output_logprobs, seq.output_ids)]
+        meta["output_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(output_logprobs, output_ids)]
         if seq.input_logprobs is not None:
             tokens = seq.prompt_ids[seq.logprob_start_len :]
             meta["input_token_logprobs"] = [[lp, t, token_text(t)] for lp, t in zip(seq.input_logprobs, tokens)]
     routed = seq.routed_experts()
     if routed is not None:
         meta["routed_experts"] = base64.b64encode(routed.contiguous().numpy().tobytes()).decode("ascii")
-    return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta, "index": index}
+    return {"text": text, "output_ids": output_ids, "meta_info": meta, "index": index}

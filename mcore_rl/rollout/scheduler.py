@@ -172,13 +172,20 @@ class ContinuousBatcher:
         """Finish the waiting and running sequences whose rid is `rid` (or that start with `rid_`), or all of them."""
 
         def _abort() -> int:
-            everything = [*self._waiting, *self._rows]
-            hit = [s for s in everything if rid is None or s.rid == rid or s.rid.startswith(rid + "_")]
-            for seq in hit:
+            def hit(s: Sequence) -> bool:
+                return rid is None or s.rid == rid or s.rid.startswith(rid + "_")
+
+            with self._cond:  # take them out of the queue atomically: a request submitted meanwhile stays queued
+                queued = [s for s in self._waiting if hit(s)]
+                self._waiting = deque(s for s in self._waiting if not hit(s))
+            running = [s for s in self._rows if hit(s)]
+            for seq in running:
+                seq.finish = {"type": "abort", "message": message}
+            self._drop_finished()  # before anyone is told (see _sample_and_append)
+            for seq in queued + running:
+                seq.finish = None
                 self._finish(seq, {"type": "abort", "message": message})
-            self._waiting = deque(s for s in self._waiting if s.finish is None)
-            self._drop_finished()
-            return len(hit)
+            return len(queued) + len(running)
 
         return self.call(_abort)
 
@@ -190,10 +197,11 @@ class ContinuousBatcher:
 
         def _pause() -> None:
             if mode == "abort":
-                for seq in [*self._waiting, *self._rows]:
+                with self._cond:  # atomically: what is submitted after this point waits for continue_generation
+                    victims, self._waiting = [*self._waiting, *self._rows], deque()
+                self._rows, self._cache, self._mask, self._pos, self._pending = [], None, None, None, None
+                for seq in victims:
                     self._finish(seq, {"type": "abort", "message": "generation paused (mode=abort)"})
-                self._waiting.clear()
-                self._drop_finished()
             elif mode == "retract":
                 self._waiting.extendleft(reversed(self._rows))
                 self._rows, self._cache, self._mask, self._pos, self._pending = [], None, None, None, None
@@ -240,11 +248,11 @@ class ContinuousBatcher:
                 self.step()
             except Exception as err:  # keep serving: fail what was in flight, reset the batch
                 log.exception("batcher step failed")
-                for seq in [*self._waiting, *self._rows]:
-                    self._finish(seq, {"type": "abort", "message": f"engine error: {err}"})
                 with self._cond:
-                    self._waiting.clear()
+                    victims, self._waiting = [*self._waiting, *self._rows], deque()
                 self._rows, self._cache, self._mask, self._pos, self._pending = [], None, None, None, None
+                for seq in victims:
+                    self._finish(seq, {"type": "abort", "message": f"engine error: {err}"})
 
     def step(self) -> None:
         """One scheduling step: pending controls, then (unless paused) admit waiting sequences and decode once."""

@@ -220,16 +220,23 @@ class EngineServer:
             if not stream:
                 while any(s.finish is None for s in seqs):
                     await events.get()
-                out = [response_object(s, i, decode, text_logprobs) for i, s in enumerate(seqs)]
+                version = self._version()
+                out = [response_object(s, i, decode, text_logprobs, version) for i, s in enumerate(seqs)]
                 return web.json_response(out if as_list else out[0])
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await response.prepare(request)
-            while any(s.finish is None for s in seqs) or not events.empty():
+            done = [False] * len(seqs)
+            while not all(done):
                 changed = {await events.get()}
                 while not events.empty():
                     changed.add(events.get_nowait())
                 for i in sorted(changed):
-                    chunk = json.dumps(response_object(seqs[i], i, decode, text_logprobs))
+                    if done[i]:
+                        continue
+                    # `finish` is set before the sequence's last event is queued: once a chunk shows it, that chunk
+                    # holds the final tokens and the sequence is done
+                    done[i] = seqs[i].finish is not None
+                    chunk = json.dumps(response_object(seqs[i], i, decode, text_logprobs, self._version()))
                     await response.write(f"data: {chunk}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
             return response
@@ -350,7 +357,16 @@ class EngineServer:
         version = self._field(body, "weight_version", (str, int), None)
         if not self.receiver.session_open:
             raise WeightUpdateError("no weight update session: call /begin_weight_update first")
-        count = await asyncio.to_thread(lambda: self.receiver.stage(named_fn(), version))
+
+        def stage() -> int:
+            try:
+                named = named_fn()
+            except Exception as err:  # a payload that cannot be read spoils the session like a refused tensor
+                self.receiver.fail(str(err))
+                raise WeightUpdateError(f"bucket refused, old weights kept: {err}") from err
+            return self.receiver.stage(named, version)
+
+        count = await asyncio.to_thread(stage)
         if body.get("abort_all_requests"):
             await _wrap(self.batcher.abort(None, "aborted for a weight update"))
         return _ok(f"staged {count} tensors")

@@ -59,6 +59,11 @@ _ALLOWED_GLOBALS = {
 }
 
 
+class LocalSerializedTensor(types.SimpleNamespace):
+    """Stands in for SGLang's `LocalSerializedTensor` (what verl sends): `values[tp_rank]` is one serialized tensor
+    per engine TP rank; this one-rank engine takes values[0]."""
+
+
 class FlattenedTensorMetadata(types.SimpleNamespace):
     """Stands in for `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata` when a client pickled SGLang's
     class (name, shape, dtype, start_idx, end_idx, numel)."""
@@ -68,6 +73,11 @@ class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"):
             return FlattenedTensorMetadata
+        if name == "LocalSerializedTensor" and module in (
+            "sglang.srt.model_executor.model_runner_components.weight_updater",
+            "sglang.srt.model_executor.model_runner",
+        ):
+            return LocalSerializedTensor
         if (module, name) in _ALLOWED_GLOBALS or (
             module.startswith(_ALLOWED_MODULE_PREFIXES) and name.startswith(("rebuild_", "_rebuild_", "_load_"))
         ):
@@ -99,6 +109,11 @@ def decode_payload(payload: str | bytes, load_format: str | None) -> NamedTensor
             size = int(torch.Size(meta.shape).numel()) * meta.dtype.itemsize
             if meta.end_idx - meta.start_idx != size or meta.end_idx > flat.numel():
                 raise WeightUpdateError(f"bucket metadata of {meta.name!r} does not fit its shape or the buffer")
+            if meta.start_idx % meta.dtype.itemsize:
+                raise WeightUpdateError(
+                    f"tensor {meta.name!r} starts at byte {meta.start_idx}, not a multiple of its {meta.dtype} item "
+                    f"size {meta.dtype.itemsize}: pad the flattened bucket (SGLang's receivers require alignment)"
+                )
             out.append((meta.name, flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)))
         return out
     if load_format not in (None, "auto"):
@@ -107,7 +122,14 @@ def decode_payload(payload: str | bytes, load_format: str | None) -> NamedTensor
         obj = list(obj.items())
     if not isinstance(obj, list) or not all(isinstance(i, tuple) and len(i) == 2 for i in obj):
         raise WeightUpdateError("a tensor payload is a list of (name, tensor) pairs")
-    return obj
+    out = []
+    for name, value in obj:
+        if isinstance(value, LocalSerializedTensor):  # verl: one serialized tensor per engine TP rank
+            value = _SafeUnpickler(io.BytesIO(value.values[0])).load()
+        if not isinstance(value, torch.Tensor):
+            raise WeightUpdateError(f"payload entry {name!r} is a {type(value).__name__}, expected a tensor")
+        out.append((name, value))
+    return out
 
 
 class WeightReceiver:
@@ -159,6 +181,12 @@ class WeightReceiver:
             if weight_version is not None:
                 self._version = str(weight_version)
             return len(checked)
+
+    def fail(self, message: str) -> None:
+        """Spoil the open session (a bucket that could not even be read): end_weight_update will commit nothing."""
+        with self._lock:
+            if self._staged is not None:
+                self._failed = message
 
     def discard(self) -> None:
         """Drop the open session, if any, without committing."""

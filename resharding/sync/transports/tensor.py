@@ -30,6 +30,10 @@ def flatten(named: NamedTensors) -> tuple[torch.Tensor, list[types.SimpleNamespa
         raise ValueError("cannot flatten an empty bucket")
     pieces, metadata, offset = [], [], 0
     for name, tensor in named:
+        pad = -offset % tensor.element_size()  # every tensor starts at a multiple of its item size
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=torch.uint8))
+            offset += pad
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         metadata.append(_record(name, tensor.shape, tensor.dtype, offset, flat.numel()))
         pieces.append(flat)
