@@ -14,7 +14,7 @@ checkpoint loads under any layout. Saving through Megatron needs the whole model
 a millisecond per chunk in planning and copies every GLU fc1 on the way (measured: 53 s for 46k tensors, 7.5 GB,
 4 GiB RSS per process). This module writes and reads the same format directly:
 
-    plan = plan_checkpoint(spec, pg)         # the model built on the meta device with tp=pp=ep=1 (one layer per
+    plan = plan_checkpoint(spec, pg, build)  # the model built on the meta device with tp=pp=ep=1 (one layer per
                                              # kind, repeated): for every parameter, the chunks Megatron would
                                              # save and where each lies in it
     with ChunkWriter(tmp, part) as writer:   # per worker process, its own .distcp file
@@ -39,6 +39,7 @@ import json
 import math
 import pickle
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,11 +126,15 @@ def load_model_chunks(chunks: list[torch.nn.Module], pg_collection: Any, directo
 
 
 # ---------------------------------------------------------------------------------------------------- planning
-def plan_checkpoint(spec: Any, pg_collection: Any, fold_layers: bool = True) -> CheckpointPlan:
+def plan_checkpoint(
+    spec: Any, pg_collection: Any, build_chunks: Callable[..., Any], fold_layers: bool = True
+) -> CheckpointPlan:
     """The chunks of `spec`'s model as Megatron saves them, from the model built on the meta device.
 
     `spec.layout` must be tp=pp=ep=1 (one chunk holding every layer) and torch.distributed must be up (world 1 is
-    enough). Factories (GLU fc1 halves) are built; each chunk is located inside its parameter by its view geometry.
+    enough). `build_chunks(spec, pg_collection, meta=True)` builds the model (`models/builder.py: build_gpt_chunks`,
+    passed in so that resharding/ imports no model code). Factories (GLU fc1 halves) are built; each chunk is
+    located inside its parameter by its view geometry.
 
     `fold_layers`: build one decoder layer of each kind (dense, MoE) instead of all of them and repeat its entries for
     the other layers of that kind (the keys of a layer differ from its twin's only by the layer index; torch_dist
@@ -141,9 +146,9 @@ def plan_checkpoint(spec: Any, pg_collection: Any, fold_layers: bool = True) -> 
     kinds = _layer_kinds(config)
     keep = _representatives(kinds)
     if not fold_layers or len(keep) == len(kinds) or not _keys_carry_layer_index(config):
-        return _plan_built(spec, pg_collection)
+        return _plan_built(spec, pg_collection, build_chunks)
     overrides = dict(spec.config_overrides, num_layers=len(keep), moe_layer_freq=[kinds[i] for i in keep])
-    small = _plan_built(dataclasses.replace(spec, config_overrides=overrides), pg_collection)
+    small = _plan_built(dataclasses.replace(spec, config_overrides=overrides), pg_collection, build_chunks)
     return _unfold(small, kinds, keep)
 
 
@@ -220,16 +225,14 @@ def _unfold(small: CheckpointPlan, kinds: list[int], keep: list[int]) -> Checkpo
     return CheckpointPlan(entries, small.dtype, objects)
 
 
-def _plan_built(spec: Any, pg_collection: Any) -> CheckpointPlan:
+def _plan_built(spec: Any, pg_collection: Any, build_chunks: Callable[..., Any]) -> CheckpointPlan:
     """The plan from the whole model built on the meta device."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
-
-    from mcore_rl.models.builder import build_gpt_chunks
 
     layout = spec.layout
     if (layout.tp, layout.pp, layout.ep, layout.expert_tp, layout.virtual_stages) != (1, 1, 1, 1, 1):
         raise ValueError(f"plan_checkpoint needs the layout tp=pp=ep=etp=1, got {layout.describe()}")
-    chunks, _ = build_gpt_chunks(spec, pg_collection, meta=True)
+    chunks, _ = build_chunks(spec, pg_collection, meta=True)
     model = chunks[0]
     tensors = {
         name: t

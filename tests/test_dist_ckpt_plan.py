@@ -33,7 +33,7 @@ def plans_rank(rank: int, world: int, configs: dict[str, dict]) -> dict[str, tup
     import torch
 
     from mcore_rl.models.base import HFConfig
-    from mcore_rl.models.builder import ModelSpec
+    from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
     from mcore_rl.parallel.groups import initialize_model_parallel
     from mcore_rl.parallel.layout import ParallelLayout
     from mcore_rl.resharding.dist_ckpt import _layer_kinds, plan_checkpoint
@@ -42,7 +42,8 @@ def plans_rank(rank: int, world: int, configs: dict[str, dict]) -> dict[str, tup
     out = {}
     for name, config in configs.items():
         spec = ModelSpec(HFConfig(config), ParallelLayout(), dtype=torch.bfloat16)
-        folded, full = plan_checkpoint(spec, pg), plan_checkpoint(spec, pg, fold_layers=False)
+        folded = plan_checkpoint(spec, pg, build_gpt_chunks)
+        full = plan_checkpoint(spec, pg, build_gpt_chunks, fold_layers=False)
         kinds = _layer_kinds(spec.transformer_config())
         out[name] = (folded.entries, full.entries, folded.objects, full.objects, kinds)
     return out

@@ -181,7 +181,9 @@ def _worker_plan(config: dict, dtype: str, vocab_multiple: int) -> CheckpointPla
     from mcore_rl.parallel.groups import initialize_model_parallel
 
     pg = initialize_model_parallel(ParallelLayout())
-    return plan_checkpoint(_spec(config, ParallelLayout(), dtype, vocab_multiple), pg)
+    from mcore_rl.models.builder import build_gpt_chunks
+
+    return plan_checkpoint(_spec(config, ParallelLayout(), dtype, vocab_multiple), pg, build_gpt_chunks)
 
 
 def _worker_start(
