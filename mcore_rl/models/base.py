@@ -67,16 +67,20 @@ class HFConfig:
 
 
 #: How SGLang's loaders shard each HF tensor across an engine's ranks (first match wins; the rest is replicated):
-#: what a shard-aware weight sync sends each engine rank. GQA families (llama, qwen2, qwen3, qwen3_moe) use these.
-GQA_ENGINE_SHARDS: tuple[ShardRule, ...] = (
+#: what a shard-aware weight sync sends each engine rank. MLP, MoE and vocabulary rules are common to every family;
+#: attention differs (GQA here, MLA in deepseek_v3.py).
+MLP_ENGINE_SHARDS: tuple[ShardRule, ...] = (
     ShardRule(r"\.experts\.\d+\.(gate_proj|up_proj)\.", "expert", 0),
     ShardRule(r"\.experts\.\d+\.down_proj\.", "expert", 1),
+    ShardRule(r"\.(shared_experts?\.)?(gate_proj|up_proj)\.", "dense", 0),
+    ShardRule(r"\.(shared_experts?\.)?down_proj\.", "dense", 1),
+    ShardRule(r"(embed_tokens|lm_head|shared_head\.head)\.weight$", "vocab", 0),
+)
+GQA_ENGINE_SHARDS: tuple[ShardRule, ...] = (
     ShardRule(r"\.self_attn\.q_proj\.", "attn", 0),
     ShardRule(r"\.self_attn\.(k_proj|v_proj)\.", "kv", 0),
     ShardRule(r"\.self_attn\.o_proj\.", "attn", 1),
-    ShardRule(r"\.(shared_experts?\.)?(gate_proj|up_proj)\.", "dense", 0),
-    ShardRule(r"\.(shared_experts?\.)?down_proj\.", "dense", 1),
-    ShardRule(r"(embed_tokens|lm_head)\.weight$", "vocab", 0),
+    *MLP_ENGINE_SHARDS,
 )
 
 

@@ -44,7 +44,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mcore_rl.models.base import HFConfig, ModelFamily, UnsupportedModel, megatron_common_fields, register
+from mcore_rl.models.base import (
+    MLP_ENGINE_SHARDS,
+    HFConfig,
+    ModelFamily,
+    UnsupportedModel,
+    megatron_common_fields,
+    register,
+)
 from mcore_rl.models.qwen3_moe import dense_mlp_rules, embedding_rules, expert_rules
 from mcore_rl.parallel.layout import LayoutError, ModelShape, ParallelLayout
 from mcore_rl.resharding.sync.plan import ShardRule
@@ -269,15 +276,11 @@ def routing_groups(hf: HFConfig) -> tuple[int | None, int | None]:
 
 
 #: SGLang's DeepSeek-V3 loader: MLA's down projections (q_a_proj, kv_a_proj_with_mqa) are replicated, the up
-#: projections split heads over attention tp; MoE, shared experts and vocab as in GQA models.
+#: projections split heads over attention tp; MoE, shared experts and vocabulary as in every family.
 DEEPSEEK_ENGINE_SHARDS = (
-    ShardRule(r"\.experts\.\d+\.(gate_proj|up_proj)\.", "expert", 0),
-    ShardRule(r"\.experts\.\d+\.down_proj\.", "expert", 1),
     ShardRule(r"\.self_attn\.(q_proj|q_b_proj|kv_b_proj)\.", "attn", 0),
     ShardRule(r"\.self_attn\.o_proj\.", "attn", 1),
-    ShardRule(r"\.(shared_experts\.)?(gate_proj|up_proj)\.", "dense", 0),
-    ShardRule(r"\.(shared_experts\.)?down_proj\.", "dense", 1),
-    ShardRule(r"(embed_tokens|lm_head|shared_head\.head)\.weight$", "vocab", 0),
+    *MLP_ENGINE_SHARDS,
 )
 
 
