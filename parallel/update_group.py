@@ -56,12 +56,31 @@ def new_update_group(
     store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore(f"mcore_rl_update/{group_name}/", store)
     if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        # Gloo advertises the address its hostname resolves to, which is loopback on many machines (and in network
+        # namespaces): bind it to the local address that routes to the master instead, so peers on other nodes
+        # reach it.
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=_local_address(master_address, master_port))]
+        options._timeout = timeout
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
     else:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     return UpdateGroup(group_name, rank, world_size, backend, group, store)
+
+
+def _local_address(master_address: str, master_port: int) -> str:
+    """This host's address on the route to the master (a UDP connect sends nothing)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in master_address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((master_address, master_port))
+            return s.getsockname()[0]
+        except OSError:
+            return master_address if master_address.startswith("127.") else "127.0.0.1"
 
 
 def broadcast(group: UpdateGroup, tensor: torch.Tensor, src: int = 0) -> None:

@@ -45,7 +45,10 @@ class EmbeddedEngineActor:
         api_key: str,
         init_seed: int,
         num_threads: int,
+        bind_node_ip: bool = False,
     ) -> None:
+        """`bind_node_ip`: listen on this node's address (the router and the actor ranks may be on other nodes; the
+        per-run API key guards it), else on 127.0.0.1."""
         from mcore_rl.rollout.server import ServerThread, build_server
 
         torch.set_num_threads(max(1, num_threads))
@@ -58,7 +61,8 @@ class EmbeddedEngineActor:
             api_key=api_key,
             init_seed=init_seed,
         )
-        self._thread = ServerThread(server, "127.0.0.1", 0)
+        host = ray.util.get_node_ip_address() if bind_node_ip else "127.0.0.1"
+        self._thread = ServerThread(server, host, 0)
 
     def url(self) -> str:
         return self._thread.url
@@ -144,6 +148,8 @@ class EnginePool:
                 self.api_key,
                 self.init_seed,
                 max(1, int(self.cfg.num_cpus)),
+                # on a multi-node Ray cluster an engine may land on another node than the router and the senders
+                len([n for n in ray.nodes() if n.get("Alive")]) > 1,
             )
             for _ in range(count)
         ]
