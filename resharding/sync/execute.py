@@ -152,6 +152,8 @@ class SyncExecutor:
     def run(self, transport: Transport) -> SyncStats:
         """Send every bucket of this rank's streams through `transport` (collective within each stream's group)."""
         stats = SyncStats()
+        with self.alloc._lock:  # this run's peak, not the largest of every run so far
+            self.alloc.peak = self.alloc.current
         start = time.perf_counter()
         for stream in self._streams:
             leader = stream.leader == self.rank

@@ -1,0 +1,53 @@
+"""Smoke test of tools/bench_sync.py: a --quick run syncs a tiny DeepSeek-V3 from 4 gloo ranks (TP2 x EP2 and
+PP2 x EP2) into the embedded engine through every transport, verifies the engine's weights, and ends with the
+documented summary line carrying positive figures.
+
+Run: `.venv/bin/pytest tests/test_bench_sync.py` (marked slow: it spawns Megatron ranks and an HTTP server)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NUMBER = r"[0-9][0-9.e+-]*"
+LAST_LINE = re.compile(
+    rf"sync: mode=(?P<mode>full|shard_aware) transport=(?P<transport>distributed|tensor|disk) gb=(?P<gb>{NUMBER}) "
+    rf"seconds=(?P<seconds>{NUMBER}) vs_raw=(?P<vs_raw>{NUMBER}) vs_v1=(?P<vs_v1>{NUMBER}) "
+    rf"peak_extra_mb=(?P<peak>{NUMBER}) bucket_mb=(?P<bucket>{NUMBER}) largest_mb=(?P<largest>{NUMBER})"
+)
+
+
+@pytest.mark.slow
+def test_quick_run_verifies_every_sync_and_reports_positive_figures() -> None:
+    """`--quick` exits 0 (every sync verified); every sync row and v1 say OK; the last line has the documented format
+    and positive figures; the peak stays within the executor's bound (counted, not timed: no timing is asserted,
+    the machine is shared)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_sync.py"), "--quick"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = done.stdout.strip().splitlines()
+    match = LAST_LINE.fullmatch(lines[-1])
+    assert match is not None, f"unexpected last line: {lines[-1]!r}"
+    figures = {k: float(v) for k, v in match.groupdict().items() if k not in ("mode", "transport")}
+    assert all(v > 0 for v in figures.values()), figures
+    assert figures["peak"] <= 2 * figures["bucket"] + figures["largest"], figures
+    rows = [line for line in lines if re.match(r"(distributed|tensor|disk) +(full|shard_aware) ", line)]
+    assert len(rows) == 2 * 4, rows  # two layouts x (distributed full, shard_aware, tensor, disk)
+    assert all(" OK (" in row for row in rows), rows
+    v1 = [line for line in lines if line.startswith("v1 ")]
+    assert len(v1) == 2 and all(line.endswith("== export: OK") for line in v1), v1
+    assert "verification OK" in lines[-2], lines[-2]
