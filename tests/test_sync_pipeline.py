@@ -202,3 +202,42 @@ def test_fp8_sync_sends_the_family_targets_blockwise_quantised() -> None:
     name = targets[0]
     expected = dequantize_blockwise(*quantize_blockwise_ref(reference[name], (128, 128)), (128, 128), torch.float32)
     assert torch.equal(loaded[name], expected) and name + "_scale_inv" not in loaded
+
+
+def _live_sources(rank: int, world: int, hf: dict, layout: dict):
+    from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
+
+    actor = _actor(rank, world, hf, layout)
+    coords = actor.layout.coords(rank, world)
+    mine = local_sources(
+        actor.chunks, actor.contexts, actor.weight_map, coords.pp_rank, actor.pg.tp.size(), actor.pg.expt_tp.size()
+    )
+    every = [None] * world
+    dist.all_gather_object(every, mine)
+    return merge_sources(every) if rank == 0 else None
+
+
+def _meta_sources(rank: int, world: int, hf: dict, layout: dict):
+    from mcore_rl.models.base import HFConfig
+    from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
+    from mcore_rl.parallel.groups import initialize_model_parallel
+    from mcore_rl.parallel.layout import ParallelLayout
+    from mcore_rl.resharding.sync.inventory import meta_sources
+
+    actor_layout = ParallelLayout(**layout)
+    pg = initialize_model_parallel(ParallelLayout())
+    spec = ModelSpec(
+        HFConfig(hf), ParallelLayout(), make_vocab_size_divisible_by=64 * actor_layout.tp,
+        config_overrides={"perform_initialization": False},
+    )  # fmt: skip
+    shape = spec.family.shape(spec.hf)
+    build = lambda: build_gpt_chunks(spec, pg, meta=True)  # noqa: E731
+    return meta_sources(build, spec.weight_map(), actor_layout, shape.num_layers, shape.num_experts)
+
+
+@pytest.mark.parametrize("layout", [dict(ep=2), dict(tp=2, sequence_parallel=True), dict(pp=2, first_stage_layers=1)])
+def test_live_and_meta_inventories_agree(layout) -> None:
+    """The plan's input from running ranks (train-time) equals the one tools/plan_sync.py builds from the meta model."""
+    live = run_on_ranks(_live_sources, 2, (MOE, layout))[0]
+    meta = run_on_ranks(_meta_sources, 1, (MOE, layout))[0]
+    assert live == meta
