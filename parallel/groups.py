@@ -26,10 +26,11 @@ def backend_for(runtime: str) -> str:
     return "gloo" if runtime == "cpu" else "nccl"
 
 
-def free_port() -> int:
-    """A TCP port that is free on loopback right now (for rendezvous of local ranks)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now (loopback by default: rendezvous of local ranks)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

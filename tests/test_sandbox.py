@@ -49,7 +49,7 @@ def sandbox() -> Sandbox:
     try:
         box.check()
     except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
+        pytest.skip(f"this machine cannot isolate generated code (the sandbox refuses to run unconfined): {exc}")
     return box
 
 

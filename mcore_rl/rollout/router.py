@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +26,10 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from mcore_rl.parallel.groups import free_port
+
 #: sglang_router.launch_router --policy choices this project uses (rollout.router_policy is checked against them)
 POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on `host` now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _http(

@@ -37,6 +37,7 @@ from aiohttp import web
 from mcore_rl.rollout.engine import HFRolloutEngine
 from mcore_rl.rollout.protocol import BadRequest, parse_generate, response_object
 from mcore_rl.rollout.scheduler import ContinuousBatcher, GenParams, Sequence
+from mcore_rl.rollout.sglang_launcher import is_loopback
 from mcore_rl.rollout.weight_receiver import WeightReceiver, WeightUpdateError, decode_payload, read_safetensors_dir
 
 log = logging.getLogger(__name__)
@@ -52,11 +53,6 @@ class _QuietProtocolProbes(logging.Filter):
 
 logging.getLogger("aiohttp.server").addFilter(_QuietProtocolProbes())
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def is_loopback(host: str) -> bool:
-    """True for addresses that only this machine can reach."""
-    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _ok(message: str = "Success", **extra: Any) -> web.Response:

@@ -28,7 +28,6 @@ import importlib.util
 import ipaddress
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +37,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from mcore_rl.config import SGLangConfig
+from mcore_rl.parallel.groups import free_port
 
 SGLANG_ENTRY: tuple[str, ...] = ("-m", "sglang.launch_server")
 """What follows the interpreter on the command line; tests put a stand-in script here."""
@@ -186,13 +186,6 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -257,7 +250,7 @@ class SGLangServerActor:
         SGLang also uses the next few ports above it (DP attention's ZMQ sockets); they are not reserved here.
         """
         host = _node_ip()
-        return _host_port(host, _free_port(host))
+        return _host_port(host, free_port(host))
 
     def set_dist_init_addr(self, address: str) -> None:
         """Set the rendezvous address (node 0's `address_for_dist_init()`) before `start()`."""
@@ -272,7 +265,7 @@ class SGLangServerActor:
         """
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"the SGLang server (pid {self._proc.pid}) is already running; stop() it first")
-        port = _free_port(self.host) if port is None else port
+        port = free_port(self.host) if port is None else port
         cmd = build_launch_command(self.cfg, host=self.host, port=port, **self._launch_kwargs)
         log_dir = self.log_dir or tempfile.mkdtemp(prefix="sglang-")
         os.makedirs(log_dir, exist_ok=True)
