@@ -157,6 +157,15 @@ def _local_tensors(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         yield name, tensor
 
 
+def exported_tensors(chunk: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The local tensors of a chunk that export to HF: all but the MTP stage's copy of the first stage's embedding
+    (Megatron ties the two; the first stage exports it). Export and weight sync both iterate these."""
+    for name, tensor in _local_tensors(chunk):
+        if name == "embedding.word_embeddings.weight" and not getattr(chunk, "pre_process", True):
+            continue
+        yield name, tensor
+
+
 def hf_to_megatron(
     weight_map: WeightMap,
     name: str,
@@ -235,9 +244,7 @@ def export_hf_weights(
     order is the model's own parameter order, identical on all ranks of a group (same structure, same names).
     """
     for chunk, ctx in zip(chunks, contexts):
-        for name, tensor in _local_tensors(chunk):
-            if name == "embedding.word_embeddings.weight" and not getattr(chunk, "pre_process", True):
-                continue  # the MTP stage's copy of the first stage's embedding (Megatron ties the two)
+        for name, tensor in exported_tensors(chunk):
             rule, local = weight_map.match(name)
             axis = rule.transform.axis_for(tensor.shape)
             group, size = (tp_group, ctx.tp_size) if axis == "tp" else (etp_group, ctx.etp_size)

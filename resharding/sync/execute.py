@@ -35,7 +35,7 @@ from mcore_rl.kernels.fp8_blockwise import quantize_blockwise
 from mcore_rl.resharding.sync.blocks import blocks_of, trace_outputs
 from mcore_rl.resharding.sync.inventory import global_name
 from mcore_rl.resharding.sync.plan import FP8_BLOCK, Bucket, Stream, SyncPlan
-from mcore_rl.resharding.weight_map import Rule, ShardContext, WeightMap
+from mcore_rl.resharding.weight_map import Rule, ShardContext, WeightMap, exported_tensors
 
 
 class Transport(Protocol):
@@ -100,11 +100,7 @@ class SyncExecutor:
         self.alloc = Allocations()
         self._tensors: dict[str, tuple[Rule, torch.Tensor]] = {}
         for chunk, ctx in zip(chunks, contexts):
-            for name, tensor in chunk.state_dict(keep_vars=True).items():
-                if name.endswith("_extra_state") or tensor is None:
-                    continue
-                if name == "embedding.word_embeddings.weight" and not getattr(chunk, "pre_process", True):
-                    continue
+            for name, tensor in exported_tensors(chunk):
                 rule, local = weight_map.match(name)
                 self._tensors[global_name(rule, local, ctx)] = (rule, tensor)
         self._streams = plan.streams_of(rank)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.resharding.weight_map import Rule, ShardContext, WeightMap
+from mcore_rl.resharding.weight_map import Rule, ShardContext, WeightMap, exported_tensors
 
 
 @dataclass(frozen=True)
@@ -92,11 +92,7 @@ def local_sources(
     out = []
     for vstage, (chunk, ctx) in enumerate(zip(chunks, contexts)):
         order = 0
-        for name, tensor in chunk.state_dict(keep_vars=True).items():
-            if name.endswith("_extra_state") or tensor is None:
-                continue
-            if name == "embedding.word_embeddings.weight" and not getattr(chunk, "pre_process", True):
-                continue  # the MTP stage's copy of the first stage's embedding (Megatron ties the two)
+        for name, tensor in exported_tensors(chunk):
             rule, local = weight_map.match(name)
             if not rule.export:
                 continue
