@@ -3,9 +3,11 @@
     python -m mcore_rl.train                                  # the default tiny CPU job (configs/default.yaml)
     python -m mcore_rl.train trainer.steps=3 rollout.n=4      # any field of mcore_rl/config.py, by dotted name
 
-One step:  prompts -> rollout engines behind sglang-router (SGLang's HTTP API) -> rule reward -> actor logprobs
-           (old) and reference logprobs -> advantages -> PPO-clip update on the Megatron ranks
+One step:  prompts -> rollout engines behind sglang-router (SGLang's HTTP API) -> reward (controller/producer.py)
+           -> actor logprobs (old) and reference logprobs -> advantages -> PPO-clip update on the Megatron ranks
            -> weight sync (resharding/sync: actor ranks stream buckets to every engine, version += 1)
+The loop's state (step, data position, weight version, controller states, reward history) is one object,
+controller/state.py's LoopState, so it can be checkpointed and resumed.
 Each step prints one metrics line and appends it to <run_dir>/metrics.jsonl; the run ends with a `summary:` line.
 """
 
@@ -54,7 +56,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl.algorithms import kl_penalty, masked_mean
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.engine_pool import EnginePool
-    from mcore_rl.controller.samples import outcome_advantages, reduce_rank_metrics, samples_to_batch
+    from mcore_rl.controller.producer import RolloutProducer
+    from mcore_rl.controller.samples import outcome_advantages, reduce_rank_metrics
+    from mcore_rl.controller.state import LoopState
     from mcore_rl.controller.weight_sync import WeightSync
     from mcore_rl.metrics.logger import MetricsLogger
     from mcore_rl.reward.loader import build_reward_fn
@@ -97,25 +101,16 @@ def run(cfg: RLConfig) -> dict[str, float]:
         sync = WeightSync(
             actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, _hf_config(cfg)
         )
-        version = 1
-        sync.push(version)  # the engines start from the actor's weights
-        log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"))
-        eos = [tokenizer.eos_token_id]
-        start = time.time()
+        state = LoopState()
+        sync.push(state.weight_version)  # the engines start from the actor's weights
+        producer = RolloutProducer(cfg, loader, engines, reward, tokenizer)
+        log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), history=state.rewards)
+        start = time.time() - state.seconds
 
-        for step in range(1, cfg.trainer.steps + 1):
+        for step in range(state.step + 1, cfg.trainer.steps + 1):
             timer = log.timer()
-            prompts = next(loader)
-            # Disjoint seeds per step: sample j of prompt i gets seed + i * n + j.
-            seed = cfg.rollout.seed * 1_000_003 + step * len(prompts) * cfg.rollout.n
-            samples = engines.generate([p["prompt_token_ids"] for p in prompts], cfg.rollout.n, seed, eos)
-            timer.lap("time/generate")
-
-            per_sample = {k: [p[k] for p in prompts for _ in range(cfg.rollout.n)] for k in _PROMPT_FIELDS}
-            texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-            scored = reward.score(texts, *(per_sample[k] for k in _PROMPT_FIELDS))
-            batch, group_ids = samples_to_batch(samples, cfg.rollout.n)
-            timer.lap("time/reward")
+            rollouts = producer.produce(step, timer)  # prompts -> engines -> reward
+            batch = rollouts.batch
 
             batch.tensors["old_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch))
             if cfg.actor.use_ref:
@@ -123,15 +118,15 @@ def run(cfg: RLConfig) -> dict[str, float]:
             timer.lap("time/logprobs")
 
             batch.tensors["advantages"] = outcome_advantages(
-                cfg.algorithm, scored.scores, batch.response_mask, group_ids
+                cfg.algorithm, rollouts.scores, batch.response_mask, rollouts.group_ids
             )
             sync.weights_changing()  # an engine replaced from here on waits for the next push
             update = reduce_rank_metrics(ActorGroup.gather_dp(actor.call("update", batch)))
             timer.lap("time/update")
 
-            version += 1
+            state.weight_version += 1
             engines.wait_for_restarts()
-            sync.push(version)
+            sync.push(state.weight_version)
             timer.lap("time/sync")
 
             mask = batch.response_mask
@@ -147,15 +142,17 @@ def run(cfg: RLConfig) -> dict[str, float]:
             log.write(
                 step,
                 {
-                    "reward/mean": float(scored.scores.mean()),
+                    "reward/mean": float(rollouts.scores.mean()),
                     "response/length": float(mask.sum(1).mean()),
                     "actor/kl_ref": float(kl),
                     "rollout/logprob_abs_diff": float(mismatch),
-                    "weight_version": version,
+                    "weight_version": state.weight_version,
+                    **rollouts.metrics,
                     **{k: v for k, v in update.items() if k in _SHOWN},
                     **timer.laps,
                 },
             )
+            state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
         return log.summary(seconds=time.time() - start)
     finally:  # also on errors: no engine, router or rank outlives the run
         actor.shutdown()
@@ -163,7 +160,6 @@ def run(cfg: RLConfig) -> dict[str, float]:
             engines.shutdown()
 
 
-_PROMPT_FIELDS = ("data_source", "ground_truth", "extra_info")
 _SHOWN = ("actor/pg_loss", "actor/clip_frac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss")
 
 

@@ -24,11 +24,14 @@ class StepTimer:
 class MetricsLogger:
     """Writes metrics to stdout and `path` (jsonl, one object per step, flushed every step)."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, history: list[float] | None = None) -> None:
+        """`history`: reward/mean of the steps already done (a resumed run), appended to in place; the jsonl file is
+        started afresh only when there is none."""
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
-        self.rewards: list[float] = []
-        open(path, "w").close()
+        self.rewards: list[float] = history if history is not None else []
+        if not self.rewards:
+            open(path, "w").close()
 
     def timer(self) -> StepTimer:
         return StepTimer()

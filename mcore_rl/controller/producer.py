@@ -1,0 +1,68 @@
+"""Where a step's training batch comes from: prompts -> rollout engines -> reward -> a scored batch.
+
+    producer = RolloutProducer(cfg, loader, engines, reward, tokenizer)
+    rollouts = producer.produce(step, timer)     # Rollouts: samples, scores, TrainBatch, group ids, metrics
+
+The loop in train.py asks for one batch per step and does not care how it was made, so the ways of making one live
+here: single-turn sampling (this file), and the variants other modules add behind the same `produce` call (filters
+that keep generating until a batch is full, multi-turn agent episodes, generation that runs ahead of training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mcore_rl.actor.batch import TrainBatch
+from mcore_rl.config import RLConfig
+from mcore_rl.controller.samples import samples_to_batch
+from mcore_rl.metrics.logger import StepTimer
+from mcore_rl.rollout import Sample
+
+PROMPT_FIELDS = ("data_source", "ground_truth", "extra_info")
+"""Per-prompt columns (verl's schema) handed to the reward function with each response."""
+
+
+@dataclass
+class Rollouts:
+    """One step's scored samples, prompt-major (prompt i's samples are i*n .. i*n+n-1)."""
+
+    prompts: list[dict[str, Any]]
+    samples: list[Sample]
+    scores: torch.Tensor  #: [B*n] sequence rewards
+    batch: TrainBatch
+    group_ids: torch.Tensor  #: [B*n] prompt index of each sample
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RolloutProducer:
+    """Single-turn rollouts: `rollout.n` samples per prompt from the engines, scored by the reward manager."""
+
+    def __init__(self, cfg: RLConfig, loader: Any, engines: Any, reward: Any, tokenizer: Any) -> None:
+        self.cfg, self.loader, self.engines, self.reward, self.tokenizer = cfg, loader, engines, reward, tokenizer
+        self.eos = [tokenizer.eos_token_id]
+
+    def seed(self, step: int, num_prompts: int) -> int:
+        """Disjoint seeds per step: sample j of prompt i gets seed + i * n + j."""
+        return self.cfg.rollout.seed * 1_000_003 + step * num_prompts * self.cfg.rollout.n
+
+    def produce(self, step: int, timer: StepTimer) -> Rollouts:
+        """Generate and score the next batch of prompts (laps `time/generate` and `time/reward`)."""
+        n = self.cfg.rollout.n
+        prompts = next(self.loader)
+        samples = self.engines.generate(
+            [p["prompt_token_ids"] for p in prompts], n, self.seed(step, len(prompts)), self.eos
+        )
+        timer.lap("time/generate")
+        scores = self.score(prompts, samples, n)
+        batch, group_ids = samples_to_batch(samples, n)
+        timer.lap("time/reward")
+        return Rollouts(prompts, samples, scores, batch, group_ids)
+
+    def score(self, prompts: list[dict[str, Any]], samples: list[Sample], n: int) -> torch.Tensor:
+        """Sequence rewards [len(samples)] of prompt-major samples (n per prompt)."""
+        per_sample = {k: [p[k] for p in prompts for _ in range(n)] for k in PROMPT_FIELDS}
+        texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        return self.reward.score(texts, *(per_sample[k] for k in PROMPT_FIELDS)).scores
