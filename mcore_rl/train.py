@@ -53,6 +53,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     """Run the whole job; returns the summary figures."""
     import ray
 
+    from mcore_rl._quiet import quiet_process, ray_init_kwargs
     from mcore_rl.algorithms import kl_penalty, masked_mean
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.engine_pool import EnginePool
@@ -77,6 +78,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
         num_threads=cfg.reward.num_threads,
         timeout_s=cfg.reward.timeout_s,
     )
+    quiet_process()
     if not ray.is_initialized():
         cpus = cfg.trainer.ray_num_cpus or int(
             cfg.actor.world_size * cfg.actor.num_cpus_per_rank + cfg.rollout.num_cpus * cfg.rollout.num_engines + 1
@@ -86,6 +88,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             num_cpus=None if cfg.trainer.ray_address else cpus,
             include_dashboard=False,
             log_to_driver=True,
+            **ray_init_kwargs(),
         )
     actor = ActorGroup(cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed)
     engines = None
