@@ -104,6 +104,11 @@ class ActorConfig:
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     micro_batch_size: int = 16  #: samples per micro-batch on one data-parallel rank (at most)
+    #: samples per micro-batch of the forward-only logprob passes (old and reference logprobs), which keep no
+    #: activations for a backward and so can take more (verl: log_prob_micro_batch_size_per_gpu); null =
+    #: micro_batch_size. Fewer micro-batches mean fewer schedule calls and collectives: on the CPU path each costs
+    #: more than the tiny model's arithmetic
+    logprob_micro_batch_size: int | None = None
     max_tokens_per_microbatch: int | None = None  #: token budget per micro-batch (padded length x samples); null = off
     mini_batches: int = 2  #: optimizer steps per RL step (the batch is split into this many mini-batches)
     ppo_epochs: int = 1  #: passes over the batch per RL step
@@ -116,12 +121,17 @@ class ActorConfig:
     kl_loss_coef: float = 0.0  #: weight of the KL(policy || ref) loss term (GRPO's kl_loss)
     kl_loss_type: str = "low_var_kl"  #: k1 | k2 | low_var_kl (k3) | abs
     entropy_coef: float = 0.0  #: entropy bonus weight
-    use_ref: bool = True  #: keep a frozen reference model for KL
+    #: frozen reference model: null = exactly when a KL term uses it (RLConfig.uses_reference: kl_loss_coef > 0);
+    #: true = always (its KL to the policy is then logged as actor/kl_ref although no loss uses it); false = never
+    #: (refused when a KL term needs it). Resolved to true/false by RLConfig.validate
+    use_ref: bool | None = None
     num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
 
     def validate(self) -> None:
         for name in ("world_size", "micro_batch_size", "mini_batches", "ppo_epochs"):
             _positive(f"actor.{name}", getattr(self, name))
+        if self.logprob_micro_batch_size is not None:
+            _positive("actor.logprob_micro_batch_size", self.logprob_micro_batch_size)
         _check(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", self.clip_ratio_low, "in [0, 1)")
         _check(self.clip_ratio_high >= 0, "actor.clip_ratio_high", self.clip_ratio_high, ">= 0")
         self.optim.validate()
@@ -196,6 +206,9 @@ class RolloutConfig:
     health_check_interval_s: float = 2.0  #: seconds between the pool's /health probes of every engine
     num_cpus: float = 1.0  #: Ray CPUs reserved per embedded engine
     seed: int = 0  #: sampling seed (step number is added; sample i of a request uses seed + i)
+    #: validation: samples per prompt of the sampled pass (rollout temperature/top_p) for mean@k and pass@k
+    #: (verl: val_kwargs.n); 0 = the greedy pass only. The greedy pass (temperature 0, one sample) always runs
+    val_n: int = 4
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def validate(self) -> None:
@@ -222,6 +235,12 @@ class RolloutConfig:
             "rollout.max_retries",
             self.max_retries,
             "an integer >= 0",
+        )
+        _check(
+            isinstance(self.val_n, int) and (self.val_n == 0 or self.val_n >= 2),
+            "rollout.val_n",
+            self.val_n,
+            "0 (greedy validation only) or an integer >= 2 (the greedy pass is the n=1 case)",
         )
         _check(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
@@ -288,6 +307,10 @@ class DataConfig:
     """Prompts."""
 
     train_files: list[str] = field(default_factory=list)  #: parquet files in verl's schema; empty = synthetic task
+    #: validation parquet files (verl's schema); empty with a synthetic task and validation on (trainer.val_every or
+    #: trainer.val_before_train) = a held-out synthetic set, written into the run dir with another seed
+    val_files: list[str] = field(default_factory=list)
+    val_batch_size: int | None = None  #: prompts per validation request batch; null = the whole set at once
     synthetic_task: str = "copy_digit"  #: task written into the run dir when train_files is empty
     synthetic_num_prompts: int = 512
     batch_size: int = 8  #: prompts per RL step
@@ -298,6 +321,8 @@ class DataConfig:
 
     def validate(self) -> None:
         _positive("data.batch_size", self.batch_size)
+        if self.val_batch_size is not None:
+            _positive("data.val_batch_size", self.val_batch_size)
         _check(self.overlong in ("error", "drop"), "data.overlong", self.overlong, "error or drop")
 
 
@@ -321,10 +346,39 @@ class TrainerConfig:
     seed: int = 0
     ray_address: str | None = None  #: null = start a local Ray
     ray_num_cpus: int | None = None  #: logical CPUs for a local Ray (null = enough for the actors)
+    #: where metrics go (metrics/backends.py): console (lines + progress bar), jsonl, tensorboard, wandb
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "mcore_rl"  #: wandb project
+    experiment_name: str | None = None  #: wandb run name (null = wandb's)
+    wandb_mode: str = "offline"  #: offline (no network; `wandb sync` later) | online | disabled
+    val_every: int = 0  #: validate every this many steps and after the last (verl: test_freq); 0 = never
+    val_before_train: bool = False  #: validate the initial weights (logged as step 0)
 
     def validate(self) -> None:
+        from mcore_rl.metrics.backends import BACKENDS, missing_packages
+
         _positive("trainer.steps", self.steps)
         _check(self.runtime in ("cpu", "cuda"), "trainer.runtime", self.runtime, "cpu or cuda")
+        for name in self.loggers:
+            _check(name in BACKENDS, "trainer.loggers", list(self.loggers), f"a list of {tuple(BACKENDS)}")
+        for name, package in missing_packages(list(self.loggers)).items():
+            raise ConfigError(
+                f"trainer.loggers={list(self.loggers)!r} is invalid here: the {name} logger needs the {package!r} "
+                f"package, which is not installed (pip install {package}); expected it installed or {name!r} removed"
+            )
+        modes = ("offline", "online", "disabled")
+        _check(self.wandb_mode in modes, "trainer.wandb_mode", self.wandb_mode, f"one of {modes}")
+        _check(
+            isinstance(self.val_every, int) and self.val_every >= 0,
+            "trainer.val_every",
+            self.val_every,
+            "an integer >= 0",
+        )
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run validates at all."""
+        return self.val_every > 0 or self.val_before_train
 
 
 @dataclass
@@ -344,10 +398,22 @@ class RLConfig:
         for group in (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.trainer):
             group.validate()
         self.check_model()
+        if self.actor.use_ref is None:
+            self.actor.use_ref = self.uses_reference()
+        elif self.uses_reference() and not self.actor.use_ref:
+            raise ConfigError(
+                f"actor.use_ref=false is invalid with actor.kl_loss_coef={self.actor.kl_loss_coef}: the KL loss "
+                "needs the reference model; expected actor.use_ref=true or null"
+            )
         if self.sync.transport == "tensor" and self.rollout.engine == "sglang" and self.rollout.sglang.nnodes > 1:
             raise ConfigError(
                 "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1: the tensor transport shares memory "
                 "(or CUDA IPC handles) within one node; expected sync.transport=distributed or disk"
+            )
+        if self.trainer.validates and not self.data.val_files and self.data.train_files:
+            raise ConfigError(
+                f"trainer.val_every={self.trainer.val_every} / trainer.val_before_train={self.trainer.val_before_train}"
+                " need data.val_files (only a synthetic task gets a held-out set by default); expected parquet files"
             )
         total = self.data.batch_size * self.rollout.n
         dp = self.actor.layout.to_layout().dp(self.actor.world_size)
@@ -357,6 +423,11 @@ class RLConfig:
             self.actor.mini_batches,
             f"a divisor of data.batch_size*rollout.n/dp = {total}/{dp}",
         )
+
+    def uses_reference(self) -> bool:
+        """Whether a KL term of the objective needs the reference model's logprobs (then the reference pass runs
+        every step; otherwise neither the model is built nor the pass run, unless actor.use_ref=true asks)."""
+        return self.actor.kl_loss_coef > 0
 
     def check_model(self) -> None:
         """Refuse an unknown model_type or a layout that does not divide the model, before any process starts."""

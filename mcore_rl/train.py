@@ -54,13 +54,14 @@ def run(cfg: RLConfig) -> dict[str, float]:
     import ray
 
     from mcore_rl._quiet import quiet_process, ray_init_kwargs
-    from mcore_rl.algorithms import kl_penalty, masked_mean
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.engine_pool import EnginePool
     from mcore_rl.controller.producer import RolloutProducer
     from mcore_rl.controller.samples import outcome_advantages, reduce_rank_metrics
     from mcore_rl.controller.state import LoopState
+    from mcore_rl.controller.validation import Validator
     from mcore_rl.controller.weight_sync import WeightSync
+    from mcore_rl.metrics.compute import FlopsModel, step_metrics
     from mcore_rl.metrics.logger import MetricsLogger
     from mcore_rl.reward.loader import build_reward_fn
     from mcore_rl.reward.manager import RewardManager
@@ -107,7 +108,18 @@ def run(cfg: RLConfig) -> dict[str, float]:
         state = LoopState()
         sync.push(state.weight_version)  # the engines start from the actor's weights
         producer = RolloutProducer(cfg, loader, engines, reward, tokenizer)
-        log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), history=state.rewards)
+        log = MetricsLogger(
+            os.path.join(cfg.trainer.run_dir, "metrics.jsonl"),
+            history=state.rewards,
+            loggers=cfg.trainer.loggers,
+            total_steps=cfg.trainer.steps,
+            first_step=state.step + 1,
+            wandb=_wandb_settings(cfg),
+        )
+        flops = FlopsModel.for_run(cfg, _hf_config(cfg), actor.ranks[0].get("device_name"))
+        validator = Validator.from_config(cfg, tokenizer, engines, producer.score)
+        if validator is not None and cfg.trainer.val_before_train and state.step == 0:
+            log.write(0, validator.run(seed=0))
         start = time.time() - state.seconds
 
         for step in range(state.step + 1, cfg.trainer.steps + 1):
@@ -115,46 +127,30 @@ def run(cfg: RLConfig) -> dict[str, float]:
             rollouts = producer.produce(step, timer)  # prompts -> engines -> reward
             batch = rollouts.batch
 
-            batch.tensors["old_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch))
-            if cfg.actor.use_ref:
-                batch.tensors["ref_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch, use_ref=True))
-            timer.lap("time/logprobs")
+            batch.tensors.update(actor.logprobs(batch, with_ref=cfg.actor.use_ref))  # old (+ ref): one call
+            timer.lap("old_log_prob")
 
             batch.tensors["advantages"] = outcome_advantages(
                 cfg.algorithm, rollouts.scores, batch.response_mask, rollouts.group_ids
             )
+            timer.lap("adv")
             sync.weights_changing()  # an engine replaced from here on waits for the next push
             update = reduce_rank_metrics(ActorGroup.gather_dp(actor.call("update", batch)))
-            timer.lap("time/update")
+            timer.lap("update_actor")
 
             state.weight_version += 1
             engines.wait_for_restarts()
             sync.push(state.weight_version)
-            timer.lap("time/sync")
+            timer.lap("update_weights")
+            if validator is not None and validator.due(step, cfg.trainer.steps):
+                rollouts.metrics.update(validator.run(seed=step))
+                timer.lap("testing")
 
-            mask = batch.response_mask
-            kl = masked_mean(
-                kl_penalty(
-                    batch.tensors["old_logprobs"],
-                    batch.tensors.get("ref_logprobs", batch.tensors["old_logprobs"]),
-                    "low_var_kl",
-                ),
-                mask,
-            )
-            mismatch = masked_mean((batch.tensors["old_logprobs"] - batch.tensors["rollout_logprobs"]).abs(), mask)
-            log.write(
-                step,
-                {
-                    "reward/mean": float(rollouts.scores.mean()),
-                    "response/length": float(mask.sum(1).mean()),
-                    "actor/kl_ref": float(kl),
-                    "rollout/logprob_abs_diff": float(mismatch),
-                    "weight_version": state.weight_version,
-                    **rollouts.metrics,
-                    **{k: v for k, v in update.items() if k in _SHOWN},
-                    **timer.laps,
-                },
-            )
+            metrics = step_metrics(
+                batch, rollouts.scores, update, timer.laps, max_response_length=cfg.rollout.max_new_tokens,
+                actor_ranks=cfg.actor.world_size, flops=flops,
+            )  # fmt: skip
+            log.write(step, {**metrics, "weight_version": state.weight_version, **rollouts.metrics})
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
         return log.summary(seconds=time.time() - start)
     finally:  # also on errors: no engine, router or rank outlives the run
@@ -163,7 +159,11 @@ def run(cfg: RLConfig) -> dict[str, float]:
             engines.shutdown()
 
 
-_SHOWN = ("actor/pg_loss", "actor/clip_frac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss")
+def _wandb_settings(cfg: RLConfig) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    t = cfg.trainer
+    return {"project": t.project_name, "name": t.experiment_name, "mode": t.wandb_mode, "config": asdict(cfg)}
 
 
 def _hf_config(cfg: RLConfig) -> dict[str, Any]:

@@ -32,6 +32,8 @@ from mcore_rl.parallel.groups import init_distributed, initialize_model_parallel
 from mcore_rl.resharding.weight_map import WeightMapError, load_hf_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: loss metric -> the name verl logs it under (actor/pg_clipfrac ...), where the two differ
+_VERL_NAMES = {"clip_frac": "pg_clipfrac", "clip_frac_lower": "pg_clipfrac_lower"}
 
 
 @dataclass
@@ -165,6 +167,7 @@ class MegatronActor:
             "pp_rank": self.pg.pp.rank(),
             "ep_rank": self.pg.ep.rank(),
             "layout": self.layout.describe(),
+            "device_name": torch.cuda.get_device_name() if self.runtime == "cuda" else None,  # for MFU
         }
 
     @property
@@ -190,14 +193,30 @@ class MegatronActor:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, use_ref: bool = False) -> RankResult:
         """Per-token logprobs [B_dp, R] of this rank's dp shard (policy, or the frozen reference)."""
-        chunks = self.ref_chunks if use_ref else self.ddp_chunks
-        if use_ref and not chunks:
+        if use_ref and not self.ref_chunks:
             raise RuntimeError("actor.use_ref=false: there is no reference model")
+        shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
+        return self._result(self._shard_logprobs(self.ref_chunks if use_ref else self.ddp_chunks, shard))
+
+    @torch.no_grad()
+    def policy_and_ref_logprobs(self, batch: TrainBatch) -> RankResult:
+        """Policy and reference logprobs of this rank's dp shard, stacked [B_dp, 2, R]: one call (one round trip, one
+        transfer of the batch) for both forward passes."""
+        if not self.ref_chunks:
+            raise RuntimeError("actor.use_ref=false: there is no reference model")
+        shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
+        old = self._shard_logprobs(self.ddp_chunks, shard)
+        ref = self._shard_logprobs(self.ref_chunks, shard)
+        return self._result(torch.stack([old, ref], dim=1) if old is not None else None)
+
+    def _shard_logprobs(self, chunks: list, shard: TrainBatch) -> torch.Tensor | None:
         for chunk in chunks:
             chunk.eval()
-        shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
         mbs, seq_len = micro_batches(
-            shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch
+            shard,
+            self.cfg.logprob_micro_batch_size or self.cfg.micro_batch_size,
+            self._pad_multiple,
+            self.cfg.max_tokens_per_microbatch,
         )
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
@@ -205,7 +224,7 @@ class MegatronActor:
             return logits.new_zeros(()), {"logprobs": logp}
 
         outputs = self._run_schedule(chunks, mbs, seq_len, loss_fn, forward_only=True)
-        return self._result(torch.cat([o["logprobs"] for o in outputs]) if outputs else None)
+        return torch.cat([o["logprobs"] for o in outputs]) if outputs else None
 
     @torch.no_grad()
     def forward_logits(self, tokens: torch.Tensor) -> RankResult:
@@ -293,7 +312,8 @@ class MegatronActor:
         # Metrics are token-weighted sums here and divided by the token count in the controller.
         weight = float(mask.sum())
         metrics = {
-            f"actor/{k}": float(v.detach() if torch.is_tensor(v) else v) * weight for k, v in out.metrics.items()
+            f"actor/{_VERL_NAMES.get(k, k)}": float(v.detach() if torch.is_tensor(v) else v) * weight
+            for k, v in out.metrics.items()
         }
         # loss x denominator = this micro-batch's summed token losses (token-mean) or sequence losses.
         metrics["actor/pg_loss"] = float(out.loss.detach()) * denominator

@@ -41,6 +41,13 @@ class ActorGroup:
         kw_refs = {k: ray.put(v) for k, v in kwargs.items()}
         return ray.get([getattr(h, method).remote(*refs, **kw_refs) for h in self.handles])
 
+    def logprobs(self, batch: Any, with_ref: bool) -> dict[str, torch.Tensor]:
+        """`old_logprobs` [B, R] of the policy, and `ref_logprobs` of the reference when `with_ref`, in one call."""
+        if not with_ref:
+            return {"old_logprobs": self.gather_dp(self.call("logprobs", batch))}
+        both = self.gather_dp(self.call("policy_and_ref_logprobs", batch))
+        return {"old_logprobs": both[:, 0].contiguous(), "ref_logprobs": both[:, 1].contiguous()}
+
     @staticmethod
     def gather_dp(results: list[RankResult]) -> Any:
         """Outputs of the ranks that hold them, in dp order: tensors concatenated, dicts returned as a list."""

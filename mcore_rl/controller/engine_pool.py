@@ -197,8 +197,16 @@ class EnginePool:
         return ray.get([h.pid.remote() for h in handles])
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], n: int, seed: int | None, stop_token_ids: list[int]) -> list[Sample]:
-        """`n` samples per prompt through the router (prompt-major), with the rollout config's sampling settings."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        seed: int | None,
+        stop_token_ids: list[int],
+        overrides: dict[str, Any] | None = None,
+    ) -> list[Sample]:
+        """`n` samples per prompt through the router (prompt-major), with the rollout config's sampling settings
+        (`overrides` replaces some, e.g. temperature 0 for validation's greedy pass)."""
         params = {
             "max_new_tokens": self.cfg.max_new_tokens,
             "temperature": self.cfg.temperature,
@@ -206,6 +214,7 @@ class EnginePool:
             "stop_token_ids": stop_token_ids,
             "skip_special_tokens": False,
             "no_stop_trim": True,
+            **(overrides or {}),
         }
         return self.client.generate_samples(prompts, n, params, seed)
 

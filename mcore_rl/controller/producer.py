@@ -49,16 +49,16 @@ class RolloutProducer:
         return self.cfg.rollout.seed * 1_000_003 + step * num_prompts * self.cfg.rollout.n
 
     def produce(self, step: int, timer: StepTimer) -> Rollouts:
-        """Generate and score the next batch of prompts (laps `time/generate` and `time/reward`)."""
+        """Generate and score the next batch of prompts (laps `gen` and `reward`: timing_s/gen, timing_s/reward)."""
         n = self.cfg.rollout.n
         prompts = next(self.loader)
         samples = self.engines.generate(
             [p["prompt_token_ids"] for p in prompts], n, self.seed(step, len(prompts)), self.eos
         )
-        timer.lap("time/generate")
+        timer.lap("gen")
         scores = self.score(prompts, samples, n)
         batch, group_ids = samples_to_batch(samples, n)
-        timer.lap("time/reward")
+        timer.lap("reward")
         return Rollouts(prompts, samples, scores, batch, group_ids)
 
     def score(self, prompts: list[dict[str, Any]], samples: list[Sample], n: int) -> torch.Tensor:

@@ -185,7 +185,10 @@ class WeightSync:
             self.version = self.actor_version = version
             self.pool.weight_version = version
             self.pool.admit_pending()
-            log.info("weights v%d pushed in %.2f s", version, time.perf_counter() - start)
+            # The first push is news; later ones are every step's timing_s/update_weights metric.
+            (log.info if version == 1 else log.debug)(
+                "weights v%d pushed in %.2f s", version, time.perf_counter() - start
+            )
             return self.last_stats
 
     def weights_changing(self) -> None:
