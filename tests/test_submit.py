@@ -191,7 +191,7 @@ def test_local_run_writes_metrics(tmp_path) -> None:
                      f"trainer.run_dir={run_dir}", timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and "reward/mean" in json.loads(lines[-1])
+    assert len(lines) == 2 and "critic/score/mean" in json.loads(lines[-1])
 
 
 def test_uneven_pipeline_stages_reach_the_dry_run_estimate() -> None:

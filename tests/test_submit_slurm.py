@@ -77,7 +77,7 @@ def test_tiny_job_through_slurm_and_ray(slurm: None, tmp_path) -> None:
     assert len(nodes) == 1 and nodes[0]["resources"]["CPU"] == 4.0  # Ray saw the node
     assert "submit: Ray has 1 nodes" in log and "submit: stopping Ray (exit code 0)" in log
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 2 and "reward/mean" in json.loads(lines[-1])
+    assert len(lines) == 2 and "critic/score/mean" in json.loads(lines[-1])
     # the per-job ports were used, and the job's Ray processes are gone
     assert f"ports {10000 + 220 * (job_id % 100)}.." in log
     time.sleep(2)

@@ -106,7 +106,7 @@ def test_tiny_job_on_two_nodes(slurm2: None) -> None:
         assert "submit: Ray has 2 nodes" in log and "submit: stopping Ray (exit code 0)" in log
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             lines = f.read().splitlines()
-        assert len(lines) == 2 and "reward/mean" in json.loads(lines[-1])
+        assert len(lines) == 2 and "critic/score/mean" in json.loads(lines[-1])
         # the job's Ray processes are gone, on both nodes (the namespaces share the PID space)
         deadline = time.time() + 60
         while f"/tmp/ray_j{job_id}" in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout:

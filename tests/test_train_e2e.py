@@ -19,25 +19,47 @@ def _train(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run([*TRAIN, *overrides], capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def short_default_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The default job cut to 3 steps, validating on two data sources before training and every 2 steps, with
+    TensorBoard on: one run shared by the tests below (each asserts its own property of it)."""
+    from mcore_rl.data.synthetic import write_synthetic_dataset
+
+    root = tmp_path_factory.mktemp("short_default_job")
+    val = [str(root / "copy_digit_val.parquet"), str(root / "successor_val.parquet")]
+    write_synthetic_dataset(val[0], 8, seed=7, task="copy_digit", split="test")
+    write_synthetic_dataset(val[1], 8, seed=7, task="successor", split="test")
+    run_dir = root / "run"
+    out = _train(
+        "trainer.steps=3", f"trainer.run_dir={run_dir}", "data.batch_size=4", "rollout.n=4",
+        "trainer.val_before_train=true", "trainer.val_every=2", f"data.val_files=[{val[0]},{val[1]}]",
+        "trainer.loggers=[console,jsonl,tensorboard]",
+    )  # fmt: skip
+    return out, run_dir
+
+
 @pytest.mark.slow
-def test_three_step_run_completes_and_writes_metrics(tmp_path: Path):
-    run_dir = tmp_path / "run"
-    out = _train("trainer.steps=3", f"trainer.run_dir={run_dir}", "data.batch_size=4", "rollout.n=4")
+def test_three_step_run_completes_and_writes_metrics(short_default_job):
+    out, run_dir = short_default_job
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = [r for r in records if "critic/score/mean" in r]  # training steps (step 0: validation only)
     assert [r["step"] for r in lines] == [1, 2, 3]
-    for key in (
-        "reward/mean",
-        "response/length",
+    for key in (  # verl's names
+        "critic/score/mean",
+        "response_length/mean",
         "actor/pg_loss",
-        "actor/clip_frac",
-        "actor/kl_ref",
-        "time/generate",
-        "time/logprobs",
-        "time/update",
-        "time/sync",
+        "actor/pg_clipfrac",
+        "timing_s/gen",
+        "timing_s/old_log_prob",
+        "timing_s/update_actor",
+        "timing_s/update_weights",
+        "timing_s/step",
+        "perf/throughput",
     ):
         assert key in lines[0], key
+    # kl_loss_coef is 0 in the default job: no reference model, no reference pass, no KL metrics
+    assert "actor/kl_ref" not in lines[0] and "actor/kl_loss" not in lines[0]
     # the engine is synced after every update: one version for the initial load, then one per step
     assert [r["weight_version"] for r in lines] == [2, 3, 4]
     # rollout logprobs come from the engine, old logprobs from Megatron: exact sync makes them agree (fp32)
@@ -47,6 +69,45 @@ def test_three_step_run_completes_and_writes_metrics(tmp_path: Path):
     assert list((run_dir / "rollout").glob("router-*.log"))
     summary = [line for line in out.stdout.splitlines() if line.startswith("summary:")]
     assert summary and "steps=3" in summary[0]
+
+
+@pytest.mark.slow
+def test_validation_runs_before_training_every_val_every_steps_and_per_data_source(short_default_job):
+    out, run_dir = short_default_job
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    validated = [s for s, r in records.items() if any(k.startswith("val-core/") for k in r)]
+    assert validated == [0, 2, 3]  # before training, step 2 (val_every=2), the last step
+    for source in ("synthetic/copy_digit", "synthetic/successor"):
+        for metric in ("mean@1", "mean@4", "best@4/mean", "pass@4"):  # greedy; sampled with rollout.val_n=4
+            value = records[2][f"val-core/{source}/reward/{metric}"]
+            assert 0.0 <= value <= 1.0, (source, metric, value)
+        assert f"val-aux/{source}/reward/best@2/mean" in records[2]
+    assert records[2]["timing_s/testing"] > 0
+
+
+@pytest.mark.slow
+def test_default_job_prints_only_its_own_lines(short_default_job):
+    # No warning from Megatron, Ray or torch (mcore_rl/_quiet.py), nothing a user must learn to ignore: every line
+    # is a metrics line, the first weight push, or the summary.
+    out, _ = short_default_job
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+    own = ("step=", "summary: ", "weights v1 pushed in ")
+    assert [line for line in lines if not line.startswith(own)] == []
+    assert sum(line.startswith("step=") for line in lines) == 4  # validation at step 0, then 3 steps
+
+
+@pytest.mark.slow
+def test_tensorboard_event_files_of_a_run_are_readable(short_default_job):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, run_dir = short_default_job
+    assert out.returncode == 0, out.stderr[-3000:]
+    reader = EventAccumulator(str(run_dir / "tensorboard"))
+    reader.Reload()
+    assert [e.step for e in reader.Scalars("critic/score/mean")] == [1, 2, 3]
+    assert [e.step for e in reader.Scalars("val-core/synthetic/successor/reward/mean@1")] == [0, 2, 3]
 
 
 @pytest.mark.parametrize(
@@ -88,9 +149,10 @@ def test_bad_cli_input_names_the_problem_and_exits_nonzero(overrides, message):
             "actor.clip_ratio_low=3e-4",
             "actor.clip_ratio_high=4e-4",
             "actor.loss_agg_mode=seq-mean-token-mean",
+            "actor.kl_loss_coef=0.01",
         ],
     ],
-    ids=["rloo", "reinforce_pp_baseline", "reinforce_pp", "gspo"],
+    ids=["rloo", "reinforce_pp_baseline", "reinforce_pp", "gspo_kl"],
 )
 def test_other_algorithms_run_through_the_loop(tmp_path: Path, overrides: list[str]):
     run_dir = tmp_path / "run"
@@ -98,6 +160,8 @@ def test_other_algorithms_run_through_the_loop(tmp_path: Path, overrides: list[s
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(abs(r["actor/pg_loss"]) < 1e3 and r["actor/grad_norm"] >= 0 for r in lines)
+    if "actor.kl_loss_coef=0.01" in overrides:  # a KL term: the reference model is built and its pass runs
+        assert all("actor/kl_ref" in r and "actor/kl_loss" in r for r in lines)
 
 
 @pytest.mark.slow
