@@ -52,6 +52,9 @@ setup(
         # The default job runs sglang-router (a Rust binary, CPU is fine) in front of our embedded aiohttp server.
         "sglang-router>=0.3.2,<0.4",
         "aiohttp>=3.9",
+        # trainer.loggers=[...,tensorboard] writes event files through torch.utils.tensorboard; the package is light
+        # (no torch or CUDA of its own: absl-py, grpcio, markdown, protobuf, werkzeug, tensorboard-data-server).
+        "tensorboard>=2.14",
     ],
     extras_require={
         # GPU extras. NVIDIA apex is built from source (see README); the PyPI project named `apex` is unrelated.
@@ -60,5 +63,7 @@ setup(
         # triton: tests run the Triton kernels on CPU under TRITON_INTERPRET=1. It depends on nothing (torch stays as
         # the Makefile pinned it); a CUDA torch already pins its own triton, which satisfies this. Wheels: Linux only.
         "test": ["pytest>=8", "ruff>=0.6", "msgspec", "triton; platform_system == 'Linux'"],
+        # trainer.loggers=[...,wandb]: Weights & Biases (offline by default; imported only when asked for).
+        "wandb": ["wandb>=0.17"],
     },
 )
