@@ -28,6 +28,7 @@ from mcore_rl.algorithms import get_policy_loss, kl_loss
 from mcore_rl.config import ActorConfig, ModelConfig
 from mcore_rl.models.base import HFConfig
 from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
+from mcore_rl.parallel.cpu_runtime import mode_suspended
 from mcore_rl.parallel.groups import init_distributed, initialize_model_parallel
 from mcore_rl.resharding.weight_map import WeightMapError, load_hf_weights
 
@@ -212,12 +213,13 @@ class MegatronActor:
     def _shard_logprobs(self, chunks: list, shard: TrainBatch) -> torch.Tensor | None:
         for chunk in chunks:
             chunk.eval()
-        mbs, seq_len = micro_batches(
-            shard,
-            self.cfg.logprob_micro_batch_size or self.cfg.micro_batch_size,
-            self._pad_multiple,
-            self.cfg.max_tokens_per_microbatch,
-        )
+        with mode_suspended():  # see update()
+            mbs, seq_len = micro_batches(
+                shard,
+                self.cfg.logprob_micro_batch_size or self.cfg.micro_batch_size,
+                self._pad_multiple,
+                self.cfg.max_tokens_per_microbatch,
+            )
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             logp = self._response_logprobs(mb, logits) * mb.response_mask
@@ -270,9 +272,12 @@ class MegatronActor:
                 tokens = float(mini.response_mask.sum())
                 denominator = tokens if self.cfg.loss_agg_mode == "token-mean" else float(mini.size)
                 shard = mini.shard(dp_rank, dp_size)
-                mbs, seq_len = micro_batches(
-                    shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch
-                )
+                # Building micro-batches is ~5 small torch ops per sample, all on the CPU: the CPU runtime's
+                # device-rewriting mode would add a Python call to each (measured: 7.6 ms vs 1.4 ms for 64 samples).
+                with mode_suspended():
+                    mbs, seq_len = micro_batches(
+                        shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch
+                    )
                 scale = dp_size * len(mbs)
 
                 def loss_fn(mb: MicroBatch, logits: torch.Tensor, denominator=denominator, scale=scale):
