@@ -137,3 +137,17 @@ def test_quiet_process_hides_exactly_the_listed_warnings() -> None:
         "Transformer Engine and Apex are not installed",
         "something new from megatron",
     ]
+
+
+def test_wandb_offline_run_holds_the_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline mode needs no network or account; the run file names each logged metric (wandb's own binary log)."""
+    pytest.importorskip("wandb", reason="wandb is optional (pip install wandb / the `wandb` extra)")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    settings = {"project": "mcore_rl_test", "name": "offline", "mode": "offline", "config": {"actor": {"lr": 1e-3}}}
+    log = MetricsLogger(str(tmp_path / "metrics.jsonl"), loggers=["wandb"], wandb=settings)
+    for step in (1, 2):
+        log.write(step, {"critic/score/mean": step / 10, "timing_s/gen": 0.5})
+    log.close()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    data = run_file.read_bytes()
+    assert b"critic/score/mean" in data and b"timing_s/gen" in data
