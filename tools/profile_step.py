@@ -7,8 +7,15 @@ other in this process, and prints the median seconds of every phase (timing_s/*)
 
 Variants (name=override,override,...; the default job's config under each):
     before   what the default job ran before issue 12 item 8: a reference model and a reference pass every step
-             (actor.use_ref=true, though kl_loss_coef is 0), 16-sample micro-batches in the logprob passes and the update
+             (actor.use_ref=true, though kl_loss_coef is 0), 16-sample micro-batches in the logprob passes and the
+             update
     after    the default job as configured now (configs/default.yaml)
+    python tools/profile_step.py --calls 20               # the actor's two calls alone, before and after alternating
+
+`--calls N` times the actor's calls on a batch shaped like the default job's (16 prompts x 8 samples), alternating
+the before and after settings call by call in one Ray session, so that a busy machine slows both alike: logprobs
+(before: policy and reference passes in 16-sample micro-batches; after: the policy pass only, 64 per rank) and the
+update (16- vs 32-sample micro-batches). It is the figure to trust on a shared machine.
 The phases are the loop's laps: gen (engines), reward, old_log_prob (policy, and reference when one runs: one call),
 adv, update_actor, update_weights (sync to the engines), and step = their sum. The machine's load average is printed
 with the figures: on a shared machine medians over many steps are the only meaningful ones.
@@ -21,6 +28,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 
 DEFAULT_VARIANTS = {
     "before": "actor.use_ref=true,actor.micro_batch_size=16,actor.logprob_micro_batch_size=16",
@@ -61,12 +69,100 @@ def medians(records: list[dict], skip: int) -> dict[str, float]:
     return out
 
 
+def _timed_actor_cls():  # noqa: ANN202
+    from mcore_rl.actor.megatron_actor import MegatronActor
+
+    class TimedActor(MegatronActor):
+        """The production actor plus one method that runs another method under other micro-batch sizes."""
+
+        def timed(self, method: str, micro: int, logprob_micro: int, *args, **kwargs):  # noqa: ANN202
+            import time
+
+            self.cfg.micro_batch_size, self.cfg.logprob_micro_batch_size = micro, logprob_micro
+            start = time.perf_counter()
+            result = getattr(self, method)(*args, **kwargs)
+            return time.perf_counter() - start, result
+
+    return TimedActor
+
+
+def time_calls(calls: int) -> None:
+    """Median seconds of the actor's calls, before vs after, alternating (see the module docstring)."""
+    import ray
+    import torch
+    from hydra import compose, initialize_config_module
+
+    from mcore_rl.actor.batch import TrainBatch
+    from mcore_rl.config import register_schema, to_config
+    from mcore_rl.controller.actor_group import ActorGroup
+
+    register_schema()
+    with initialize_config_module("mcore_rl.configs", version_base=None):
+        cfg = to_config(compose("default", overrides=["actor.use_ref=true"]))
+    from mcore_rl._quiet import ray_init_kwargs
+
+    ray.init(num_cpus=cfg.actor.world_size + 1, include_dashboard=False, **ray_init_kwargs())
+    try:
+        world = cfg.actor.world_size
+        remote = ray.remote(_timed_actor_cls()).options(num_cpus=1)
+        handles = [remote.remote(r, world, cfg.model, cfg.actor, "cpu", 0) for r in range(world)]
+        addr, port = ray.get(handles[0].rendezvous_address.remote())
+        ray.get([h.initialize.remote(addr, port) for h in handles])
+        n = cfg.data.batch_size * cfg.rollout.n
+        gen = torch.Generator().manual_seed(0)
+        batch = TrainBatch(
+            [torch.randint(3, 60, (6,), generator=gen).tolist() for _ in range(n)],
+            torch.randint(3, 60, (n, 2), generator=gen),
+            torch.ones(n, 2),
+            {"rollout_logprobs": torch.zeros(n, 2), "advantages": torch.randn(n, 2, generator=gen)},
+        )
+
+        def call(method: str, micro: int, logprob_micro: int, *args) -> float:
+            ref = [ray.put(a) for a in args]
+            out = ray.get([h.timed.remote(method, micro, logprob_micro, *ref) for h in handles])
+            return max(seconds for seconds, _ in out), out
+
+        _, out = call("logprobs", 16, 64, batch)
+        batch.tensors["old_logprobs"] = ActorGroup.gather_dp([r for _, r in out])
+        plan = {
+            "logprobs before (old + ref, 16/mb)": [("logprobs", 16, 16, batch), ("logprobs_ref", 16, 16, batch)],
+            "logprobs after (old, 64/mb)": [("logprobs", 32, 64, batch)],
+            "update before (16/mb)": [("update", 16, 16, batch)],
+            "update after (32/mb)": [("update", 32, 64, batch)],
+        }
+        times: dict[str, list[float]] = {name: [] for name in plan}
+        for _ in range(calls):
+            for name, steps in plan.items():
+                total = 0.0
+                for method, micro, logprob_micro, arg in steps:
+                    if method == "logprobs_ref":
+                        ref = ray.put(arg)
+                        start = time.perf_counter()
+                        ray.get([h.timed.remote("logprobs", micro, logprob_micro, ref, use_ref=True) for h in handles])
+                        total += time.perf_counter() - start
+                    else:
+                        start = time.perf_counter()
+                        call(method, micro, logprob_micro, arg)
+                        total += time.perf_counter() - start
+                times[name].append(total)
+        print(f"\nmedian seconds per call incl. Ray round trip, {calls} alternating rounds (1-min load average "
+              f"{os.getloadavg()[0]:.1f}, {os.cpu_count()} CPUs)")  # fmt: skip
+        for name, values in times.items():
+            print(f"  {name:<40}{statistics.median(values):>10.4f}")
+    finally:
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="steps per variant")
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
     parser.add_argument("--variant", action="append", default=[], help="name=override,override,... (repeatable)")
+    parser.add_argument("--calls", type=int, default=0, help="time the actor's calls alone, N alternating rounds")
     args = parser.parse_args(argv)
+    if args.calls:
+        time_calls(args.calls)
+        return 0
     variants = dict(DEFAULT_VARIANTS)
     if args.variant:
         variants = {}
