@@ -4,11 +4,13 @@
     python -m mcore_rl.train trainer.steps=3 rollout.n=4      # any field of mcore_rl/config.py, by dotted name
 
 One step:  prompts -> rollout engines behind sglang-router (SGLang's HTTP API) -> reward (controller/producer.py)
-           -> actor logprobs (old) and reference logprobs -> advantages -> PPO-clip update on the Megatron ranks
-           -> weight sync (resharding/sync: actor ranks stream buckets to every engine, version += 1)
+           -> actor logprobs (old, and the reference's in the same call when a KL term uses it) -> advantages
+           -> PPO-clip update on the Megatron ranks -> weight sync (resharding/sync: actor ranks stream buckets to
+           every engine, version += 1) [-> validation through the engines (controller/validation.py)]
 The loop's state (step, data position, weight version, controller states, reward history) is one object,
 controller/state.py's LoopState, so it can be checkpointed and resumed.
-Each step prints one metrics line and appends it to <run_dir>/metrics.jsonl; the run ends with a `summary:` line.
+Each step's metrics (verl's names, metrics/compute.py) go to the console and trainer.loggers (jsonl, TensorBoard,
+wandb: metrics/backends.py); the run ends with a `summary:` line.
 """
 
 from __future__ import annotations
