@@ -125,6 +125,8 @@ def test_tensorboard_event_files_of_a_run_are_readable(short_default_job):
         (["rollout.sglang.ep=3", "rollout.sglang.tp=8"], "rollout.sglang.ep=3 is invalid: expected a divisor"),
         (["sync.transport=pigeon"], "sync.transport='pigeon' is invalid: expected one of ('distributed', 'tensor'"),
         (["sync.bucket_bytes=0"], "sync.bucket_bytes=0 is invalid: expected a positive integer"),
+        (["trainer.loggers=[console,csv]"], "trainer.loggers=['console', 'csv'] is invalid: expected a list of"),
+        (["actor.use_ref=false", "actor.kl_loss_coef=0.1"], "actor.use_ref=false is invalid with actor.kl_loss_coef"),
         (
             ["sync.transport=tensor", "rollout.engine=sglang", "rollout.sglang.nnodes=2", "rollout.sglang.tp=16"],
             "the tensor transport shares memory",
