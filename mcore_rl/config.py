@@ -312,6 +312,27 @@ class RewardConfig:
 
 
 @dataclass
+class DPOConfig:
+    """Offline DPO (`python -m mcore_rl.train --config-name dpo`, trainer.mode=dpo): preference pairs train the actor
+    against its frozen reference; the rollout engines only sample the policy to score it with the rule reward."""
+
+    beta: float = 0.1  #: inverse temperature of the implicit reward beta * log(pi / ref) (IPO: its tau)
+    loss_type: str = "sigmoid"  #: a loss of mcore_rl.algorithms.dpo.DPO_LOSSES: sigmoid (DPO) | ipo
+    #: parquet files with prompt/chosen/rejected (data/preference.py); empty = pairs derived from data.synthetic_task
+    train_files: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        from mcore_rl.algorithms.dpo import DPO_LOSSES
+
+        _check(self.beta > 0, "dpo.beta", self.beta, "> 0")
+        _check(self.loss_type in DPO_LOSSES, "dpo.loss_type", self.loss_type, f"one of {sorted(DPO_LOSSES)}")
+
+
+TRAINER_MODES = ("rl", "dpo")
+"""What train.py's main dispatches to: the RL loop (train.run) or the DPO loop (controller/dpo_loop.py)."""
+
+
+@dataclass
 class TrainerConfig:
     """The run."""
 
@@ -321,10 +342,12 @@ class TrainerConfig:
     seed: int = 0
     ray_address: str | None = None  #: null = start a local Ray
     ray_num_cpus: int | None = None  #: logical CPUs for a local Ray (null = enough for the actors)
+    mode: str = "rl"  #: rl (the RL loop) | dpo (offline DPO on preference pairs, see the dpo group)
 
     def validate(self) -> None:
         _positive("trainer.steps", self.steps)
         _check(self.runtime in ("cpu", "cuda"), "trainer.runtime", self.runtime, "cpu or cuda")
+        _check(self.mode in TRAINER_MODES, "trainer.mode", self.mode, f"one of {TRAINER_MODES}")
 
 
 @dataclass
@@ -339,11 +362,14 @@ class RLConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def validate(self) -> None:
         for group in (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.trainer):
             group.validate()
         self.check_model()
+        if self.trainer.mode == "dpo":
+            self.check_dpo()
         if self.sync.transport == "tensor" and self.rollout.engine == "sglang" and self.rollout.sglang.nnodes > 1:
             raise ConfigError(
                 "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1: the tensor transport shares memory "
@@ -356,6 +382,19 @@ class RLConfig:
             "actor.mini_batches",
             self.actor.mini_batches,
             f"a divisor of data.batch_size*rollout.n/dp = {total}/{dp}",
+        )
+
+    def check_dpo(self) -> None:
+        """DPO trains on pairs: each mini-batch's dp shard and each micro-batch must hold whole pairs."""
+        self.dpo.validate()
+        _check(self.actor.use_ref, "actor.use_ref", self.actor.use_ref, "true for DPO (the frozen reference)")
+        _check(self.actor.micro_batch_size % 2 == 0, "actor.micro_batch_size", self.actor.micro_batch_size, "even")
+        dp = self.actor.layout.to_layout().dp(self.actor.world_size)
+        _check(
+            self.data.batch_size % (self.actor.mini_batches * dp) == 0,
+            "data.batch_size",
+            self.data.batch_size,
+            f"pairs per step divisible by actor.mini_batches x dp = {self.actor.mini_batches * dp}",
         )
 
     def check_model(self) -> None:

@@ -192,7 +192,12 @@ def main(dcfg: DictConfig) -> None:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
     try:
-        summary = run(cfg)
+        if cfg.trainer.mode == "dpo":
+            from mcore_rl.controller.dpo_loop import run_dpo
+
+            summary = run_dpo(cfg)
+        else:
+            summary = run(cfg)
     except (ValueError, ray.exceptions.RayError) as err:
         # Bad checkpoints, datasets or reward functions surface here (from this process or from a Ray worker).
         print(f"error: {err}", file=sys.stderr)

@@ -272,6 +272,12 @@ class MegatronActor:
                 steps += 1
         return self._result({k: v / steps for k, v in totals.items()})
 
+    def dpo_update(self, batch: TrainBatch, beta: float, loss_type: str) -> RankResult:
+        """DPO update on interleaved chosen/rejected pairs carrying "ref_logprobs" (actor/dpo_step.py)."""
+        from mcore_rl.actor.dpo_step import dpo_update
+
+        return self._result(dpo_update(self, batch, beta, loss_type))
+
     def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor, denominator: float, scale: float):
         cfg = self.cfg
         logp = self._response_logprobs(mb, logits)
