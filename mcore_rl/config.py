@@ -117,6 +117,9 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  #: k1 | k2 | low_var_kl (k3) | abs
     entropy_coef: float = 0.0  #: entropy bonus weight
     use_ref: bool = True  #: keep a frozen reference model for KL
+    #: MoE routing replay (verl's router_replay.mode): disabled | R2 (the update replays the routing of the step's
+    #: old-logprob forward) | R3 (every policy forward replays the experts the rollout engine routed each token to)
+    router_replay_mode: str = "disabled"
     num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
 
     def validate(self) -> None:
@@ -130,6 +133,14 @@ class ActorConfig:
         _check(self.policy_loss in ("ppo", "gspo"), "actor.policy_loss", self.policy_loss, "ppo or gspo")
         kls = ("k1", "k2", "low_var_kl", "k3", "abs")
         _check(self.kl_loss_type in kls, "actor.kl_loss_type", self.kl_loss_type, f"one of {kls}")
+        from mcore_rl.actor.router_replay import ROUTER_REPLAY_MODES
+
+        _check(
+            self.router_replay_mode in ROUTER_REPLAY_MODES,
+            "actor.router_replay_mode",
+            self.router_replay_mode,
+            f"one of {ROUTER_REPLAY_MODES}",
+        )
         self.layout.validate()
         self.layout.to_layout().check_world_size(self.world_size)
 
@@ -414,6 +425,16 @@ class RLConfig:
             hf = HFConfig(self.model.hf_config)
         family = get_family(hf.model_type)
         self.actor.layout.to_layout().validate(self.actor.world_size, family.shape(hf))
+        mode = self.actor.router_replay_mode
+        if mode != "disabled":
+            _check(
+                bool(family.shape(hf).num_experts),
+                "actor.router_replay_mode",
+                mode,
+                f"'disabled' for {hf.model_type}, a dense model (routing replay needs MoE layers)",
+            )
+            _check(self.actor.layout.cp == 1, "actor.router_replay_mode", mode, "'disabled' with actor.layout.cp > 1")
+            _check(self.trainer.mode == "rl", "actor.router_replay_mode", mode, "'disabled' for trainer.mode=dpo")
 
 
 def register_schema() -> None:

@@ -108,7 +108,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
             prompts = next(loader)
             # Disjoint seeds per step: sample j of prompt i gets seed + i * n + j.
             seed = cfg.rollout.seed * 1_000_003 + step * len(prompts) * cfg.rollout.n
-            samples = engines.generate([p["prompt_token_ids"] for p in prompts], cfg.rollout.n, seed, eos)
+            samples = engines.generate(
+                [p["prompt_token_ids"] for p in prompts], cfg.rollout.n, seed, eos, cfg.actor.router_replay_mode == "R3"
+            )
             timer.lap("time/generate")
 
             per_sample = {k: [p[k] for p in prompts for _ in range(cfg.rollout.n)] for k in _PROMPT_FIELDS}

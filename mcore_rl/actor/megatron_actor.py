@@ -81,6 +81,7 @@ class MegatronActor:
             dtype=DTYPES[model_cfg.dtype],
             make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
             max_sequence_length=model_cfg.max_sequence_length,
+            config_overrides={"moe_enable_routing_replay": True} if actor_cfg.router_replay_mode != "disabled" else {},
         )
         self.pg = initialize_model_parallel(self.layout, seed=model_cfg.init_seed)
         self.vocab_size = hf.req("vocab_size")
@@ -92,6 +93,12 @@ class MegatronActor:
         if model_cfg.path:
             self._load_hf(model_cfg.path)
         self._wrap_ddp_and_optimizer()
+        self.routing = None  # actor/router_replay.py: R2 / R3 routing replay of the policy's forwards
+        if actor_cfg.router_replay_mode != "disabled":
+            from mcore_rl.actor.router_replay import ActorRouting, RouterReplayDriver
+
+            driver = RouterReplayDriver(self.ddp_chunks, self.pg.tp, self.layout.sequence_parallel)
+            self.routing = ActorRouting(actor_cfg.router_replay_mode, driver, hf.req("num_hidden_layers"), self.pg.dp)
         self.ref_chunks: list[torch.nn.Module] = []
         if actor_cfg.use_ref:
             self.ref_chunks, _ = build_gpt_chunks(self.spec, self.pg)
@@ -178,7 +185,11 @@ class MegatronActor:
     def _run_schedule(self, chunks: list, mbs: list[MicroBatch], seq_len: int, loss_fn, forward_only: bool):
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
+            if self.routing is not None and self.routing.action:
+                self.routing.before(model, mb)
             output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+            if self.routing is not None and self.routing.action:
+                self.routing.after(model, mb)
             return output, lambda logits: loss_fn(mb, logits)
 
         return run_schedule(chunks, forward_step, mbs, seq_len, mbs[0].tokens.shape[0], self.pg, forward_only)
@@ -195,6 +206,7 @@ class MegatronActor:
             raise RuntimeError("actor.use_ref=false: there is no reference model")
         for chunk in chunks:
             chunk.eval()
+        batch.tensors["sample_index"] = torch.arange(batch.size)  # the sample's identity for R2 routing replay
         shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
         mbs, seq_len = micro_batches(
             shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch
@@ -204,7 +216,13 @@ class MegatronActor:
             logp = self._response_logprobs(mb, logits) * mb.response_mask
             return logits.new_zeros(()), {"logprobs": logp}
 
-        outputs = self._run_schedule(chunks, mbs, seq_len, loss_fn, forward_only=True)
+        if self.routing is not None and not use_ref:
+            self.routing.begin("logprobs")
+        try:
+            outputs = self._run_schedule(chunks, mbs, seq_len, loss_fn, forward_only=True)
+        finally:
+            if self.routing is not None:
+                self.routing.end()
         return self._result(torch.cat([o["logprobs"] for o in outputs]) if outputs else None)
 
     @torch.no_grad()
@@ -244,6 +262,9 @@ class MegatronActor:
         dp_rank, dp_size = self.pg.dp.rank(), self.pg.dp.size()
         totals: dict[str, float] = {}
         steps = 0
+        batch.tensors["sample_index"] = torch.arange(batch.size)
+        if self.routing is not None:
+            self.routing.begin("update")
         for _ in range(self.cfg.ppo_epochs):
             for mini in batch.chunks(self.cfg.mini_batches):
                 # Loss normaliser over the whole mini-batch (every dp rank), so micro-batch losses add up to the
@@ -270,6 +291,8 @@ class MegatronActor:
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
+        if self.routing is not None:
+            self.routing.end()
         return self._result({k: v / steps for k, v in totals.items()})
 
     def dpo_update(self, batch: TrainBatch, beta: float, loss_type: str) -> RankResult:
