@@ -320,6 +320,23 @@ class RewardConfig:
     name: str | None = None
     num_threads: int = 1
     timeout_s: float | None = None
+    #: HF sequence-classification reward model dir (num_labels=1), scored by a Ray worker (reward/reward_model.py)
+    model_path: str | None = None
+    model_weight: float = 1.0  #: weight of the reward model's score in the per-row sum
+    rule_weight: float = 1.0  #: weight of the rule (or user) reward in the per-row sum when a reward model is set
+    model_num_cpus: float = 0.0  #: Ray CPUs reserved for the reward-model worker (0: it shares the run's)
+
+    def validate(self) -> None:
+        if self.model_path is not None:
+            import os
+
+            _check(
+                os.path.isfile(os.path.join(self.model_path, "config.json")),
+                "reward.model_path",
+                self.model_path,
+                "an HF checkpoint dir with config.json",
+            )
+        _check(self.model_num_cpus >= 0, "reward.model_num_cpus", self.model_num_cpus, ">= 0")
 
 
 @dataclass
@@ -376,7 +393,16 @@ class RLConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def validate(self) -> None:
-        for group in (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.trainer):
+        for group in (
+            self.model,
+            self.actor,
+            self.rollout,
+            self.sync,
+            self.algorithm,
+            self.data,
+            self.reward,
+            self.trainer,
+        ):
             group.validate()
         self.check_model()
         if self.trainer.mode == "dpo":

@@ -57,8 +57,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl.controller.samples import outcome_advantages, reduce_rank_metrics, samples_to_batch
     from mcore_rl.controller.weight_sync import WeightSync
     from mcore_rl.metrics.logger import MetricsLogger
-    from mcore_rl.reward.loader import build_reward_fn
     from mcore_rl.reward.manager import RewardManager
+    from mcore_rl.reward.reward_model import build_reward
 
     if cfg.rollout.engine == "sglang":  # checked here, not in the config: a CPU login node validates GPU recipes
         from mcore_rl.rollout.sglang_launcher import sglang_unavailable_reason
@@ -69,7 +69,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     tokenizer, loader, tokenizer_dir = setup_data(cfg)
     reward = RewardManager(
-        build_reward_fn(cfg.reward.path, cfg.reward.name),
+        build_reward(cfg.reward, tokenizer_dir),
         num_threads=cfg.reward.num_threads,
         timeout_s=cfg.reward.timeout_s,
     )

@@ -250,6 +250,36 @@ class MegatronActor:
         outputs = run_schedule(self.ddp_chunks, forward_step, [shard], shard.shape[1], shard.shape[0], self.pg, True)
         return self._result(outputs[0]["logits"] if outputs else None)
 
+    @torch.no_grad()
+    def router_choices(self, batch: TrainBatch, replay: bool = True) -> RankResult:
+        """The experts the policy's routers dispatched each token to in a forward over this rank's dp shard, int32
+        [B_dp, T, num_hidden_layers, k] (sorted per token, -1 in layers not on this rank), with the configured
+        routing replay (or without it); for checks against the rollout engine's routed experts, not used in training.
+        """
+        from mcore_rl.actor.router_replay import capture_router_choices
+
+        for chunk in self.ddp_chunks:
+            chunk.eval()
+        batch.tensors["sample_index"] = torch.arange(batch.size)
+        shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
+        mbs, seq_len = micro_batches(shard, shard.size, self._pad_multiple)  # one micro-batch: one capture
+        layers = self.spec.hf.req("num_hidden_layers")
+        handles, captured = capture_router_choices(self.ddp_chunks, shard.size, layers)
+        if replay and self.routing is not None:
+            self.routing.begin("update")  # what the update's forwards route by
+        try:
+            self._run_schedule(self.ddp_chunks, mbs, seq_len, lambda mb, logits: (logits.new_zeros(()), {}), True)
+        finally:
+            if self.routing is not None:
+                self.routing.end()
+            for handle in handles:
+                handle.remove()
+        out = torch.full((shard.size, seq_len, layers, self.spec.transformer_config().moe_router_topk), -1)
+        for layer, choices in captured.items():
+            local = choices.reshape(-1, shard.size, choices.shape[-1])  # [s, b, k] (pp=1, no sp: full sequence)
+            out[:, : local.shape[0], layer] = local.transpose(0, 1)
+        return self._result(out.to(torch.int32))
+
     @property
     def _pad_multiple(self) -> int:
         return self.layout.tp if self.layout.sequence_parallel else 1

@@ -208,3 +208,21 @@ class ActorRouting:
             raise RuntimeError(f"actor.router_replay_mode=R2: no recorded routing for samples {missing[:5]}")
         rows = [self.recorded[i][None] for i in mb.tensors["sample_index"].tolist()]
         return torch.cat([fit_length(r, seq_len) for r in rows])
+
+
+def capture_router_choices(chunks: list[torch.nn.Module], batch: int, num_layers: int) -> tuple[list[Any], dict]:
+    """Forward hooks that record the experts each decoder router actually dispatched to (its routing_map output,
+    after any replay), as int32 [b, s, num_layers, k] sorted ascending per token; for checks, not for training.
+    Returns (hook handles, {layer: [s*b, k]}) - remove the handles when done."""
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+    for chunk in chunks:
+        for layer, router in decoder_routers(chunk):
+
+            def hook(_module: Any, _inputs: Any, output: Any, layer: int = layer) -> None:
+                routing_map = output[1]  # [tokens, experts] bool
+                k = int(routing_map[0].sum())
+                captured[layer] = routing_map.nonzero()[:, 1].reshape(-1, k).sort(dim=-1).values
+
+            handles.append(router.register_forward_hook(hook))
+    return handles, captured
