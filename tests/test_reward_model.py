@@ -66,7 +66,7 @@ def test_worker_scores_a_batch_and_mixes_with_the_rule_reward(rm_dir: Path):
             RESPONSES, ["synthetic/copy_digit"] * n, ["7"] * n
         )
         rule = [default_compute_score("synthetic/copy_digit", r, "7") for r in RESPONSES]
-        want = [float(r) + 0.5 * m for r, m in zip(rule, expected)]
+        want = [float(r["score"] if isinstance(r, dict) else r) + 0.5 * m for r, m in zip(rule, expected)]
         torch.testing.assert_close(mixed.scores, torch.tensor(want), atol=1e-5, rtol=0)
         assert mixed.extras["model_score"] == pytest.approx(expected, abs=1e-5)
     finally:
