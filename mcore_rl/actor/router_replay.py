@@ -138,7 +138,7 @@ def routing_tensor(routed: list[Any], lengths: list[int], num_layers: int, top_k
     """Per-sample engine routing ([n_i, L, k] arrays, n_i <= length_i) -> int32 [B, max length, L, k], -1 padded."""
     out = torch.full((len(routed), max(lengths), num_layers, top_k), -1, dtype=torch.int32)
     for i, r in enumerate(routed):
-        t = torch.as_tensor(r, dtype=torch.int32).reshape(-1, num_layers, top_k)
+        t = torch.tensor(r, dtype=torch.int32).reshape(-1, num_layers, top_k)  # a copy: engine arrays are read-only
         out[i, : t.shape[0]] = t
     return out
 
