@@ -125,6 +125,9 @@ class ActorConfig:
     #: true = always (its KL to the policy is then logged as actor/kl_ref although no loss uses it); false = never
     #: (refused when a KL term needs it). Resolved to true/false by RLConfig.validate
     use_ref: bool | None = None
+    #: MoE routing replay (verl's router_replay.mode): disabled | R2 (the update replays the routing of the step's
+    #: old-logprob forward) | R3 (every policy forward replays the experts the rollout engine routed each token to)
+    router_replay_mode: str = "disabled"
     num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
 
     def validate(self) -> None:
@@ -140,6 +143,14 @@ class ActorConfig:
         _check(self.policy_loss in ("ppo", "gspo"), "actor.policy_loss", self.policy_loss, "ppo or gspo")
         kls = ("k1", "k2", "low_var_kl", "k3", "abs")
         _check(self.kl_loss_type in kls, "actor.kl_loss_type", self.kl_loss_type, f"one of {kls}")
+        from mcore_rl.actor.router_replay import ROUTER_REPLAY_MODES
+
+        _check(
+            self.router_replay_mode in ROUTER_REPLAY_MODES,
+            "actor.router_replay_mode",
+            self.router_replay_mode,
+            f"one of {ROUTER_REPLAY_MODES}",
+        )
         self.layout.validate()
         self.layout.to_layout().check_world_size(self.world_size)
 
@@ -334,6 +345,44 @@ class RewardConfig:
     name: str | None = None
     num_threads: int = 1
     timeout_s: float | None = None
+    #: HF sequence-classification reward model dir (num_labels=1), scored by a Ray worker (reward/reward_model.py)
+    model_path: str | None = None
+    model_weight: float = 1.0  #: weight of the reward model's score in the per-row sum
+    rule_weight: float = 1.0  #: weight of the rule (or user) reward in the per-row sum when a reward model is set
+    model_num_cpus: float = 0.0  #: Ray CPUs reserved for the reward-model worker (0: it shares the run's)
+
+    def validate(self) -> None:
+        if self.model_path is not None:
+            import os
+
+            _check(
+                os.path.isfile(os.path.join(self.model_path, "config.json")),
+                "reward.model_path",
+                self.model_path,
+                "an HF checkpoint dir with config.json",
+            )
+        _check(self.model_num_cpus >= 0, "reward.model_num_cpus", self.model_num_cpus, ">= 0")
+
+
+@dataclass
+class DPOConfig:
+    """Offline DPO (`python -m mcore_rl.train --config-name dpo`, trainer.mode=dpo): preference pairs train the actor
+    against its frozen reference; the rollout engines only sample the policy to score it with the rule reward."""
+
+    beta: float = 0.1  #: inverse temperature of the implicit reward beta * log(pi / ref) (IPO: its tau)
+    loss_type: str = "sigmoid"  #: a loss of mcore_rl.algorithms.dpo.DPO_LOSSES: sigmoid (DPO) | ipo
+    #: parquet files with prompt/chosen/rejected (data/preference.py); empty = pairs derived from data.synthetic_task
+    train_files: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        from mcore_rl.algorithms.dpo import DPO_LOSSES
+
+        _check(self.beta > 0, "dpo.beta", self.beta, "> 0")
+        _check(self.loss_type in DPO_LOSSES, "dpo.loss_type", self.loss_type, f"one of {sorted(DPO_LOSSES)}")
+
+
+TRAINER_MODES = ("rl", "dpo")
+"""What train.py's main dispatches to: the RL loop (train.run) or the DPO loop (controller/dpo_loop.py)."""
 
 
 @dataclass
@@ -353,6 +402,7 @@ class TrainerConfig:
     wandb_mode: str = "offline"  #: offline (no network; `wandb sync` later) | online | disabled
     val_every: int = 0  #: validate every this many steps and after the last (verl: test_freq); 0 = never
     val_before_train: bool = False  #: validate the initial weights (logged as step 0)
+    mode: str = "rl"  #: rl (the RL loop) | dpo (offline DPO on preference pairs, see the dpo group)
 
     def validate(self) -> None:
         from mcore_rl.metrics.backends import BACKENDS, missing_packages
@@ -374,6 +424,7 @@ class TrainerConfig:
             self.val_every,
             "an integer >= 0",
         )
+        _check(self.mode in TRAINER_MODES, "trainer.mode", self.mode, f"one of {TRAINER_MODES}")
 
     @property
     def validates(self) -> bool:
@@ -393,9 +444,19 @@ class RLConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def validate(self) -> None:
-        for group in (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.trainer):
+        for group in (
+            self.model,
+            self.actor,
+            self.rollout,
+            self.sync,
+            self.algorithm,
+            self.data,
+            self.reward,
+            self.trainer,
+        ):
             group.validate()
         self.check_model()
         if self.actor.use_ref is None:
@@ -405,6 +466,8 @@ class RLConfig:
                 f"actor.use_ref=false is invalid with actor.kl_loss_coef={self.actor.kl_loss_coef}: the KL loss "
                 "needs the reference model; expected actor.use_ref=true or null"
             )
+        if self.trainer.mode == "dpo":
+            self.check_dpo()
         if self.sync.transport == "tensor" and self.rollout.engine == "sglang" and self.rollout.sglang.nnodes > 1:
             raise ConfigError(
                 "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1: the tensor transport shares memory "
@@ -426,8 +489,22 @@ class RLConfig:
 
     def uses_reference(self) -> bool:
         """Whether a KL term of the objective needs the reference model's logprobs (then the reference pass runs
-        every step; otherwise neither the model is built nor the pass run, unless actor.use_ref=true asks)."""
-        return self.actor.kl_loss_coef > 0
+        every step; otherwise neither the model is built nor the pass run, unless actor.use_ref=true asks). DPO's
+        implicit reward is a log-ratio to the reference, so DPO always uses it."""
+        return self.actor.kl_loss_coef > 0 or self.trainer.mode == "dpo"
+
+    def check_dpo(self) -> None:
+        """DPO trains on pairs: each mini-batch's dp shard and each micro-batch must hold whole pairs."""
+        self.dpo.validate()
+        _check(self.actor.use_ref, "actor.use_ref", self.actor.use_ref, "true for DPO (the frozen reference)")
+        _check(self.actor.micro_batch_size % 2 == 0, "actor.micro_batch_size", self.actor.micro_batch_size, "even")
+        dp = self.actor.layout.to_layout().dp(self.actor.world_size)
+        _check(
+            self.data.batch_size % (self.actor.mini_batches * dp) == 0,
+            "data.batch_size",
+            self.data.batch_size,
+            f"pairs per step divisible by actor.mini_batches x dp = {self.actor.mini_batches * dp}",
+        )
 
     def check_model(self) -> None:
         """Refuse an unknown model_type or a layout that does not divide the model, before any process starts."""
@@ -446,6 +523,16 @@ class RLConfig:
             hf = HFConfig(self.model.hf_config)
         family = get_family(hf.model_type)
         self.actor.layout.to_layout().validate(self.actor.world_size, family.shape(hf))
+        mode = self.actor.router_replay_mode
+        if mode != "disabled":
+            _check(
+                bool(family.shape(hf).num_experts),
+                "actor.router_replay_mode",
+                mode,
+                f"'disabled' for {hf.model_type}, a dense model (routing replay needs MoE layers)",
+            )
+            _check(self.actor.layout.cp == 1, "actor.router_replay_mode", mode, "'disabled' with actor.layout.cp > 1")
+            _check(self.trainer.mode == "rl", "actor.router_replay_mode", mode, "'disabled' for trainer.mode=dpo")
 
 
 def register_schema() -> None:

@@ -65,8 +65,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl.controller.weight_sync import WeightSync
     from mcore_rl.metrics.compute import FlopsModel, step_metrics
     from mcore_rl.metrics.logger import MetricsLogger
-    from mcore_rl.reward.loader import build_reward_fn
     from mcore_rl.reward.manager import RewardManager
+    from mcore_rl.reward.reward_model import build_reward
 
     if cfg.rollout.engine == "sglang":  # checked here, not in the config: a CPU login node validates GPU recipes
         from mcore_rl.rollout.sglang_launcher import sglang_unavailable_reason
@@ -77,7 +77,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     tokenizer, loader, tokenizer_dir = setup_data(cfg)
     reward = RewardManager(
-        build_reward_fn(cfg.reward.path, cfg.reward.name),
+        build_reward(cfg.reward, tokenizer_dir),
         num_threads=cfg.reward.num_threads,
         timeout_s=cfg.reward.timeout_s,
     )
@@ -193,7 +193,12 @@ def main(dcfg: DictConfig) -> None:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
     try:
-        summary = run(cfg)
+        if cfg.trainer.mode == "dpo":
+            from mcore_rl.controller.dpo_loop import run_dpo
+
+            summary = run_dpo(cfg)
+        else:
+            summary = run(cfg)
     except (ValueError, ray.exceptions.RayError) as err:
         # Bad checkpoints, datasets or reward functions surface here (from this process or from a Ray worker).
         print(f"error: {err}", file=sys.stderr)

@@ -84,6 +84,7 @@ class MegatronActor:
             dtype=DTYPES[model_cfg.dtype],
             make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
             max_sequence_length=model_cfg.max_sequence_length,
+            config_overrides={"moe_enable_routing_replay": True} if actor_cfg.router_replay_mode != "disabled" else {},
         )
         self.pg = initialize_model_parallel(self.layout, seed=model_cfg.init_seed)
         self.vocab_size = hf.req("vocab_size")
@@ -95,6 +96,12 @@ class MegatronActor:
         if model_cfg.path:
             self._load_hf(model_cfg.path)
         self._wrap_ddp_and_optimizer()
+        self.routing = None  # actor/router_replay.py: R2 / R3 routing replay of the policy's forwards
+        if actor_cfg.router_replay_mode != "disabled":
+            from mcore_rl.actor.router_replay import ActorRouting, RouterReplayDriver
+
+            driver = RouterReplayDriver(self.ddp_chunks, self.pg.tp, self.layout.sequence_parallel)
+            self.routing = ActorRouting(actor_cfg.router_replay_mode, driver, hf.req("num_hidden_layers"), self.pg.dp)
         self.ref_chunks: list[torch.nn.Module] = []
         if actor_cfg.use_ref:
             self.ref_chunks, _ = build_gpt_chunks(self.spec, self.pg)
@@ -182,7 +189,11 @@ class MegatronActor:
     def _run_schedule(self, chunks: list, mbs: list[MicroBatch], seq_len: int, loss_fn, forward_only: bool):
         def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iterator)
+            if self.routing is not None and self.routing.action:
+                self.routing.before(model, mb)
             output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+            if self.routing is not None and self.routing.action:
+                self.routing.after(model, mb)
             return output, lambda logits: loss_fn(mb, logits)
 
         return run_schedule(chunks, forward_step, mbs, seq_len, mbs[0].tokens.shape[0], self.pg, forward_only)
@@ -196,8 +207,10 @@ class MegatronActor:
         """Per-token logprobs [B_dp, R] of this rank's dp shard (policy, or the frozen reference)."""
         if use_ref and not self.ref_chunks:
             raise RuntimeError("actor.use_ref=false: there is no reference model")
-        shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
-        return self._result(self._shard_logprobs(self.ref_chunks if use_ref else self.ddp_chunks, shard))
+        shard = self._dp_shard(batch)
+        return self._result(
+            self._shard_logprobs(self.ref_chunks if use_ref else self.ddp_chunks, shard, policy=not use_ref)
+        )
 
     @torch.no_grad()
     def policy_and_ref_logprobs(self, batch: TrainBatch) -> RankResult:
@@ -205,12 +218,18 @@ class MegatronActor:
         transfer of the batch) for both forward passes."""
         if not self.ref_chunks:
             raise RuntimeError("actor.use_ref=false: there is no reference model")
-        shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
-        old = self._shard_logprobs(self.ddp_chunks, shard)
-        ref = self._shard_logprobs(self.ref_chunks, shard)
+        shard = self._dp_shard(batch)
+        old = self._shard_logprobs(self.ddp_chunks, shard, policy=True)
+        ref = self._shard_logprobs(self.ref_chunks, shard, policy=False)
         return self._result(torch.stack([old, ref], dim=1) if old is not None else None)
 
-    def _shard_logprobs(self, chunks: list, shard: TrainBatch) -> torch.Tensor | None:
+    def _dp_shard(self, batch: TrainBatch) -> TrainBatch:
+        batch.tensors["sample_index"] = torch.arange(batch.size)  # the sample's identity for R2 routing replay
+        return batch.shard(self.pg.dp.rank(), self.pg.dp.size())
+
+    def _shard_logprobs(self, chunks: list, shard: TrainBatch, policy: bool) -> torch.Tensor | None:
+        """Logprobs of `shard` through `chunks`; `policy`: the policy's forward (routing replay records/replays it,
+        the frozen reference always routes by its own logits)."""
         for chunk in chunks:
             chunk.eval()
         with mode_suspended():  # see update()
@@ -225,7 +244,14 @@ class MegatronActor:
             logp = self._response_logprobs(mb, logits) * mb.response_mask
             return logits.new_zeros(()), {"logprobs": logp}
 
-        outputs = self._run_schedule(chunks, mbs, seq_len, loss_fn, forward_only=True)
+        routed = self.routing is not None and policy
+        if routed:
+            self.routing.begin("logprobs")
+        try:
+            outputs = self._run_schedule(chunks, mbs, seq_len, loss_fn, forward_only=True)
+        finally:
+            if routed:
+                self.routing.end()
         return torch.cat([o["logprobs"] for o in outputs]) if outputs else None
 
     @torch.no_grad()
@@ -253,6 +279,36 @@ class MegatronActor:
         outputs = run_schedule(self.ddp_chunks, forward_step, [shard], shard.shape[1], shard.shape[0], self.pg, True)
         return self._result(outputs[0]["logits"] if outputs else None)
 
+    @torch.no_grad()
+    def router_choices(self, batch: TrainBatch, replay: bool = True) -> RankResult:
+        """The experts the policy's routers dispatched each token to in a forward over this rank's dp shard, int32
+        [B_dp, T, num_hidden_layers, k] (sorted per token, -1 in layers not on this rank), with the configured
+        routing replay (or without it); for checks against the rollout engine's routed experts, not used in training.
+        """
+        from mcore_rl.actor.router_replay import capture_router_choices
+
+        for chunk in self.ddp_chunks:
+            chunk.eval()
+        batch.tensors["sample_index"] = torch.arange(batch.size)
+        shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
+        mbs, seq_len = micro_batches(shard, shard.size, self._pad_multiple)  # one micro-batch: one capture
+        layers = self.spec.hf.req("num_hidden_layers")
+        handles, captured = capture_router_choices(self.ddp_chunks, shard.size, layers)
+        if replay and self.routing is not None:
+            self.routing.begin("update")  # what the update's forwards route by
+        try:
+            self._run_schedule(self.ddp_chunks, mbs, seq_len, lambda mb, logits: (logits.new_zeros(()), {}), True)
+        finally:
+            if self.routing is not None:
+                self.routing.end()
+            for handle in handles:
+                handle.remove()
+        out = torch.full((shard.size, seq_len, layers, self.spec.transformer_config().moe_router_topk), -1)
+        for layer, choices in captured.items():
+            local = choices.reshape(-1, shard.size, choices.shape[-1])  # [s, b, k] (pp=1, no sp: full sequence)
+            out[:, : local.shape[0], layer] = local.transpose(0, 1)
+        return self._result(out.to(torch.int32))
+
     @property
     def _pad_multiple(self) -> int:
         return self.layout.tp if self.layout.sequence_parallel else 1
@@ -265,6 +321,9 @@ class MegatronActor:
         dp_rank, dp_size = self.pg.dp.rank(), self.pg.dp.size()
         totals: dict[str, float] = {}
         steps = 0
+        batch.tensors["sample_index"] = torch.arange(batch.size)
+        if self.routing is not None:
+            self.routing.begin("update")
         for _ in range(self.cfg.ppo_epochs):
             for mini in batch.chunks(self.cfg.mini_batches):
                 # Loss normaliser over the whole mini-batch (every dp rank), so micro-batch losses add up to the
@@ -294,7 +353,15 @@ class MegatronActor:
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
+        if self.routing is not None:
+            self.routing.end()
         return self._result({k: v / steps for k, v in totals.items()})
+
+    def dpo_update(self, batch: TrainBatch, beta: float, loss_type: str) -> RankResult:
+        """DPO update on interleaved chosen/rejected pairs carrying "ref_logprobs" (actor/dpo_step.py)."""
+        from mcore_rl.actor.dpo_step import dpo_update
+
+        return self._result(dpo_update(self, batch, beta, loss_type))
 
     def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor, denominator: float, scale: float):
         cfg = self.cfg

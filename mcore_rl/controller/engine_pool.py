@@ -204,9 +204,11 @@ class EnginePool:
         seed: int | None,
         stop_token_ids: list[int],
         overrides: dict[str, Any] | None = None,
+        return_routed_experts: bool = False,
     ) -> list[Sample]:
         """`n` samples per prompt through the router (prompt-major), with the rollout config's sampling settings
-        (`overrides` replaces some, e.g. temperature 0 for validation's greedy pass)."""
+        (`overrides` replaces some, e.g. temperature 0 for validation's greedy pass); with `return_routed_experts`
+        (R3 routing replay) straight to the engines, each sample carrying its routing."""
         params = {
             "max_new_tokens": self.cfg.max_new_tokens,
             "temperature": self.cfg.temperature,
@@ -216,7 +218,50 @@ class EnginePool:
             "no_stop_trim": True,
             **(overrides or {}),
         }
+        if return_routed_experts:
+            return self.client.run(self._generate_direct(prompts, n, params, seed))
         return self.client.generate_samples(prompts, n, params, seed)
+
+    async def _generate_direct(
+        self, prompts: list[list[int]], n: int, params: dict[str, Any], seed: int | None
+    ) -> list[Sample]:
+        """Requests that ask for routed experts bypass the router: sglang-router 0.3.2 drops `return_routed_experts`
+        from the body it forwards (the same request answers `routed_experts` from an engine, none through the router;
+        tests/test_router_replay.py checks it). Prompts are spread round-robin over the engines in the router; a
+        request that fails on one engine is tried on the next."""
+        from mcore_rl.rollout.client import RolloutRequestError
+
+        num_layers = self._num_hidden_layers()
+
+        async def one(i: int, prompt: list[int]) -> list[Sample]:
+            last: Exception | None = None
+            for attempt in range(max(1, len(self.urls))):
+                urls = [u for u in self.urls if u not in self.pending] or self.urls
+                url = urls[(i + attempt) % len(urls)]
+                try:
+                    return await self.client.agenerate_one(
+                        prompt,
+                        n,
+                        params,
+                        seed=None if seed is None else seed + i * n,
+                        return_routed_experts=True,
+                        num_layers=num_layers,
+                        url=url,
+                    )
+                except RolloutRequestError as err:
+                    last = err
+            raise RolloutRequestError(f"/generate with return_routed_experts failed on every engine: {last}")
+
+        groups = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        return [s for group in groups for s in group]
+
+    def _num_hidden_layers(self) -> int:
+        if isinstance(self.model, dict):
+            return int(self.model["num_hidden_layers"])
+        import json
+
+        with open(os.path.join(self.model, "config.json")) as f:
+            return int(json.load(f)["num_hidden_layers"])
 
     # ------------------------------------------------------------------ weights (pushed by controller/weight_sync.py)
     def admit_pending(self) -> None:

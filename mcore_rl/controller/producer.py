@@ -53,7 +53,11 @@ class RolloutProducer:
         n = self.cfg.rollout.n
         prompts = next(self.loader)
         samples = self.engines.generate(
-            [p["prompt_token_ids"] for p in prompts], n, self.seed(step, len(prompts)), self.eos
+            [p["prompt_token_ids"] for p in prompts],
+            n,
+            self.seed(step, len(prompts)),
+            self.eos,
+            return_routed_experts=self.cfg.actor.router_replay_mode == "R3",
         )
         timer.lap("gen")
         scores = self.score(prompts, samples, n)

@@ -29,6 +29,13 @@ def samples_to_batch(samples: Sequence[Sample], n: int) -> tuple[TrainBatch, tor
         response_mask=mask,
         tensors={"rollout_logprobs": rollout_logp},
     )
+    if samples and all(s.routed_experts is not None for s in samples):
+        # R3: the engine's routing of prompt + response tokens (all but the last), aligned to token positions
+        from mcore_rl.actor.router_replay import ROUTED_EXPERTS, routing_tensor
+
+        layers, top_k = samples[0].routed_experts.shape[1:]
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        batch.tensors[ROUTED_EXPERTS] = routing_tensor([s.routed_experts for s in samples], lengths, layers, top_k)
     group_ids = torch.arange(len(samples)) // n
     return batch, group_ids
 

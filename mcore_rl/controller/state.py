@@ -23,7 +23,7 @@ class LoopState:
     weight_version: int = 1  #: the version the engines serve (1 = the initial weights)
     loader: dict[str, Any] = field(default_factory=dict)  #: PromptLoader.state_dict() after the last step's batch
     controllers: dict[str, Any] = field(default_factory=dict)  #: named controller states (KL controller ...)
-    rewards: list[float] = field(default_factory=list)  #: reward/mean per completed step (the summary's history)
+    rewards: list[float] = field(default_factory=list)  #: critic/score/mean per completed step (the summary's history)
     seconds: float = 0.0  #: wall-clock seconds of the completed steps (a resumed run keeps counting)
 
     def to_dict(self) -> dict[str, Any]:

@@ -158,6 +158,38 @@ def write_synthetic_dataset(
     return path
 
 
+PREFERENCE_SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(MESSAGE_TYPE)),
+        ("chosen", pa.list_(MESSAGE_TYPE)),
+        ("rejected", pa.list_(MESSAGE_TYPE)),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()), ("task", pa.string())])),
+    ]
+)
+
+
+def write_synthetic_preferences(path: str, num_pairs: int, seed: int, task: str = "copy_digit") -> str:
+    """Write DPO pairs derived from `task` (see `data/preference.py`): chosen = the right answer, rejected = a wrong
+    one of the same length (each digit shifted by a random non-zero amount); prompts and ground truth as in
+    `synthetic_rows`, so the rule reward scores the policy's samples on them. Written atomically; returns `path`."""
+    rng = random.Random(f"preferences:{seed}")
+    rows = []
+    for row in synthetic_rows(num_pairs, seed, task):
+        answer = row["reward_model"]["ground_truth"]
+        wrong = "".join(str((int(d) + rng.randint(1, 9)) % 10) for d in answer)
+        rows.append(
+            {
+                **row,
+                "chosen": [{"role": "assistant", "content": answer}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            }
+        )
+    write_parquet_atomically(pa.Table.from_pylist(rows, schema=PREFERENCE_SCHEMA), path)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: write a synthetic dataset (see the module docstring)."""
     parser = argparse.ArgumentParser(description="Write a synthetic RL prompt dataset (verl parquet schema).")

@@ -7,6 +7,8 @@
 - `sandbox.py` (+ `sandbox_launcher.py`, the program that runs inside): generated code in its own user, pid, network
   and mount namespaces with rlimits, a wall-clock kill and an output cap; a bounded pool; the CLI
   `python -m mcore_rl.reward.sandbox FILE`
+- `reward_model.py`: a sequence-classification reward model as a Ray worker (`BatchRewardFn`), weighted with the
+  rule reward (`reward.model_path`, `reward.model_weight`, `reward.rule_weight`)
 - `code_reward.py`: verl's code datasets (stdin/stdout, fn_name, asserts) scored through the sandbox, or through a
   SandboxFusion server
 """

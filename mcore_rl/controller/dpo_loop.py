@@ -1,0 +1,159 @@
+"""The offline DPO loop: preference pairs train the Megatron actor against its frozen reference.
+
+    python -m mcore_rl.train --config-name dpo                       # synthetic copy_digit pairs (configs/dpo.yaml)
+    python -m mcore_rl.train --config-name dpo dpo.loss_type=ipo dpo.train_files=[pairs.parquet]
+
+One step:  pairs (prompt, chosen, rejected) -> TrainBatch of interleaved chosen/rejected sequences
+           -> reference logprobs (frozen colocated reference) -> DPO update on the Megatron ranks (actor/dpo_step.py)
+           -> weight sync to the rollout engines -> the policy samples `rollout.n` answers per prompt of this step
+           -> rule reward (its mean is the run's learning curve, measured as for the RL algorithms)
+Each step prints one metrics line (dpo/loss, dpo/rewards_margin, dpo/rewards_accuracy, critic/score/mean ...)
+and the run ends with the same `summary:` line as the RL loop (reward_first / reward_last: 3-step means).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from mcore_rl.actor.batch import TrainBatch
+from mcore_rl.config import RLConfig
+from mcore_rl.controller.producer import RolloutProducer
+from mcore_rl.metrics.logger import SCORE
+
+
+def pairs_to_batch(pairs: list[dict[str, Any]]) -> TrainBatch:
+    """Preference items -> a TrainBatch of 2P sequences [chosen_0, rejected_0, chosen_1, ...] (pairs never split)."""
+    responses = [ids for p in pairs for ids in (p["chosen_ids"], p["rejected_ids"])]
+    longest = max(len(r) for r in responses)
+    tokens = torch.zeros(len(responses), longest, dtype=torch.long)
+    mask = torch.zeros(len(responses), longest)
+    for i, ids in enumerate(responses):
+        tokens[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
+        mask[i, : len(ids)] = 1.0
+    prompts = [list(p["prompt_token_ids"]) for p in pairs for _ in range(2)]
+    return TrainBatch(prompts=prompts, responses=tokens, response_mask=mask)
+
+
+def setup_pairs(cfg: RLConfig) -> tuple[Any, Any, str]:
+    """The tokenizer, the pair loader and the tokenizer's directory; writes the tiny tokenizer and the synthetic
+    preference parquet (data.synthetic_task, data.synthetic_num_prompts pairs) into the run dir when asked."""
+    from transformers import AutoTokenizer
+
+    from mcore_rl.data.dataset import PromptLoader
+    from mcore_rl.data.preference import PreferenceDataset
+    from mcore_rl.data.synthetic import write_synthetic_preferences
+    from mcore_rl.data.tokenizer import build_tiny_tokenizer
+
+    tokenizer_dir = cfg.model.tokenizer or os.path.join(cfg.trainer.run_dir, "tokenizer")
+    tokenizer = (
+        AutoTokenizer.from_pretrained(tokenizer_dir) if cfg.model.tokenizer else build_tiny_tokenizer(tokenizer_dir)
+    )
+    files = list(cfg.dpo.train_files)
+    if not files:
+        path = os.path.join(cfg.trainer.run_dir, f"{cfg.data.synthetic_task}_pairs.parquet")
+        files = [
+            write_synthetic_preferences(path, cfg.data.synthetic_num_prompts, cfg.data.seed, cfg.data.synthetic_task)
+        ]
+    dataset = PreferenceDataset(files, tokenizer, cfg.data.max_prompt_length, cfg.model.max_sequence_length - 1)
+    loader = PromptLoader(dataset, cfg.data.batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    return tokenizer, loader, tokenizer_dir
+
+
+def run_dpo(cfg: RLConfig) -> dict[str, float]:
+    """Run the whole DPO job; returns the summary figures."""
+    import ray
+
+    from mcore_rl.controller.actor_group import ActorGroup
+    from mcore_rl.controller.engine_pool import EnginePool
+    from mcore_rl.controller.samples import reduce_rank_metrics
+    from mcore_rl.controller.weight_sync import WeightSync
+    from mcore_rl.metrics.logger import MetricsLogger
+    from mcore_rl.reward.loader import build_reward_fn
+    from mcore_rl.reward.manager import RewardManager
+
+    os.makedirs(cfg.trainer.run_dir, exist_ok=True)
+    tokenizer, loader, tokenizer_dir = setup_pairs(cfg)
+    reward = RewardManager(
+        build_reward_fn(cfg.reward.path, cfg.reward.name),
+        num_threads=cfg.reward.num_threads,
+        timeout_s=cfg.reward.timeout_s,
+    )
+    if not ray.is_initialized():
+        cpus = cfg.trainer.ray_num_cpus or int(
+            cfg.actor.world_size * cfg.actor.num_cpus_per_rank + cfg.rollout.num_cpus * cfg.rollout.num_engines + 1
+        )
+        ray.init(
+            address=cfg.trainer.ray_address,
+            num_cpus=None if cfg.trainer.ray_address else cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+        )
+    actor = ActorGroup(cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed)
+    engines = None
+    try:
+        hf_config = _hf_config(cfg)
+        engines = EnginePool(
+            cfg.rollout,
+            model=cfg.model.path or hf_config,
+            tokenizer=tokenizer_dir,
+            dtype=cfg.model.dtype,
+            runtime=cfg.trainer.runtime,
+            log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
+        )
+        sync = WeightSync(actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, hf_config)
+        version = 1
+        sync.push(version)
+        log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"))
+        eos = [tokenizer.eos_token_id]
+        start = time.time()
+        for step in range(1, cfg.trainer.steps + 1):
+            timer = log.timer()
+            pairs = next(loader)
+            batch = pairs_to_batch(pairs)
+            batch.tensors["ref_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch, use_ref=True))
+            timer.lap("ref_log_prob")
+            sync.weights_changing()
+            update = reduce_rank_metrics(
+                ActorGroup.gather_dp(actor.call("dpo_update", batch, cfg.dpo.beta, cfg.dpo.loss_type))
+            )
+            timer.lap("update_actor")
+            version += 1
+            engines.wait_for_restarts()
+            sync.push(version)
+            timer.lap("update_weights")
+            metrics: dict[str, float] = dict(update)
+            if all(p["data_source"] is not None and p["ground_truth"] is not None for p in pairs):
+                metrics.update(_score_policy(cfg, engines, reward, tokenizer, pairs, step, eos))
+                timer.lap("gen")
+            log.write(
+                step, {**metrics, "weight_version": version, **{f"timing_s/{k}": v for k, v in timer.laps.items()}}
+            )
+        return log.summary(seconds=time.time() - start)
+    finally:  # also on errors: no engine, router or rank outlives the run
+        actor.shutdown()
+        if engines is not None:
+            engines.shutdown()
+
+
+def _score_policy(  # the RL loop's scoring (controller/producer.py), so both report the same figure
+    cfg: RLConfig, engines: Any, reward: Any, tokenizer: Any, pairs: list[dict[str, Any]], step: int, eos: list[int]
+) -> dict[str, float]:
+    """Sample the just-synced policy on this step's prompts and score the answers with the rule reward."""
+    n = cfg.rollout.n
+    seed = cfg.rollout.seed * 1_000_003 + step * len(pairs) * n
+    samples = engines.generate([p["prompt_token_ids"] for p in pairs], n, seed, eos)
+    scores = RolloutProducer(cfg, None, engines, reward, tokenizer).score(pairs, samples, n)
+    return {SCORE: float(scores.mean())}
+
+
+def _hf_config(cfg: RLConfig) -> dict[str, Any]:
+    if cfg.model.path:
+        import json
+
+        with open(os.path.join(cfg.model.path, "config.json")) as f:
+            return json.load(f)
+    return dict(cfg.model.hf_config)
