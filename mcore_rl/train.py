@@ -55,9 +55,11 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
     from mcore_rl.algorithms import kl_penalty, masked_mean
     from mcore_rl.controller.actor_group import ActorGroup
+    from mcore_rl.controller.advantage_stage import AdvantageStage
+    from mcore_rl.controller.critic_group import CriticGroup
     from mcore_rl.controller.engine_pool import EnginePool
-    from mcore_rl.controller.producer import RolloutProducer
-    from mcore_rl.controller.samples import outcome_advantages, reduce_rank_metrics
+    from mcore_rl.controller.filters import build_producer
+    from mcore_rl.controller.samples import reduce_rank_metrics
     from mcore_rl.controller.state import LoopState
     from mcore_rl.controller.weight_sync import WeightSync
     from mcore_rl.metrics.logger import MetricsLogger
@@ -79,7 +81,10 @@ def run(cfg: RLConfig) -> dict[str, float]:
     )
     if not ray.is_initialized():
         cpus = cfg.trainer.ray_num_cpus or int(
-            cfg.actor.world_size * cfg.actor.num_cpus_per_rank + cfg.rollout.num_cpus * cfg.rollout.num_engines + 1
+            cfg.actor.world_size * cfg.actor.num_cpus_per_rank
+            + cfg.rollout.num_cpus * cfg.rollout.num_engines
+            + cfg.critic.enable * cfg.critic.world_size * cfg.critic.num_cpus_per_rank
+            + 1
         )
         ray.init(
             address=cfg.trainer.ray_address,
@@ -88,8 +93,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
             log_to_driver=True,
         )
     actor = ActorGroup(cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed)
-    engines = None
+    engines = critic = None
     try:
+        critic = CriticGroup(cfg) if cfg.critic.enable else None
         engines = EnginePool(
             cfg.rollout,
             model=_engine_model(cfg),
@@ -103,7 +109,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
         )
         state = LoopState()
         sync.push(state.weight_version)  # the engines start from the actor's weights
-        producer = RolloutProducer(cfg, loader, engines, reward, tokenizer)
+        producer = build_producer(cfg, loader, engines, reward, tokenizer)
+        advantages = AdvantageStage(cfg.algorithm, state.controllers)
         log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), history=state.rewards)
         start = time.time() - state.seconds
 
@@ -115,19 +122,21 @@ def run(cfg: RLConfig) -> dict[str, float]:
             batch.tensors["old_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch))
             if cfg.actor.use_ref:
                 batch.tensors["ref_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch, use_ref=True))
+            if critic is not None:
+                batch.tensors["values"] = critic.values(batch)
             timer.lap("time/logprobs")
 
-            batch.tensors["advantages"] = outcome_advantages(
-                cfg.algorithm, rollouts.scores, batch.response_mask, rollouts.group_ids
-            )
-            sync.weights_changing()  # an engine replaced from here on waits for the next push
-            update = reduce_rank_metrics(ActorGroup.gather_dp(actor.call("update", batch)))
-            timer.lap("time/update")
+            step_metrics = advantages.compute(rollouts)  # rollout correction, KL in reward, the estimator
+            update = critic.update(batch) if critic is not None else {}
+            if critic is None or critic.actor_trains(step):
+                sync.weights_changing()  # an engine replaced from here on waits for the next push
+                update.update(reduce_rank_metrics(ActorGroup.gather_dp(actor.call("update", batch))))
+                timer.lap("time/update")
 
-            state.weight_version += 1
-            engines.wait_for_restarts()
-            sync.push(state.weight_version)
-            timer.lap("time/sync")
+                state.weight_version += 1
+                engines.wait_for_restarts()
+                sync.push(state.weight_version)
+                timer.lap("time/sync")
 
             mask = batch.response_mask
             kl = masked_mean(
@@ -148,7 +157,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
                     "rollout/logprob_abs_diff": float(mismatch),
                     "weight_version": state.weight_version,
                     **rollouts.metrics,
-                    **{k: v for k, v in update.items() if k in _SHOWN},
+                    **step_metrics,
+                    **{k: v for k, v in update.items() if k in _SHOWN or k.startswith("critic/")},
                     **timer.laps,
                 },
             )
@@ -156,6 +166,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
         return log.summary(seconds=time.time() - start)
     finally:  # also on errors: no engine, router or rank outlives the run
         actor.shutdown()
+        if critic is not None:
+            critic.shutdown()
         if engines is not None:
             engines.shutdown()
 

@@ -197,11 +197,19 @@ class EnginePool:
         return ray.get([h.pid.remote() for h in handles])
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], n: int, seed: int | None, stop_token_ids: list[int]) -> list[Sample]:
-        """`n` samples per prompt through the router (prompt-major), with the rollout config's sampling settings."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        seed: int | None,
+        stop_token_ids: list[int],
+        temperature: float | None = None,
+    ) -> list[Sample]:
+        """`n` samples per prompt through the router (prompt-major), with the rollout config's sampling settings
+        (`temperature` overrides the config's: 0 = greedy, ReMax's baseline)."""
         params = {
             "max_new_tokens": self.cfg.max_new_tokens,
-            "temperature": self.cfg.temperature,
+            "temperature": self.cfg.temperature if temperature is None else temperature,
             "top_p": self.cfg.top_p,
             "stop_token_ids": stop_token_ids,
             "skip_special_tokens": False,
