@@ -175,3 +175,32 @@ def test_config_refuses_algorithm_options_by_name(overrides: dict, message: str)
 def test_config_accepts_every_registered_estimator():
     for name in ADVANTAGE_ESTIMATORS:
         _config(algorithm__adv_estimator=name, critic__enable=name == "gae").validate()
+
+
+def _entropy_rank(rank: int, world_size: int, logits: torch.Tensor, vocab_size: int) -> tuple:
+    import torch.distributed as dist
+
+    from mcore_rl.actor.logprobs import vocab_parallel_entropy_grad
+
+    local = logits.chunk(world_size, dim=-1)[rank].clone().requires_grad_(True)
+    entropy = vocab_parallel_entropy_grad(local, vocab_size, dist.group.WORLD)
+    (entropy * torch.arange(1.0, entropy.numel() + 1).view_as(entropy)).sum().backward()
+    return entropy.detach(), local.grad
+
+
+@pytest.mark.slow
+def test_entropy_bonus_gradient_is_exact_under_tensor_parallelism():
+    from mcore_rl.algorithms import entropy_from_logits
+    from mcore_rl.parallel.harness import run_on_ranks
+
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 10)
+    results = run_on_ranks(_entropy_rank, world_size=2, args=(logits, 9))  # column 9 is Megatron's vocab padding
+    full = logits[..., :9].clone().requires_grad_(True)
+    reference = entropy_from_logits(full)
+    (reference * torch.arange(1.0, reference.numel() + 1).view_as(reference)).sum().backward()
+    for entropy, _ in results:
+        torch.testing.assert_close(entropy, reference.detach(), rtol=1e-5, atol=1e-6)
+    grad = torch.cat([g for _, g in results], dim=-1)
+    torch.testing.assert_close(grad[..., :9], full.grad, rtol=1e-5, atol=1e-6)
+    assert grad[..., 9].abs().max() == 0

@@ -92,8 +92,10 @@ def vocab_parallel_entropy_grad(
     """Entropy per position like `vocab_parallel_entropy`, differentiable (the entropy bonus of the policy loss).
 
     The max shift is detached (the entropy does not depend on it, so the gradient is exact) and padded columns are
-    zeroed rather than set to -inf, so the backward never meets 0 * inf. Sums over the TP-split vocabulary use the
-    differentiable all-reduce, whose backward all-reduces the gradient the same way.
+    zeroed rather than set to -inf, so the backward never meets 0 * inf. The sums over the TP-split vocabulary are
+    all-reduced forward and copied backward (Megatron's reduce_from_tensor_model_parallel_region): every TP rank
+    computes the same loss from the reduced sums, so each rank's partial sum gets the loss's gradient once (a
+    differentiable all-reduce would sum it over the ranks, tp times too large).
     """
     tp_size = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
     tp_rank = dist.get_rank(tp_group) if tp_size > 1 else 0
@@ -107,7 +109,7 @@ def vocab_parallel_entropy_grad(
     exp = shifted.exp() * valid
     sums = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])
     if tp_size > 1:
-        from torch.distributed.nn.functional import all_reduce
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-        sums = all_reduce(sums, group=tp_group)
+        sums = reduce_from_tensor_model_parallel_region(sums, group=tp_group)
     return sums[0].log() - sums[1] / sums[0]
