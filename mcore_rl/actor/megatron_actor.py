@@ -325,7 +325,7 @@ class MegatronActor:
             mask,
             clip_ratio_low=cfg.clip_ratio_low,
             clip_ratio_high=cfg.clip_ratio_high,
-            importance_weights=mb.tensors.get("importance_weights"),  # rollout correction (controller/advantages.py)
+            importance_weights=mb.tensors.get("importance_weights"),  # rollout correction: controller/advantage_stage
             **extra,
             loss_agg_mode=cfg.loss_agg_mode,
             max_response_len=mask.shape[1],
