@@ -73,9 +73,12 @@ class AlgorithmProducer(RolloutProducer):
         scores: list[torch.Tensor] = []
         generated: list[torch.Tensor] = []
         rounds = 0
+        laps: dict[str, float] = {}
         while len(prompts) < want and rounds < fg.max_num_gen_batches:
             part = super().produce(step, timer)
             rounds += 1
+            for name in ("time/generate", "time/reward"):  # the laps of every round, not only the last one
+                laps[name] = laps.get(name, 0.0) + timer.laps[name]
             generated.append(part.scores)
             keep = dynamic_sampling_mask(part.scores, part.group_ids)
             for i, prompt in enumerate(part.prompts):
@@ -83,6 +86,7 @@ class AlgorithmProducer(RolloutProducer):
                     prompts.append(prompt)
                     samples.extend(part.samples[i * n : (i + 1) * n])
                     scores.append(part.scores[i * n : (i + 1) * n])
+        timer.laps.update(laps)
         kept = len(prompts)
         if kept < want:
             kept = self._unfilled(kept, want, fg.max_num_gen_batches)
