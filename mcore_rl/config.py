@@ -91,9 +91,9 @@ class OptimConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  #: global gradient-norm clip
 
-    def validate(self) -> None:
-        _check(self.lr > 0, "actor.optim.lr", self.lr, "> 0")
-        _check(self.clip_grad >= 0, "actor.optim.clip_grad", self.clip_grad, ">= 0")
+    def validate(self, prefix: str = "actor.optim") -> None:
+        _check(self.lr > 0, f"{prefix}.lr", self.lr, "> 0")
+        _check(self.clip_grad >= 0, f"{prefix}.clip_grad", self.clip_grad, ">= 0")
 
 
 @dataclass
@@ -120,10 +120,10 @@ class ActorConfig:
     loss_agg_mode: str = "token-mean"
     kl_loss_coef: float = 0.0  #: weight of the KL(policy || ref) loss term (GRPO's kl_loss)
     kl_loss_type: str = "low_var_kl"  #: k1 | k2 | low_var_kl (k3) | abs
-    entropy_coef: float = 0.0  #: entropy bonus weight
-    #: frozen reference model: null = exactly when a KL term uses it (RLConfig.uses_reference: kl_loss_coef > 0);
-    #: true = always (its KL to the policy is then logged as actor/kl_ref although no loss uses it); false = never
-    #: (refused when a KL term needs it). Resolved to true/false by RLConfig.validate
+    entropy_coef: float = 0.0  #: entropy bonus weight: loss -= entropy_coef * aggregated token entropy
+    #: frozen reference model: null = exactly when something uses it (RLConfig.uses_reference: a KL loss, KL in the
+    #: reward, DPO); true = always (its KL to the policy is then logged as actor/kl_ref although no loss uses it);
+    #: false = never (refused when something needs it). Resolved to true/false by RLConfig.validate
     use_ref: bool | None = None
     #: MoE routing replay (verl's router_replay.mode): disabled | R2 (the update replays the routing of the step's
     #: old-logprob forward) | R3 (every policy forward replays the experts the rollout engine routed each token to)
@@ -137,12 +137,17 @@ class ActorConfig:
             _positive("actor.logprob_micro_batch_size", self.logprob_micro_batch_size)
         _check(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", self.clip_ratio_low, "in [0, 1)")
         _check(self.clip_ratio_high >= 0, "actor.clip_ratio_high", self.clip_ratio_high, ">= 0")
+        from mcore_rl.algorithms import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+
         self.optim.validate()
-        modes = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-        _check(self.loss_agg_mode in modes, "actor.loss_agg_mode", self.loss_agg_mode, f"one of {modes}")
-        _check(self.policy_loss in ("ppo", "gspo"), "actor.policy_loss", self.policy_loss, "ppo or gspo")
-        kls = ("k1", "k2", "low_var_kl", "k3", "abs")
-        _check(self.kl_loss_type in kls, "actor.kl_loss_type", self.kl_loss_type, f"one of {kls}")
+        _check(
+            self.loss_agg_mode in LOSS_AGG_MODES, "actor.loss_agg_mode", self.loss_agg_mode, f"one of {LOSS_AGG_MODES}"
+        )
+        _check(
+            self.policy_loss in POLICY_LOSSES, "actor.policy_loss", self.policy_loss, f"one of {tuple(POLICY_LOSSES)}"
+        )
+        _check(self.kl_loss_type in KL_ESTIMATORS, "actor.kl_loss_type", self.kl_loss_type, f"one of {KL_ESTIMATORS}")
+        _check(self.entropy_coef >= 0, "actor.entropy_coef", self.entropy_coef, ">= 0")
         from mcore_rl.actor.router_replay import ROUTER_REPLAY_MODES
 
         _check(
@@ -287,30 +292,142 @@ class SyncConfig:
 
 
 @dataclass
-class AlgorithmConfig:
-    """Advantage estimation."""
+class KLControlConfig:
+    """The coefficient of the in-reward KL penalty (verl's algorithm.kl_ctrl)."""
 
-    adv_estimator: str = "grpo"  #: grpo | rloo | opo | reinforce_plus_plus | reinforce_plus_plus_baseline
-    norm_adv_by_std: bool = True  #: GRPO: divide by the group std (false = Dr.GRPO)
-    gamma: float = 1.0  #: discount (REINFORCE++)
-    lam: float = 1.0  #: GAE lambda (PPO with a critic)
+    type: str = "fixed"  #: fixed | adaptive (Ziegler et al. 2019), algorithms/kl.py's KL_CONTROLLERS
+    kl_coef: float = 0.001  #: the coefficient (the adaptive controller's initial value)
+    target_kl: float = 0.1  #: adaptive: the per-token KL the controller steers towards
+    horizon: int = 10000  #: adaptive: samples over which the coefficient responds
 
     def validate(self) -> None:
-        pending = {"gae": "a critic (PPO)", "remax": "greedy baseline rollouts (ReMax)"}
-        if self.adv_estimator in pending:
-            raise ConfigError(
-                f"algorithm.adv_estimator={self.adv_estimator!r} needs {pending[self.adv_estimator]}, which the RL "
-                f"loop does not run yet; expected one of {OUTCOME_ESTIMATORS}"
-            )
+        from mcore_rl.algorithms import KL_CONTROLLERS
+
+        _check(self.type in KL_CONTROLLERS, "algorithm.kl_ctrl.type", self.type, f"one of {tuple(KL_CONTROLLERS)}")
+        _check(self.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", self.kl_coef, ">= 0")
+        _check(self.target_kl > 0, "algorithm.kl_ctrl.target_kl", self.target_kl, "> 0")
+        _positive("algorithm.kl_ctrl.horizon", self.horizon)
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO dynamic sampling (verl's algorithm.filter_groups): groups whose samples all got the same reward are
+    dropped and more prompts are generated until the batch holds data.batch_size groups."""
+
+    enable: bool = False
+    max_num_gen_batches: int = 10  #: generation rounds (of data.batch_size prompts) per step at most
+    #: when the rounds run out: error (stop the run) | shrink (log a warning, train on the groups found, cut to a
+    #: size the mini-batches and data-parallel ranks divide)
+    on_unfilled: str = "error"
+
+    def validate(self) -> None:
+        _positive("algorithm.filter_groups.max_num_gen_batches", self.max_num_gen_batches)
         _check(
-            self.adv_estimator in OUTCOME_ESTIMATORS,
-            "algorithm.adv_estimator",
-            self.adv_estimator,
-            f"one of {OUTCOME_ESTIMATORS}",
+            self.on_unfilled in ("error", "shrink"),
+            "algorithm.filter_groups.on_unfilled",
+            self.on_unfilled,
+            "error or shrink",
         )
 
 
-OUTCOME_ESTIMATORS = ("grpo", "rloo", "opo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance weights for the rollout/training mismatch (verl's algorithm.rollout_correction), applied to the
+    policy loss; algorithms/mismatch.py."""
+
+    rollout_is: str | None = None  #: token (TIS) | sequence (truncated sequence ratio) | null = off
+    rollout_is_threshold: float = 2.0  #: the truncation cap C of the importance weights
+    rollout_rs: str | None = None  #: rejection (MIS): sequence (summed log-ratio) | geometric (mean) | null = off
+    rollout_rs_threshold: float = 2.0  #: upper bound of the sequence ratio; outside [lower, upper] -> weight 0
+    rollout_rs_threshold_lower: float | None = None  #: lower bound (null = 1 / upper)
+
+    def validate(self) -> None:
+        from mcore_rl.algorithms import IS_LEVELS, RS_LEVELS
+
+        name = "algorithm.rollout_correction"
+        _check(
+            self.rollout_is in (None, *IS_LEVELS), f"{name}.rollout_is", self.rollout_is, f"null or one of {IS_LEVELS}"
+        )
+        _check(
+            self.rollout_rs in (None, *RS_LEVELS), f"{name}.rollout_rs", self.rollout_rs, f"null or one of {RS_LEVELS}"
+        )
+        _check(self.rollout_is_threshold > 0, f"{name}.rollout_is_threshold", self.rollout_is_threshold, "> 0")
+        _check(self.rollout_rs_threshold > 0, f"{name}.rollout_rs_threshold", self.rollout_rs_threshold, "> 0")
+        lower = self.rollout_rs_threshold_lower
+        _check(
+            lower is None or 0 <= lower <= self.rollout_rs_threshold,
+            f"{name}.rollout_rs_threshold_lower",
+            lower,
+            f"null or in [0, rollout_rs_threshold={self.rollout_rs_threshold}]",
+        )
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation and what shapes the reward before it (verl's `algorithm` group)."""
+
+    #: algorithms/advantages.py's ADVANTAGE_ESTIMATORS: grpo | gae (needs critic.enable) | rloo | opo | remax
+    #: (a greedy baseline rollout per prompt) | reinforce_plus_plus | reinforce_plus_plus_baseline
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True  #: GRPO: divide by the group std (false = Dr.GRPO)
+    gamma: float = 1.0  #: discount (GAE, REINFORCE++)
+    lam: float = 1.0  #: GAE lambda (PPO with a critic)
+    use_kl_in_reward: bool = False  #: subtract kl_ctrl.kl_coef * KL(old || ref) per token from the reward
+    kl_penalty: str = "kl"  #: the in-reward KL estimator: algorithms/kl.py's KL_ESTIMATORS
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+
+    def validate(self) -> None:
+        from mcore_rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+
+        known = tuple(ADVANTAGE_ESTIMATORS)
+        _check(self.adv_estimator in known, "algorithm.adv_estimator", self.adv_estimator, f"one of {known}")
+        _check(self.kl_penalty in KL_ESTIMATORS, "algorithm.kl_penalty", self.kl_penalty, f"one of {KL_ESTIMATORS}")
+        _check(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "in [0, 1]")
+        _check(0 <= self.lam <= 1, "algorithm.lam", self.lam, "in [0, 1]")
+        self.kl_ctrl.validate()
+        self.filter_groups.validate()
+        self.rollout_correction.validate()
+
+
+@dataclass
+class CriticConfig:
+    """The PPO critic (algorithm.adv_estimator=gae): a Megatron model of the policy's family whose output layer is a
+    scalar value head, in its own worker group with its own layout, optimizer and learning rate."""
+
+    enable: bool = False  #: start the critic group (required by, and only allowed with, adv_estimator=gae)
+    path: str | None = None  #: HF checkpoint dir of the trunk; null = the policy's (model.path, or its random init)
+    world_size: int = 1  #: number of Megatron ranks of the critic (its own torch.distributed world)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-2))
+    micro_batch_size: int = 16  #: samples per micro-batch on one data-parallel rank (at most)
+    max_tokens_per_microbatch: int | None = None  #: token budget per micro-batch; null = off
+    mini_batches: int = 2  #: optimizer steps per RL step
+    ppo_epochs: int = 1  #: passes over the batch per RL step
+    loss_agg_mode: str = "token-mean"  #: aggregation of the value loss (algorithms/masked.py's LOSS_AGG_MODES)
+    cliprange_value: float | None = 0.5  #: value clipping around the old values (null = no clipping)
+    warmup_steps: int = 0  #: the first steps train only the critic (the policy and the engines stay as they are)
+    num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
+
+    def validate(self) -> None:
+        from mcore_rl.algorithms import LOSS_AGG_MODES
+
+        for name in ("world_size", "micro_batch_size", "mini_batches", "ppo_epochs"):
+            _positive(f"critic.{name}", getattr(self, name))
+        _check(self.warmup_steps >= 0, "critic.warmup_steps", self.warmup_steps, ">= 0")
+        _check(
+            self.cliprange_value is None or self.cliprange_value > 0,
+            "critic.cliprange_value",
+            self.cliprange_value,
+            "null or > 0",
+        )
+        _check(
+            self.loss_agg_mode in LOSS_AGG_MODES, "critic.loss_agg_mode", self.loss_agg_mode, f"one of {LOSS_AGG_MODES}"
+        )
+        self.optim.validate("critic.optim")
+        self.layout.validate()
+        self.layout.to_layout().check_world_size(self.world_size)
 
 
 @dataclass
@@ -338,6 +455,26 @@ class DataConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (verl's reward_model.overlong_buffer), added to the reward: 0 up to
+    rollout.max_new_tokens - len, then a linear ramp down to -penalty_factor at max_new_tokens."""
+
+    enable: bool = False
+    len: int = 4  #: tokens of the ramp before rollout.max_new_tokens
+    penalty_factor: float = 1.0  #: the penalty at the longest response
+
+    def validate(self, max_new_tokens: int) -> None:
+        if self.enable:
+            _check(
+                isinstance(self.len, int) and 0 < self.len <= max_new_tokens,
+                "reward.overlong_buffer.len",
+                self.len,
+                f"in [1, rollout.max_new_tokens={max_new_tokens}]",
+            )
+            _check(self.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor", self.penalty_factor, ">= 0")
+
+
+@dataclass
 class RewardConfig:
     """Reward function (verl's custom_reward_function: path + name), else built-ins by data_source."""
 
@@ -350,6 +487,7 @@ class RewardConfig:
     model_weight: float = 1.0  #: weight of the reward model's score in the per-row sum
     rule_weight: float = 1.0  #: weight of the rule (or user) reward in the per-row sum when a reward model is set
     model_num_cpus: float = 0.0  #: Ray CPUs reserved for the reward-model worker (0: it shares the run's)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
     def validate(self) -> None:
         if self.model_path is not None:
@@ -441,6 +579,7 @@ class RLConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -462,12 +601,18 @@ class RLConfig:
         if self.actor.use_ref is None:
             self.actor.use_ref = self.uses_reference()
         elif self.uses_reference() and not self.actor.use_ref:
+            users = {
+                f"actor.kl_loss_coef={self.actor.kl_loss_coef}": self.actor.kl_loss_coef > 0,
+                "algorithm.use_kl_in_reward=true": self.algorithm.use_kl_in_reward,
+                "trainer.mode=dpo": self.trainer.mode == "dpo",
+            }
             raise ConfigError(
-                f"actor.use_ref=false is invalid with actor.kl_loss_coef={self.actor.kl_loss_coef}: the KL loss "
-                "needs the reference model; expected actor.use_ref=true or null"
+                f"actor.use_ref=false is invalid with {', '.join(k for k, v in users.items() if v)}: it needs the "
+                "reference model; expected actor.use_ref=true or null"
             )
         if self.trainer.mode == "dpo":
             self.check_dpo()
+        self.check_algorithm()
         if self.sync.transport == "tensor" and self.rollout.engine == "sglang" and self.rollout.sglang.nnodes > 1:
             raise ConfigError(
                 "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1: the tensor transport shares memory "
@@ -491,7 +636,7 @@ class RLConfig:
         """Whether a KL term of the objective needs the reference model's logprobs (then the reference pass runs
         every step; otherwise neither the model is built nor the pass run, unless actor.use_ref=true asks). DPO's
         implicit reward is a log-ratio to the reference, so DPO always uses it."""
-        return self.actor.kl_loss_coef > 0 or self.trainer.mode == "dpo"
+        return self.actor.kl_loss_coef > 0 or self.algorithm.use_kl_in_reward or self.trainer.mode == "dpo"
 
     def check_dpo(self) -> None:
         """DPO trains on pairs: each mini-batch's dp shard and each micro-batch must hold whole pairs."""
@@ -505,6 +650,35 @@ class RLConfig:
             self.data.batch_size,
             f"pairs per step divisible by actor.mini_batches x dp = {self.actor.mini_batches * dp}",
         )
+
+    def check_algorithm(self) -> None:
+        """The algorithm's cross-group requirements: a critic exactly for GAE, reward shaping within the response
+        length, mini-batches that divide the critic's batch too."""
+        critic = self.critic
+        if self.algorithm.adv_estimator == "gae" and not critic.enable:
+            raise ConfigError(
+                "algorithm.adv_estimator='gae' needs a critic: expected critic.enable=true (and optionally "
+                "critic.world_size, critic.layout, critic.optim.lr, critic.path)"
+            )
+        if critic.enable:
+            _check(
+                self.algorithm.adv_estimator == "gae",
+                "critic.enable",
+                critic.enable,
+                f"false with algorithm.adv_estimator={self.algorithm.adv_estimator!r} (only gae reads the critic)",
+            )
+            critic.validate()
+            total = self.data.batch_size * self.rollout.n
+            dp = critic.layout.to_layout().dp(critic.world_size)
+            _check(
+                total % (critic.mini_batches * dp) == 0,
+                "critic.mini_batches",
+                critic.mini_batches,
+                f"a divisor of data.batch_size*rollout.n/dp = {total}/{dp}",
+            )
+        if self.algorithm.use_kl_in_reward:
+            _check(self.actor.use_ref, "actor.use_ref", self.actor.use_ref, "true with algorithm.use_kl_in_reward")
+        self.reward.overlong_buffer.validate(self.rollout.max_new_tokens)
 
     def check_model(self) -> None:
         """Refuse an unknown model_type or a layout that does not divide the model, before any process starts."""
@@ -533,6 +707,8 @@ class RLConfig:
             )
             _check(self.actor.layout.cp == 1, "actor.router_replay_mode", mode, "'disabled' with actor.layout.cp > 1")
             _check(self.trainer.mode == "rl", "actor.router_replay_mode", mode, "'disabled' for trainer.mode=dpo")
+        if self.critic.enable:
+            self.critic.layout.to_layout().validate(self.critic.world_size, family.shape(hf))
 
 
 def register_schema() -> None:

@@ -57,9 +57,11 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
     from mcore_rl._quiet import quiet_process, ray_init_kwargs
     from mcore_rl.controller.actor_group import ActorGroup
+    from mcore_rl.controller.advantage_stage import AdvantageStage
+    from mcore_rl.controller.critic_group import CriticGroup
     from mcore_rl.controller.engine_pool import EnginePool
-    from mcore_rl.controller.producer import RolloutProducer
-    from mcore_rl.controller.samples import outcome_advantages, reduce_rank_metrics
+    from mcore_rl.controller.filters import build_producer
+    from mcore_rl.controller.samples import reduce_rank_metrics
     from mcore_rl.controller.state import LoopState
     from mcore_rl.controller.validation import Validator
     from mcore_rl.controller.weight_sync import WeightSync
@@ -84,7 +86,10 @@ def run(cfg: RLConfig) -> dict[str, float]:
     quiet_process()
     if not ray.is_initialized():
         cpus = cfg.trainer.ray_num_cpus or int(
-            cfg.actor.world_size * cfg.actor.num_cpus_per_rank + cfg.rollout.num_cpus * cfg.rollout.num_engines + 1
+            cfg.actor.world_size * cfg.actor.num_cpus_per_rank
+            + cfg.rollout.num_cpus * cfg.rollout.num_engines
+            + cfg.critic.enable * cfg.critic.world_size * cfg.critic.num_cpus_per_rank
+            + 1
         )
         ray.init(
             address=cfg.trainer.ray_address,
@@ -94,8 +99,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
             **ray_init_kwargs(),
         )
     actor = ActorGroup(cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed)
-    engines = None
+    engines = critic = None
     try:
+        critic = CriticGroup(cfg) if cfg.critic.enable else None
         engines = EnginePool(
             cfg.rollout,
             model=_engine_model(cfg),
@@ -109,7 +115,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
         )
         state = LoopState()
         sync.push(state.weight_version)  # the engines start from the actor's weights
-        producer = RolloutProducer(cfg, loader, engines, reward, tokenizer)
+        producer = build_producer(cfg, loader, engines, reward, tokenizer)
+        advantages = AdvantageStage(cfg.algorithm, state.controllers)
         log = MetricsLogger(
             os.path.join(cfg.trainer.run_dir, "metrics.jsonl"),
             history=state.rewards,
@@ -131,19 +138,24 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
             batch.tensors.update(actor.logprobs(batch, with_ref=cfg.actor.use_ref))  # old (+ ref): one call
             timer.lap("old_log_prob")
+            if critic is not None:
+                batch.tensors["values"] = critic.values(batch)
+                timer.lap("values")
 
-            batch.tensors["advantages"] = outcome_advantages(
-                cfg.algorithm, rollouts.scores, batch.response_mask, rollouts.group_ids
-            )
+            adv_metrics = advantages.compute(rollouts)  # rollout correction, KL in reward, the estimator
             timer.lap("adv")
-            sync.weights_changing()  # an engine replaced from here on waits for the next push
-            update = reduce_rank_metrics(ActorGroup.gather_dp(actor.call("update", batch)))
-            timer.lap("update_actor")
+            update = critic.update(batch) if critic is not None else {}
+            if critic is not None:
+                timer.lap("update_critic")
+            if critic is None or critic.actor_trains(step):
+                sync.weights_changing()  # an engine replaced from here on waits for the next push
+                update.update(reduce_rank_metrics(ActorGroup.gather_dp(actor.call("update", batch))))
+                timer.lap("update_actor")
 
-            state.weight_version += 1
-            engines.wait_for_restarts()
-            sync.push(state.weight_version)
-            timer.lap("update_weights")
+                state.weight_version += 1
+                engines.wait_for_restarts()
+                sync.push(state.weight_version)
+                timer.lap("update_weights")
             if validator is not None and validator.due(step, cfg.trainer.steps):
                 rollouts.metrics.update(validator.run(seed=step))
                 timer.lap("testing")
@@ -152,11 +164,13 @@ def run(cfg: RLConfig) -> dict[str, float]:
                 batch, rollouts.scores, update, timer.laps, max_response_length=cfg.rollout.max_new_tokens,
                 actor_ranks=cfg.actor.world_size, flops=flops,
             )  # fmt: skip
-            log.write(step, {**metrics, "weight_version": state.weight_version, **rollouts.metrics})
+            log.write(step, {**metrics, "weight_version": state.weight_version, **rollouts.metrics, **adv_metrics})
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
         return log.summary(seconds=time.time() - start)
     finally:  # also on errors: no engine, router or rank outlives the run
         actor.shutdown()
+        if critic is not None:
+            critic.shutdown()
         if engines is not None:
             engines.shutdown()
 

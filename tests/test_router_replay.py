@@ -68,7 +68,9 @@ def near_tie_setup(tmp_path_factory):
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     actor = ActorGroup(
         ModelConfig(hf_config=dict(HF)),
-        ActorConfig(world_size=2, layout=LayoutConfig(ep=2), router_replay_mode="R3", use_ref=True, num_cpus_per_rank=1),
+        ActorConfig(
+            world_size=2, layout=LayoutConfig(ep=2), router_replay_mode="R3", use_ref=True, num_cpus_per_rank=1
+        ),
         "cpu",
     )
     rollout = RolloutConfig(num_engines=2, num_cpus=0.5, max_new_tokens=6, temperature=1.0)

@@ -119,7 +119,7 @@ def test_tensorboard_event_files_of_a_run_are_readable(short_default_job):
         (["model.hf_config.model_type=gpt_neox"], "unsupported model_type 'gpt_neox'; supported: "),
         (["rollout.top_p=1.5"], "rollout.top_p=1.5 is invalid: expected in (0, 1]"),
         (["model.path=/nonexistent"], "config.json does not exist"),
-        (["algorithm.adv_estimator=gae"], "needs a critic (PPO), which the RL loop does not run yet"),
+        (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator='gae' needs a critic: expected critic.enable=true"),
         (["rollout.engine=sglang"], "rollout.engine=sglang cannot run here: "),
         (["rollout.router_policy=fastest"], "rollout.router_policy='fastest' is invalid: expected one of"),
         (["rollout.sglang.ep=3", "rollout.sglang.tp=8"], "rollout.sglang.ep=3 is invalid: expected a divisor"),

@@ -84,3 +84,32 @@ def vocab_parallel_entropy(
     # H = log Z - sum p z (shifted), with padded columns contributing 0 (exp = 0, and 0 * -inf avoided by where).
     pz = _reduce(torch.where(valid, exp * shifted, 0.0).sum(dim=-1), dist.ReduceOp.SUM, tp_group, tp_size)
     return sum_exp.log() - pz / sum_exp
+
+
+def vocab_parallel_entropy_grad(
+    logits: torch.Tensor, vocab_size: int, tp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Entropy per position like `vocab_parallel_entropy`, differentiable (the entropy bonus of the policy loss).
+
+    The max shift is detached (the entropy does not depend on it, so the gradient is exact) and padded columns are
+    zeroed rather than set to -inf, so the backward never meets 0 * inf. The sums over the TP-split vocabulary are
+    all-reduced forward and copied backward (Megatron's reduce_from_tensor_model_parallel_region): every TP rank
+    computes the same loss from the reduced sums, so each rank's partial sum gets the loss's gradient once (a
+    differentiable all-reduce would sum it over the ranks, tp times too large).
+    """
+    tp_size = dist.get_world_size(tp_group) if tp_group is not None and dist.is_initialized() else 1
+    tp_rank = dist.get_rank(tp_group) if tp_size > 1 else 0
+    logits = logits.float()
+    valid = (torch.arange(logits.shape[-1], device=logits.device) + tp_rank * logits.shape[-1]) < vocab_size
+    with torch.no_grad():
+        zmax = _reduce(
+            logits.masked_fill(~valid, float("-inf")).max(dim=-1).values, dist.ReduceOp.MAX, tp_group, tp_size
+        )
+    shifted = logits.masked_fill(~valid, 0.0) - zmax.unsqueeze(-1)
+    exp = shifted.exp() * valid
+    sums = torch.stack([exp.sum(dim=-1), (exp * shifted).sum(dim=-1)])
+    if tp_size > 1:
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        sums = reduce_from_tensor_model_parallel_region(sums, group=tp_group)
+    return sums[0].log() - sums[1] / sums[0]

@@ -1,8 +1,11 @@
-"""One rank of the Megatron actor: policy (with Megatron's DDP and optimizer) and a frozen colocated reference.
+"""One rank of a Megatron worker group. The role is a parameter: "actor" (policy with Megatron's DDP and optimizer, and
+a frozen colocated reference) or "critic" (the same family's model with a scalar value head, actor/value_head.py, its
+own layout, optimizer and LR). Each group is its own torch.distributed world, so the critic's layout is its own.
 
 Every rank of the actor group runs the same calls in step (the controller calls them together through Ray):
 
     logprobs(batch)   -> forward through Megatron's pipeline schedule, per-token logprobs of the responses
+    values(batch)     -> critic: per-token values V(s_t) of the responses
     update(batch)     -> PPO-clip / GRPO loss over mini-batches, backward, finalize grads, optimizer step
     sync_send(...)    -> this rank's part of the weight-sync plan: TP/ETP gather per bucket, HF layout, to the
                          engines (actor/sync_sender.py, resharding/sync/)
@@ -22,9 +25,9 @@ from typing import Any
 import torch
 
 from mcore_rl.actor.batch import MicroBatch, TrainBatch, micro_batches
-from mcore_rl.actor.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
+from mcore_rl.actor.logprobs import vocab_parallel_entropy, vocab_parallel_entropy_grad, vocab_parallel_logprobs
 from mcore_rl.actor.schedule import run_schedule
-from mcore_rl.algorithms import get_policy_loss, kl_loss
+from mcore_rl.algorithms import aggregate_loss, get_policy_loss, kl_loss
 from mcore_rl.config import ActorConfig, ModelConfig
 from mcore_rl.models.base import HFConfig
 from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
@@ -35,6 +38,8 @@ from mcore_rl.resharding.weight_map import WeightMapError, load_hf_weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: loss metric -> the name verl logs it under (actor/pg_clipfrac ...), where the two differ
 _VERL_NAMES = {"clip_frac": "pg_clipfrac", "clip_frac_lower": "pg_clipfrac_lower"}
+ROLES = ("actor", "critic")
+"""What a worker group can be: the policy (with its frozen reference) or the PPO critic."""
 
 
 @dataclass
@@ -58,10 +63,14 @@ class MegatronActor:
         actor_cfg: ActorConfig,
         runtime: str = "cpu",
         seed: int = 0,
+        role: str = "actor",
     ) -> None:
+        """`actor_cfg` is the role's config: ActorConfig ("actor") or CriticConfig ("critic")."""
+        if role not in ROLES:
+            raise ValueError(f"unknown worker role {role!r}; known: {', '.join(ROLES)}")
         torch.set_num_threads(int(os.environ.get("MCORE_RL_THREADS_PER_RANK", "1")))
         self.rank, self.world_size, self.runtime, self.seed = rank, world_size, runtime, seed
-        self.cfg, self.model_cfg = actor_cfg, model_cfg
+        self.cfg, self.model_cfg, self.role = actor_cfg, model_cfg, role
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This rank's node address and a port free on it: asked of rank 0, which hosts torch.distributed's store."""
@@ -93,8 +102,13 @@ class MegatronActor:
         # Megatron's forked RNG streams must still agree across DP (broadcast_params below makes sure of it).
         torch.manual_seed(model_cfg.init_seed + 100 * self.pg.pp.rank())
         self.chunks, self.contexts = build_gpt_chunks(self.spec, self.pg)
-        if model_cfg.path:
-            self._load_hf(model_cfg.path)
+        path = (getattr(actor_cfg, "path", None) or model_cfg.path) if self.role == "critic" else model_cfg.path
+        if path:
+            self._load_hf(path)
+        if self.role == "critic":
+            from mcore_rl.actor.value_head import attach_value_heads
+
+            attach_value_heads(self.chunks, self.pg, seed=model_cfg.init_seed + 7)
         self._wrap_ddp_and_optimizer()
         self.routing = None  # actor/router_replay.py: R2 / R3 routing replay of the policy's forwards
         if actor_cfg.router_replay_mode != "disabled":
@@ -103,7 +117,7 @@ class MegatronActor:
             driver = RouterReplayDriver(self.ddp_chunks, self.pg.tp, self.layout.sequence_parallel)
             self.routing = ActorRouting(actor_cfg.router_replay_mode, driver, hf.req("num_hidden_layers"), self.pg.dp)
         self.ref_chunks: list[torch.nn.Module] = []
-        if actor_cfg.use_ref:
+        if self.role == "actor" and actor_cfg.use_ref:
             self.ref_chunks, _ = build_gpt_chunks(self.spec, self.pg)
             for ref, policy in zip(self.ref_chunks, self.chunks):
                 ref.load_state_dict(policy.state_dict())
@@ -255,6 +269,24 @@ class MegatronActor:
         return torch.cat([o["logprobs"] for o in outputs]) if outputs else None
 
     @torch.no_grad()
+    def values(self, batch: TrainBatch) -> RankResult:
+        """Critic: per-token values [B_dp, R] of this rank's dp shard (0 on padding)."""
+        from mcore_rl.actor.value_head import response_values
+
+        for chunk in self.ddp_chunks:
+            chunk.eval()
+        shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
+        mbs, seq_len = micro_batches(
+            shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch
+        )
+
+        def loss_fn(mb: MicroBatch, output: torch.Tensor):
+            return output.new_zeros(()), {"values": response_values(output, mb.gather_index) * mb.response_mask}
+
+        outputs = self._run_schedule(self.ddp_chunks, mbs, seq_len, loss_fn, forward_only=True)
+        return self._result(torch.cat([o["values"] for o in outputs]) if outputs else None)
+
+    @torch.no_grad()
     def forward_logits(self, tokens: torch.Tensor) -> RankResult:
         """Full-vocabulary logits [B_dp, T, vocab] of this rank's dp shard of `tokens` (TP-gathered, padding trimmed).
 
@@ -340,6 +372,8 @@ class MegatronActor:
                 scale = dp_size * len(mbs)
 
                 def loss_fn(mb: MicroBatch, logits: torch.Tensor, denominator=denominator, scale=scale):
+                    if self.role == "critic":
+                        return self._value_loss(mb, logits, denominator, scale)
                     return self._policy_loss(mb, logits, denominator, scale)
 
                 for chunk in self.ddp_chunks:
@@ -348,8 +382,8 @@ class MegatronActor:
                 outputs = self._run_schedule(self.ddp_chunks, mbs, seq_len, loss_fn, forward_only=False)
                 ok, grad_norm, _ = self.optimizer.step()
                 metrics = _sum_metrics(outputs)
-                metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
-                metrics["actor/update_ok"] = float(bool(ok))
+                metrics[f"{self.role}/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
+                metrics[f"{self.role}/update_ok"] = float(bool(ok))
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
@@ -363,6 +397,13 @@ class MegatronActor:
 
         return self._result(dpo_update(self, batch, beta, loss_type))
 
+    def _value_loss(self, mb: MicroBatch, output: torch.Tensor, denominator: float, scale: float):
+        from mcore_rl.actor.value_head import critic_loss, response_values
+
+        values = response_values(output, mb.gather_index)
+        loss, metrics = critic_loss(self.cfg, values, mb.tensors, mb.response_mask, denominator)
+        return loss * scale, metrics
+
     def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor, denominator: float, scale: float):
         cfg = self.cfg
         logp = self._response_logprobs(mb, logits)
@@ -375,6 +416,7 @@ class MegatronActor:
             mask,
             clip_ratio_low=cfg.clip_ratio_low,
             clip_ratio_high=cfg.clip_ratio_high,
+            importance_weights=mb.tensors.get("importance_weights"),  # rollout correction: controller/advantage_stage
             **extra,
             loss_agg_mode=cfg.loss_agg_mode,
             max_response_len=mask.shape[1],
@@ -402,8 +444,14 @@ class MegatronActor:
             metrics["actor/kl_loss"] = float(kl.detach()) * denominator
             if cfg.kl_loss_coef:
                 loss = loss + cfg.kl_loss_coef * kl
-        entropy = vocab_parallel_entropy(logits, self.vocab_size, self.pg.tp).gather(1, mb.gather_index)
-        metrics["actor/entropy"] = float((entropy * mask).sum())
+        if cfg.entropy_coef:  # the bonus: maximise the aggregated token entropy
+            entropy = vocab_parallel_entropy_grad(logits, self.vocab_size, self.pg.tp).gather(1, mb.gather_index)
+            loss = loss - cfg.entropy_coef * aggregate_loss(
+                entropy, mask, cfg.loss_agg_mode, max_response_len=mask.shape[1], denominator=denominator
+            )
+        else:
+            entropy = vocab_parallel_entropy(logits, self.vocab_size, self.pg.tp).gather(1, mb.gather_index)
+        metrics["actor/entropy"] = float((entropy.detach() * mask).sum())
         metrics["_tokens"] = weight
         return loss * scale, metrics
 

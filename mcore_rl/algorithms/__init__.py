@@ -26,6 +26,7 @@ from mcore_rl.algorithms.advantages import (
 )
 from mcore_rl.algorithms.dapo import dynamic_sampling_mask, soft_overlong_penalty
 from mcore_rl.algorithms.kl import (
+    KL_CONTROLLERS,
     KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
@@ -52,13 +53,20 @@ from mcore_rl.algorithms.masked import (
     masked_whiten,
 )
 from mcore_rl.algorithms.mismatch import (
+    IS_LEVELS,
+    RS_LEVELS,
     mismatch_metrics,
+    rollout_correction,
     sequence_masked_importance_weights,
+    sequence_truncated_importance_weights,
     truncated_importance_weights,
 )
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "IS_LEVELS",
+    "KL_CONTROLLERS",
+    "RS_LEVELS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -90,7 +98,9 @@ __all__ = [
     "reinforce_plus_plus_baseline_advantages",
     "remax_advantages",
     "rloo_advantages",
+    "rollout_correction",
     "sequence_masked_importance_weights",
+    "sequence_truncated_importance_weights",
     "soft_overlong_penalty",
     "truncated_importance_weights",
     "value_loss",

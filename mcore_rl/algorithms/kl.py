@@ -140,3 +140,7 @@ class AdaptiveKLController:
         """Move `value` towards the coefficient that keeps KL at `target`."""
         proportional_error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + proportional_error * n_steps / self.horizon
+
+
+# Keys are verl's `algorithm.kl_ctrl.type` names.
+KL_CONTROLLERS: dict[str, type] = {"fixed": FixedKLController, "adaptive": AdaptiveKLController}

@@ -103,3 +103,78 @@ def _check_tok(old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor) ->
             f"old_logp {tuple(old_logp.shape)}, rollout_logp {tuple(rollout_logp.shape)} and response_mask "
             f"{tuple(response_mask.shape)} must have one shape"
         )
+
+
+def sequence_truncated_importance_weights(
+    old_logp: Tensor, rollout_logp: Tensor, response_mask: Tensor, *, cap: float = 2.0
+) -> Tensor:
+    """Sequence-level truncated IS: w_{i,t} = min(exp(sum_t (old_logp - rollout_logp)), C) on every token of i.
+
+    The product of the token ratios is the exact sequence importance weight; truncating it (instead of each token's)
+    keeps the correlation of a sequence's tokens. [batch, response_len], 0 on masked positions, detached.
+    """
+    if cap <= 0:
+        raise ValueError(f"sequence IS cap must be positive, got {cap}")
+    _check_tok(old_logp, rollout_logp, response_mask)
+    seq_log_ratio = masked_sum((old_logp - rollout_logp).detach(), response_mask, dim=-1)
+    return torch.exp(seq_log_ratio.clamp(max=math.log(cap))).unsqueeze(-1) * response_mask
+
+
+# verl's algorithm.rollout_correction.rollout_is / rollout_rs values.
+IS_LEVELS: tuple[str, ...] = ("token", "sequence")
+RS_LEVELS: tuple[str, ...] = ("sequence", "geometric")
+
+
+def rollout_correction(
+    old_logp: Tensor,
+    rollout_logp: Tensor,
+    response_mask: Tensor,
+    *,
+    rollout_is: str | None = None,
+    rollout_is_threshold: float = 2.0,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: float = 2.0,
+    rollout_rs_threshold_lower: float | None = None,
+) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """The policy loss's importance weights for the rollout/training mismatch, and the mismatch metrics.
+
+        rollout_is="token":     TIS, per-token min(ratio, C)                    (truncated_importance_weights)
+        rollout_is="sequence":  min(sequence ratio, C) on every token          (sequence_truncated_importance_weights)
+        rollout_rs="sequence" / "geometric": sequences whose summed / mean-per-token ratio leaves [lower, upper]
+                                get weight 0 (sequence_masked_importance_weights); kept ones keep their IS weight
+    Returns (weights [batch, response_len] or None when both are off, metrics). Metrics always include
+    `mismatch_metrics` plus `mismatch_log_ratio_mean` / `_max`; with IS, `is_truncated_frac` (tokens whose
+    weight the cap cut); with RS, `rs_masked_frac` (non-empty sequences rejected).
+    """
+    _check_tok(old_logp, rollout_logp, response_mask)
+    log_ratio = (old_logp - rollout_logp).detach()
+    metrics = mismatch_metrics(old_logp, rollout_logp, response_mask)
+    metrics["mismatch_log_ratio_mean"] = masked_mean(log_ratio, response_mask)
+    metrics["mismatch_log_ratio_max"] = log_ratio.masked_fill(response_mask == 0, float("-inf")).max()
+    weights = None
+    if rollout_is == "token":
+        weights = truncated_importance_weights(old_logp, rollout_logp, response_mask, cap=rollout_is_threshold)
+        cut = (log_ratio > math.log(rollout_is_threshold)).to(log_ratio.dtype)
+        metrics["is_truncated_frac"] = masked_mean(cut, response_mask)
+    elif rollout_is == "sequence":
+        weights = sequence_truncated_importance_weights(old_logp, rollout_logp, response_mask, cap=rollout_is_threshold)
+        seq_cut = (masked_sum(log_ratio, response_mask, dim=-1) > math.log(rollout_is_threshold)).to(log_ratio.dtype)
+        metrics["is_truncated_frac"] = masked_mean(seq_cut, (response_mask.sum(-1) > 0).to(log_ratio.dtype))
+    elif rollout_is is not None:
+        raise ValueError(f"unknown rollout_is {rollout_is!r}; known: {', '.join(IS_LEVELS)}")
+    if rollout_rs is not None:
+        if rollout_rs not in RS_LEVELS:
+            raise ValueError(f"unknown rollout_rs {rollout_rs!r}; known: {', '.join(RS_LEVELS)}")
+        rs = sequence_masked_importance_weights(
+            old_logp,
+            rollout_logp,
+            response_mask,
+            upper=rollout_rs_threshold,
+            lower=rollout_rs_threshold_lower,
+            geometric=rollout_rs == "geometric",
+        )
+        keep = (rs.sum(-1) > 0).to(log_ratio.dtype)
+        non_empty = (response_mask.sum(-1) > 0).to(log_ratio.dtype)
+        metrics["rs_masked_frac"] = masked_mean(1.0 - keep, non_empty)
+        weights = (weights if weights is not None else response_mask.to(log_ratio.dtype)) * keep.unsqueeze(-1)
+    return weights, metrics

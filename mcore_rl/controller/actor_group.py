@@ -1,12 +1,14 @@
-"""The Megatron actor ranks as Ray actors that form one torch.distributed group.
+"""A Megatron worker group: N ranks as Ray actors that form their own torch.distributed world.
 
-    group = ActorGroup(cfg.model, cfg.actor, runtime="cpu")
+    group = ActorGroup(cfg.model, cfg.actor, runtime="cpu")                  # the policy (+ frozen reference)
+    critic = ActorGroup(cfg.model, cfg.critic, runtime="cpu", role="critic")  # the same worker as a critic
     results = group.call("logprobs", batch)          # every rank, in step
     logp = group.gather_dp(results)                   # outputs concatenated in data-parallel order
 
 Rank 0's Ray actor names the rendezvous address (its own node IP and a free port there); every rank then joins it.
 Ray runs a synchronous actor's methods one at a time on one thread, so every rank enters each collective in the same
-order.
+order. Every group is separate processes with its own rendezvous, so each builds Megatron's process groups for its own
+layout (the critic's TP/PP/EP need not be the actor's).
 """
 
 from __future__ import annotations
@@ -17,17 +19,26 @@ import ray
 import torch
 
 from mcore_rl.actor.megatron_actor import MegatronActor, RankResult
-from mcore_rl.config import ActorConfig, ModelConfig
+from mcore_rl.config import ActorConfig, CriticConfig, ModelConfig
 
 
 class ActorGroup:
-    """N Ray actors, one Megatron rank each."""
+    """N Ray actors, one Megatron rank each, all of one role (megatron_actor.ROLES)."""
 
-    def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, runtime: str, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        actor_cfg: ActorConfig | CriticConfig,
+        runtime: str,
+        seed: int = 0,
+        role: str = "actor",
+    ) -> None:
         world = actor_cfg.world_size
         num_gpus = 1 if runtime == "cuda" else 0
         remote_cls = ray.remote(MegatronActor).options(num_cpus=actor_cfg.num_cpus_per_rank, num_gpus=num_gpus)
-        self.handles = [remote_cls.remote(rank, world, model_cfg, actor_cfg, runtime, seed) for rank in range(world)]
+        self.handles = [
+            remote_cls.remote(rank, world, model_cfg, actor_cfg, runtime, seed, role) for rank in range(world)
+        ]
         # Rank 0 hosts torch.distributed's TCP store, so the address must be its own node's, asked of rank 0 itself
         # (Ray places actors on any node with room).
         addr, port = ray.get(self.handles[0].rendezvous_address.remote())

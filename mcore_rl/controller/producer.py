@@ -35,6 +35,7 @@ class Rollouts:
     batch: TrainBatch
     group_ids: torch.Tensor  #: [B*n] prompt index of each sample
     metrics: dict[str, float] = field(default_factory=dict)
+    baseline_scores: torch.Tensor | None = None  #: [B*n] ReMax: the reward of a greedy rollout of each prompt
 
 
 class RolloutProducer:

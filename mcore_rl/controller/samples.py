@@ -7,8 +7,6 @@ from collections.abc import Sequence
 import torch
 
 from mcore_rl.actor.batch import TrainBatch
-from mcore_rl.algorithms import compute_advantages, outcome_to_token_rewards
-from mcore_rl.config import AlgorithmConfig
 from mcore_rl.rollout import Sample
 
 
@@ -38,23 +36,6 @@ def samples_to_batch(samples: Sequence[Sample], n: int) -> tuple[TrainBatch, tor
         batch.tensors[ROUTED_EXPERTS] = routing_tensor([s.routed_experts for s in samples], lengths, layers, top_k)
     group_ids = torch.arange(len(samples)) // n
     return batch, group_ids
-
-
-def outcome_advantages(
-    cfg: AlgorithmConfig, rewards: torch.Tensor, response_mask: torch.Tensor, group_ids: torch.Tensor
-) -> torch.Tensor:
-    """Token-level advantages [B, R] from sequence rewards, for the estimators that need no critic."""
-    name = cfg.adv_estimator
-    if name == "grpo":
-        out = compute_advantages(
-            name, rewards=rewards, response_mask=response_mask, group_ids=group_ids, norm_by_std=cfg.norm_adv_by_std
-        )
-    elif name == "reinforce_plus_plus":
-        token_rewards = outcome_to_token_rewards(rewards, response_mask)
-        out = compute_advantages(name, token_level_rewards=token_rewards, response_mask=response_mask, gamma=cfg.gamma)
-    else:
-        out = compute_advantages(name, rewards=rewards, response_mask=response_mask, group_ids=group_ids)
-    return out.advantages
 
 
 def reduce_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -1,0 +1,124 @@
+"""From a scored batch with old/ref logprobs (and critic values) to what the update reads: advantages, critic returns
+and rollout-correction weights.
+
+    stage = AdvantageStage(cfg.algorithm, state.controllers)     # the KL controller's state lives in the loop state
+    metrics = stage.compute(rollouts)        # fills batch.tensors: advantages, returns (critic), importance_weights
+
+    old vs rollout logprobs -> rollout correction (TIS / MIS weights, mismatch metrics)      algorithms/mismatch.py
+    scores -> token rewards (outcome on the last token) -> - kl_coef * KL(old || ref)        algorithms/kl.py
+           -> the estimator named by algorithm.adv_estimator                                 algorithms/advantages.py
+
+Estimators are called by the names of their parameters (rewards, token_level_rewards, values, baseline_rewards,
+group_ids, gamma, lam, norm_by_std), so every entry of ADVANTAGE_ESTIMATORS runs without a per-name branch here.
+Outcome estimators see the sequence reward as the sum of the token rewards, so the in-reward KL reaches them too
+(as in verl).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from mcore_rl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    compute_advantages,
+    outcome_to_token_rewards,
+    rollout_correction,
+)
+from mcore_rl.config import AlgorithmConfig
+from mcore_rl.controller.producer import Rollouts
+
+KL_STATE = "kl_ctrl"
+"""The key of the in-reward KL controller's state in LoopState.controllers."""
+
+
+class AdvantageStage:
+    """Advantages for one step's batch; holds the in-reward KL controller (its coefficient is checkpointed)."""
+
+    def __init__(self, cfg: AlgorithmConfig, controllers: dict[str, Any]) -> None:
+        """`controllers` is LoopState.controllers: a resumed run continues with the saved coefficient."""
+        self.cfg, self.controllers = cfg, controllers
+        self.kl_ctrl: FixedKLController | AdaptiveKLController | None = None
+        if cfg.use_kl_in_reward:
+            k = cfg.kl_ctrl
+            value = controllers.get(KL_STATE, {}).get("kl_coef", k.kl_coef)
+            if k.type == "adaptive":
+                self.kl_ctrl = AdaptiveKLController(value=value, target=k.target_kl, horizon=k.horizon)
+            else:
+                self.kl_ctrl = FixedKLController(value=value)
+
+    def compute(self, rollouts: Rollouts) -> dict[str, float]:
+        """Fill `rollouts.batch.tensors` (advantages; returns when there are values; importance_weights when rollout
+        correction is on) and return the step's metrics."""
+        batch = rollouts.batch
+        tensors, mask = batch.tensors, batch.response_mask
+        metrics: dict[str, float] = {}
+
+        weights, corr = rollout_correction(
+            tensors["old_logprobs"], tensors["rollout_logprobs"], mask, **asdict(self.cfg.rollout_correction)
+        )
+        if weights is not None:
+            tensors["importance_weights"] = weights
+        metrics.update({f"rollout_corr/{k}": float(v) for k, v in corr.items()})
+
+        token_rewards = outcome_to_token_rewards(rollouts.scores, mask)
+        if self.kl_ctrl is not None:
+            token_rewards, kl = apply_kl_penalty(
+                token_rewards,
+                tensors["old_logprobs"],
+                tensors["ref_logprobs"],
+                mask,
+                kl_coef=self.kl_ctrl.value,
+                kind=self.cfg.kl_penalty,
+            )
+            metrics["actor/reward_kl_penalty"] = float(kl["kl_token_mean"])
+            metrics["actor/reward_kl_penalty_coeff"] = self.kl_ctrl.value
+            self.kl_ctrl.update(float(kl["kl_token_mean"]), n_steps=batch.size)
+            self.controllers[KL_STATE] = {"kl_coef": self.kl_ctrl.value}
+
+        # Outcome estimators: the sequence reward is the sum of the token rewards once the KL penalty is in them.
+        rewards = rollouts.scores if self.kl_ctrl is None else token_rewards.sum(dim=-1)
+        out = estimate(
+            self.cfg, rewards, token_rewards, mask, rollouts.group_ids, tensors.get("values"), rollouts.baseline_scores
+        )
+        tensors["advantages"] = out.advantages
+        if "values" in tensors:
+            tensors["returns"] = out.returns
+            metrics["critic/values/mean"] = float((tensors["values"] * mask).sum() / mask.sum().clamp_min(1))
+            metrics["critic/returns/mean"] = float((out.returns * mask).sum() / mask.sum().clamp_min(1))
+        return metrics
+
+
+def estimate(
+    cfg: AlgorithmConfig,
+    rewards: torch.Tensor,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    baseline_rewards: torch.Tensor | None = None,
+) -> Any:
+    """Run `cfg.adv_estimator` with the inputs its signature names; refuses a missing critic value or baseline."""
+    available: dict[str, Any] = {
+        "rewards": rewards,
+        "token_level_rewards": token_rewards,
+        "response_mask": response_mask,
+        "group_ids": group_ids,
+        "values": values,
+        "baseline_rewards": baseline_rewards,
+        "gamma": cfg.gamma,
+        "lam": cfg.lam,
+        "norm_by_std": cfg.norm_adv_by_std,
+    }
+    params = inspect.signature(ADVANTAGE_ESTIMATORS[cfg.adv_estimator]).parameters
+    kwargs = {name: available[name] for name in params if name in available}
+    missing = [name for name, value in kwargs.items() if value is None]
+    if missing:
+        raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator!r} needs {missing}, which this step lacks")
+    return compute_advantages(cfg.adv_estimator, **kwargs)
