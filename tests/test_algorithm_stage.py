@@ -162,7 +162,7 @@ def _config(**groups) -> RLConfig:
         ),
         (
             {"algorithm__use_kl_in_reward": True, "actor__use_ref": False},
-            "actor.use_ref=False is invalid: expected true with algorithm.use_kl_in_reward",
+            "actor.use_ref=false is invalid with algorithm.use_kl_in_reward=true: it needs the reference model",
         ),
     ],
 )
