@@ -82,18 +82,82 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    """Adam settings of Megatron's optimizer."""
+    """Megatron's Adam, its distributed optimizer and its learning-rate schedule (mcore_rl/actor/optimizer.py decides
+    what the ranks build from these, and `launch/submit.py --dry-run` counts the same)."""
 
-    lr: float = 1e-3  #: learning rate (constant)
+    lr: float = 1e-3  #: peak learning rate (after warmup)
     weight_decay: float = 0.0  #: decoupled weight decay
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  #: global gradient-norm clip
+    #: Megatron's distributed optimizer: fp32 masters and Adam state sharded over data-parallel ranks; null = on for
+    #: trainer.runtime=cuda, off for cpu (it runs on CPU/gloo too)
+    distributed: bool | None = None
+    #: share of the optimizer state (and its step) held on the host, 0..1 (Megatron's HybridDeviceOptimizer); needs
+    #: distributed=true
+    offload_fraction: float = 0.0
+    lr_warmup_steps: int = 0  #: optimizer steps of linear warmup from 0 to lr
+    lr_warmup_ratio: float | None = None  #: warmup as a share of lr_decay_steps (replaces lr_warmup_steps when set)
+    #: after warmup: constant | linear | cosine | inverse-square-root (Megatron's OptimizerParamScheduler styles)
+    lr_decay_style: str = "constant"
+    #: optimizer steps over which lr decays to min_lr; null = the whole run (trainer.steps x mini_batches x ppo_epochs)
+    lr_decay_steps: int | None = None
+    min_lr: float = 0.0  #: learning rate at the end of the decay
+
+    def warmup_steps(self, decay_steps: int) -> int:
+        """Warmup in optimizer steps: lr_warmup_ratio x decay_steps when the ratio is set, else lr_warmup_steps."""
+        if self.lr_warmup_ratio is not None:
+            return int(self.lr_warmup_ratio * decay_steps)
+        return self.lr_warmup_steps
 
     def validate(self) -> None:
         _check(self.lr > 0, "actor.optim.lr", self.lr, "> 0")
         _check(self.clip_grad >= 0, "actor.optim.clip_grad", self.clip_grad, ">= 0")
+        _check(0 <= self.offload_fraction <= 1, "actor.optim.offload_fraction", self.offload_fraction, "in [0, 1]")
+        _check(
+            self.offload_fraction == 0 or self.distributed is not False,
+            "actor.optim.offload_fraction",
+            self.offload_fraction,
+            "0 unless actor.optim.distributed is true (Megatron offloads the distributed optimizer's shards)",
+        )
+        _check(0 <= self.min_lr <= self.lr, "actor.optim.min_lr", self.min_lr, f"in [0, actor.optim.lr={self.lr}]")
+        _check(
+            isinstance(self.lr_warmup_steps, int) and self.lr_warmup_steps >= 0,
+            "actor.optim.lr_warmup_steps",
+            self.lr_warmup_steps,
+            "an integer >= 0",
+        )
+        if self.lr_warmup_ratio is not None:
+            _check(0 <= self.lr_warmup_ratio < 1, "actor.optim.lr_warmup_ratio", self.lr_warmup_ratio, "in [0, 1)")
+        if self.lr_decay_steps is not None:
+            _positive("actor.optim.lr_decay_steps", self.lr_decay_steps)
+            warmup = self.warmup_steps(self.lr_decay_steps)
+            _check(
+                warmup < self.lr_decay_steps,
+                "actor.optim.lr_warmup_steps",
+                warmup,
+                f"fewer than actor.optim.lr_decay_steps={self.lr_decay_steps} (the schedule's length)",
+            )
+        self._check_decay_style()
+
+    def _check_decay_style(self) -> None:
+        """Ask Megatron's scheduler itself whether it implements `lr_decay_style` (its branches are the registry)."""
+        from types import SimpleNamespace
+
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        probe = SimpleNamespace(param_groups=[{}])
+        try:
+            sched = OptimizerParamScheduler(probe, 0.0, 1.0, 0.0, 0, 4, self.lr_decay_style, 0.0, 0.0, 4, "constant")
+            sched.num_steps = 2
+            sched.get_lr(probe.param_groups[0])
+        except Exception:  # noqa: BLE001 - Megatron raises a bare Exception (or asserts) for what it lacks
+            raise ConfigError(
+                f"actor.optim.lr_decay_style={self.lr_decay_style!r} is invalid: expected a style Megatron's "
+                "OptimizerParamScheduler implements without further settings: constant | linear | cosine | "
+                "inverse-square-root"
+            ) from None
 
 
 @dataclass
@@ -349,6 +413,10 @@ class RLConfig:
                 "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1: the tensor transport shares memory "
                 "(or CUDA IPC handles) within one node; expected sync.transport=distributed or disk"
             )
+        optim = self.actor.optim
+        if optim.lr_decay_steps is None:  # the schedule spans the run: one optimizer step per mini-batch and epoch
+            optim.lr_decay_steps = self.trainer.steps * self.actor.mini_batches * self.actor.ppo_epochs
+            optim.validate()
         total = self.data.batch_size * self.rollout.n
         dp = self.actor.layout.to_layout().dp(self.actor.world_size)
         _check(

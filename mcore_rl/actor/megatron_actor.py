@@ -122,38 +122,30 @@ class MegatronActor:
             )
 
     def _wrap_ddp_and_optimizer(self) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        """DDP, optimizer and lr schedule as mcore_rl/actor/optimizer.py plans them (the dry run counts the same)."""
+        from megatron.core.distributed import DistributedDataParallel
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
 
+        from mcore_rl.actor.optimizer import lr_scheduler, optimizer_plan
+
+        optim = self.cfg.optim
+        self.optim_plan = optimizer_plan(optim, self.model_cfg.dtype, self.runtime)
         config = self.chunks[0].config
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        ddp_config = self.optim_plan.ddp_config()
         self.ddp_chunks = [
             DistributedDataParallel(config, ddp_config, module=chunk, pg_collection=self.pg) for chunk in self.chunks
         ]
         for ddp in self.ddp_chunks:
             ddp.broadcast_params()
         config.finalize_model_grads_func = finalize_model_grads
-        optim = self.cfg.optim
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=optim.lr,
-                weight_decay=optim.weight_decay,
-                adam_beta1=optim.adam_beta1,
-                adam_beta2=optim.adam_beta2,
-                adam_eps=optim.adam_eps,
-                clip_grad=optim.clip_grad,
-                bf16=self.spec.dtype == torch.bfloat16,
-                params_dtype=self.spec.dtype,
-                use_distributed_optimizer=False,
-            ),
+            self.optim_plan.optimizer_config(optim),
             self.ddp_chunks,
             use_gloo_process_groups=False,
             pg_collection=self.pg,
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = optim.lr
+        self.lr_scheduler = lr_scheduler(self.optimizer, optim)
 
     # ------------------------------------------------------------------------------------------ queries
     def ping(self) -> dict[str, Any]:
@@ -263,10 +255,13 @@ class MegatronActor:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 outputs = self._run_schedule(self.ddp_chunks, mbs, seq_len, loss_fn, forward_only=False)
+                lr = float(self.optimizer.param_groups[0]["lr"])
                 ok, grad_norm, _ = self.optimizer.step()
+                self.lr_scheduler.step(1)  # the lr of the next optimizer step
                 metrics = _sum_metrics(outputs)
                 metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
                 metrics["actor/update_ok"] = float(bool(ok))
+                metrics["actor/lr"] = lr
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
