@@ -95,7 +95,7 @@ class OptimConfig:
     #: trainer.runtime=cuda, off for cpu (it runs on CPU/gloo too)
     distributed: bool | None = None
     #: share of the optimizer state (and its step) held on the host, 0..1 (Megatron's HybridDeviceOptimizer); needs
-    #: distributed=true
+    #: distributed=true, trainer.runtime=cuda and Transformer Engine
     offload_fraction: float = 0.0
     lr_warmup_steps: int = 0  #: optimizer steps of linear warmup from 0 to lr
     lr_warmup_ratio: float | None = None  #: warmup as a share of lr_decay_steps (replaces lr_warmup_steps when set)
@@ -414,6 +414,13 @@ class RLConfig:
                 "(or CUDA IPC handles) within one node; expected sync.transport=distributed or disk"
             )
         optim = self.actor.optim
+        _check(
+            optim.offload_fraction == 0 or self.trainer.runtime == "cuda",
+            "actor.optim.offload_fraction",
+            optim.offload_fraction,
+            "0 with trainer.runtime=cpu (offload moves optimizer state from the GPU to the host; it needs CUDA and "
+            "Transformer Engine)",
+        )
         if optim.lr_decay_steps is None:  # the schedule spans the run: one optimizer step per mini-batch and epoch
             optim.lr_decay_steps = self.trainer.steps * self.actor.mini_batches * self.actor.ppo_epochs
             optim.validate()

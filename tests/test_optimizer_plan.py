@@ -145,10 +145,13 @@ def test_bad_optimizer_settings_are_refused() -> None:
 
 
 def test_lr_decay_spans_the_run_by_default() -> None:
-    from mcore_rl.config import RLConfig
+    from mcore_rl.config import ConfigError, RLConfig
 
     cfg = RLConfig()
     cfg.model.hf_config = HF
     cfg.trainer.steps, cfg.actor.mini_batches, cfg.actor.ppo_epochs = 5, 2, 3
     cfg.validate()
     assert cfg.actor.optim.lr_decay_steps == 5 * 2 * 3
+    cfg.actor.optim.offload_fraction, cfg.actor.optim.distributed = 1.0, True
+    with pytest.raises(ConfigError, match="actor.optim.offload_fraction=1.0 .*trainer.runtime=cpu"):
+        cfg.validate()

@@ -88,6 +88,13 @@ class OptimizerPlan:
 
         offload = {}
         if self.offload_fraction:
+            from megatron.core.utils import get_te_version
+
+            if get_te_version() is None:  # 0.16.1's precision-aware optimizer (needed by offload) asks TE's version
+                raise ConfigError(
+                    f"actor.optim.offload_fraction={self.offload_fraction!r} needs Transformer Engine (Megatron's "
+                    "precision-aware optimizer), which is not importable here; expected 0"
+                )
             # HybridDeviceOptimizer holds the fp32 masters itself: Megatron requires the precision-aware path.
             offload = dict(
                 optimizer_cpu_offload=True,
