@@ -474,6 +474,8 @@ def run_local(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------------- CLI
+#: sbatch --time formats (man sbatch): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, and UNLIMITED / infinite
+SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|unlimited|infinite", re.ASCII)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -521,6 +523,11 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, flag)
             if value is not None and value < 1:
                 raise SubmitError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+        if not SLURM_TIME.fullmatch(args.time):
+            raise SubmitError(
+                f"--time {args.time!r} is not a Slurm time limit; expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
+                "D-HH:MM:SS or UNLIMITED (e.g. 24:00:00)"
+            )
         if args.dry_run and args.local:
             raise SubmitError("--dry-run and --local exclude each other")
         comm_env(args)  # refuse a malformed --env early

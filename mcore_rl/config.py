@@ -78,6 +78,7 @@ class ModelConfig:
         _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32 or bfloat16")
         _check(bool(self.path) or bool(self.hf_config), "model.path", self.path, "a checkpoint dir or model.hf_config")
         _positive("model.max_sequence_length", self.max_sequence_length)
+        _positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
 
 
 @dataclass
@@ -362,6 +363,8 @@ class DataConfig:
 
     def validate(self) -> None:
         _positive("data.batch_size", self.batch_size)
+        _positive("data.max_prompt_length", self.max_prompt_length)
+        _positive("data.synthetic_num_prompts", self.synthetic_num_prompts)
         _check(self.overlong in ("error", "drop"), "data.overlong", self.overlong, "error or drop")
 
 
@@ -369,10 +372,21 @@ class DataConfig:
 class RewardConfig:
     """Reward function (verl's custom_reward_function: path + name), else built-ins by data_source."""
 
-    path: str | None = None
-    name: str | None = None
-    num_threads: int = 1
-    timeout_s: float | None = None
+    path: str | None = None  #: python file defining the reward function; null = built-ins by data_source
+    name: str | None = None  #: function name in `path` (verl's custom_reward_function.name)
+    num_threads: int = 1  #: concurrent calls of a per-response function
+    timeout_s: float | None = None  #: per-call limit in seconds (null = none); a call past it fails the step
+
+    def validate(self) -> None:
+        _positive("reward.num_threads", self.num_threads)
+        if self.timeout_s is not None:
+            _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "> 0 seconds, or null for no limit")
+        _check(
+            self.name is None or self.path is not None,
+            "reward.name",
+            self.name,
+            "null unless reward.path names the file that defines it",
+        )
 
 
 @dataclass
@@ -388,6 +402,8 @@ class TrainerConfig:
 
     def validate(self) -> None:
         _positive("trainer.steps", self.steps)
+        if self.ray_num_cpus is not None:
+            _positive("trainer.ray_num_cpus", self.ray_num_cpus)
         _check(self.runtime in ("cpu", "cuda"), "trainer.runtime", self.runtime, "cpu or cuda")
 
 
@@ -405,7 +421,8 @@ class RLConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def validate(self) -> None:
-        for group in (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.trainer):
+        groups = (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.reward, self.trainer)
+        for group in groups:
             group.validate()
         self.check_model()
         if self.sync.transport == "tensor" and self.rollout.engine == "sglang" and self.rollout.sglang.nnodes > 1:
@@ -444,8 +461,18 @@ class RLConfig:
             config_path = os.path.join(self.model.path, "config.json")
             if not os.path.isfile(config_path):
                 raise ConfigError(f"model.path={self.model.path!r}: {config_path} does not exist")
-            with open(config_path) as f:
-                hf = HFConfig(json.load(f))
+            try:
+                with open(config_path) as f:
+                    raw = json.load(f)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ConfigError(
+                    f"model.path={self.model.path!r}: {config_path} is not readable JSON: {err}"
+                ) from None
+            if not isinstance(raw, dict):
+                raise ConfigError(
+                    f"model.path={self.model.path!r}: {config_path} holds {type(raw).__name__}, expected a JSON object"
+                )
+            hf = HFConfig(raw)
         else:
             hf = HFConfig(self.model.hf_config)
         family = get_family(hf.model_type)

@@ -51,6 +51,10 @@ def run(cfg: RLConfig) -> dict[str, float]:
     """Run the whole job; returns the summary figures."""
     import ray
 
+    from mcore_rl.preflight import check
+
+    check(cfg)  # inputs that would fail later (files, run dir, checkpoint, Ray CPUs): refused before anything starts
+
     from mcore_rl.algorithms import kl_penalty, masked_mean
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.engine_pool import EnginePool
@@ -184,22 +188,18 @@ register_schema()
 
 @hydra.main(config_path="pkg://mcore_rl.configs", config_name="default", version_base=None)
 def main(dcfg: DictConfig) -> None:
-    import ray
+    """Exit codes, the FAILED marker and Ctrl-C handling: mcore_rl/lifecycle.py."""
+    from mcore_rl.lifecycle import run_guarded
 
     try:
         cfg = to_config(dcfg)
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
-    try:
-        summary = run(cfg)
-    except (ValueError, ray.exceptions.RayError) as err:
-        # Bad checkpoints, datasets or reward functions surface here (from this process or from a Ray worker).
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
-    with open(os.path.join(cfg.trainer.run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f)
+    run_guarded(cfg, run)
 
 
 if __name__ == "__main__":
-    main()
+    from mcore_rl.lifecycle import cli
+
+    cli(main)

@@ -478,7 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--first-stage-layers", type=int, default=None, help="layers on the first pipeline stage (uneven)")
     a.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last pipeline stage (uneven)")
     a.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype (default: config.json's)")
-    a.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="Megatron vocab padding multiple")
+    a.add_argument(
+        "--make-vocab-size-divisible-by", type=_positive, default=128, help="Megatron vocab padding multiple"
+    )
     b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist directory -> HF directory")
     b.add_argument("--mcore", required=True, help="torch_dist directory (hf-to-mcore's, or Megatron-LM's save dir)")
     b.add_argument(
@@ -502,14 +504,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_out(args: argparse.Namespace) -> None:
+    """--out must not be, contain or lie inside an input (--overwrite would replace the checkpoint being read)."""
+    out = Path(args.out).resolve()
+    inputs = [args.hf] if args.command == "hf-to-mcore" else [args.mcore] + ([args.hf_config] if args.hf_config else [])
+    for given in inputs:
+        src = Path(given).resolve()
+        if out == src or src.is_relative_to(out) or out.is_relative_to(src):
+            raise ConvertError(f"--out {args.out} overlaps the input {given}; expected a separate output directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.t0 = time.time()
     start = time.perf_counter()
     try:
+        check_out(args)
         stats = hf_to_mcore(args) if args.command == "hf-to-mcore" else mcore_to_hf(args)
     except (ConvertError, CheckpointError, WeightMapError, UnsupportedModel, LayoutError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # an unwritable --out, a directory where a file was expected: input, not a bug
+        print(f"error: {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
     LAST_STATS.clear()
