@@ -143,7 +143,13 @@ class OptimConfig:
         self._check_decay_style()
 
     def _check_decay_style(self) -> None:
-        """Ask Megatron's scheduler itself whether it implements `lr_decay_style` (its branches are the registry)."""
+        """Ask Megatron's scheduler itself whether it implements `lr_decay_style` (its branches are the registry).
+
+        "constant" is its first branch, always there: skipping the probe for it keeps Megatron's import (seconds) out
+        of the validation of the default config.
+        """
+        if self.lr_decay_style == "constant":
+            return
         from types import SimpleNamespace
 
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
