@@ -3,6 +3,7 @@
 Each check raises `ConfigError` naming the field, file or tensor and what was expected, so `python -m mcore_rl.train`
 exits with code 2 and one message instead of failing minutes later inside a Ray actor:
 
+    megatron-core    a release the CPU runtime is verified with (trainer.runtime=cpu)
     run_dir          created (or existing) and writable
     data files       exist and are parquet files (their schema and rows are checked by data/dataset.py next)
     tokenizer        the directory exists
@@ -28,6 +29,12 @@ from mcore_rl.config import ConfigError, RLConfig
 
 def check(cfg: RLConfig) -> None:
     """Every check above; ConfigError on the first failure."""
+    if cfg.trainer.runtime == "cpu":
+        from mcore_rl.parallel.cpu_runtime import megatron_version_problem
+
+        problem = megatron_version_problem()
+        if problem is not None:
+            raise ConfigError(f"trainer.runtime=cpu: {problem}")
     check_run_dir(cfg.trainer.run_dir)
     for path in cfg.data.train_files:
         check_parquet(path)
