@@ -73,12 +73,16 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 64  #: Megatron pads the vocab to a multiple of this x tp
     max_sequence_length: int = 512  #: longest prompt + response
     init_seed: int = 1234  #: seed of the random initialisation when path is null
+    #: multi-token-prediction layers of a checkpoint whose config asks for them (DeepSeek-V3): auto = on when the
+    #: checkpoint holds their weights, off when it holds none (transformers' save_pretrained drops them) | on | off
+    mtp: str = "auto"
 
     def validate(self) -> None:
         _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32 or bfloat16")
         _check(bool(self.path) or bool(self.hf_config), "model.path", self.path, "a checkpoint dir or model.hf_config")
         _positive("model.max_sequence_length", self.max_sequence_length)
         _positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        _check(self.mtp in ("on", "off", "auto"), "model.mtp", self.mtp, "on, off or auto")
 
 
 @dataclass

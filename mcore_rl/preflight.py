@@ -11,7 +11,7 @@ exits with code 2 and one message instead of failing minutes later inside a Ray 
     checkpoint       model.path's safetensors headers (truncated files, index) and every tensor's name and shape
                      against the family's weight map, from the meta-device model (expected_hf_tensors)
 
-`python -m mcore_rl.preflight <model.path> <make_vocab_size_divisible_by>` runs the checkpoint check alone, in a
+`python -m mcore_rl.preflight <model.path> <make_vocab_size_divisible_by> [mtp]` runs the checkpoint check alone, in a
 child process, so the driver never initialises torch.distributed or Megatron itself.
 """
 
@@ -42,7 +42,7 @@ def check(cfg: RLConfig) -> None:
         raise ConfigError(f"model.tokenizer={cfg.model.tokenizer!r}: no such directory")
     check_ray_cpus(cfg)
     if cfg.model.path:
-        check_checkpoint(cfg.model.path, cfg.model.make_vocab_size_divisible_by)
+        check_checkpoint(cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -92,10 +92,11 @@ def check_ray_cpus(cfg: RLConfig) -> None:
         )
 
 
-def check_checkpoint(path: str, divisible_by: int) -> None:
-    """Headers of model.path against the weight map, in a child process (see the module docstring)."""
+def check_checkpoint(path: str, divisible_by: int, mtp: str = "auto") -> None:
+    """Headers of model.path against the weight map, in a child process (see the module docstring); prints the
+    family's note once when the checkpoint changes what is built (DeepSeek-V3 without its MTP weights: MTP off)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "mcore_rl.preflight", path, str(divisible_by)],
+        [sys.executable, "-m", "mcore_rl.preflight", path, str(divisible_by), mtp],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
@@ -103,7 +104,10 @@ def check_checkpoint(path: str, divisible_by: int) -> None:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"checkpoint pre-flight of {path} crashed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    problems = json.loads(lines[-1])["problems"]
+    result = json.loads(lines[-1])
+    if result["note"]:
+        print(result["note"])
+    problems = result["problems"]
     if problems:
         shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
         raise ConfigError(f"model.path={path!r} does not hold the weights its config.json describes:\n  {shown}")
@@ -142,15 +146,18 @@ def expected_hf_tensors(hf: dict[str, Any], divisible_by: int) -> dict[str, tupl
     return {name: tuple(s.hf_shapes[i]) for s in sources for i, name in enumerate(s.hf[: s.num_outputs])}
 
 
-def checkpoint_problems(path: str, divisible_by: int) -> list[str]:
-    """What is wrong with the HF checkpoint at `path`: unreadable headers, missing tensors, wrong shapes."""
+def checkpoint_problems(path: str, divisible_by: int, mtp: str = "auto") -> tuple[list[str], str | None]:
+    """What is wrong with the HF checkpoint at `path` (unreadable headers, missing tensors, wrong shapes), and the
+    family's note on what it builds from it."""
+    from mcore_rl.models.base import checkpoint_config
     from mcore_rl.resharding.hf_io import CheckpointError, HFCheckpointReader
 
     try:
         reader = HFCheckpointReader(path)
+        config, note, _ = checkpoint_config(path, mtp)
     except CheckpointError as err:
-        return [str(err)]
-    expected = expected_hf_tensors(reader.config, divisible_by)
+        return [str(err)], None
+    expected = expected_hf_tensors(config, divisible_by)
     fp8 = (reader.config.get("quantization_config") or {}).get("quant_method") == "fp8"
     problems = [f"missing tensor {name} (expected shape {list(shape)})" for name, shape in expected.items()
                 if name not in reader]  # fmt: skip
@@ -158,7 +165,7 @@ def checkpoint_problems(path: str, divisible_by: int) -> list[str]:
         if name in reader and tuple(reader.shape(name)) != shape and not fp8:
             problems.append(f"{reader.file_of(name)}: tensor {name} has shape {list(reader.shape(name))}, expected "
                             f"{list(shape)}")  # fmt: skip
-    return problems
+    return problems, note
 
 
 if __name__ == "__main__":
@@ -168,4 +175,5 @@ if __name__ == "__main__":
     from mcore_rl.parallel.cpu_runtime import enable_cpu_runtime
 
     enable_cpu_runtime(allow_with_gpu=True)  # meta tensors only: nothing runs on a device here
-    print(json.dumps({"problems": checkpoint_problems(sys.argv[1], int(sys.argv[2]))}))
+    problems, note = checkpoint_problems(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "auto")
+    print(json.dumps({"problems": problems, "note": note}))

@@ -38,10 +38,12 @@ def start(driver_pid: int | None = None) -> subprocess.Popen:
 
 
 def _descendants(pid: int) -> dict[int, float]:
+    """The driver's descendants but this watchdog (its child too): it must outlive the others' ending."""
     import psutil
 
     try:
-        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True)}
+        me = os.getpid()
+        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True) if p.pid != me}
     except psutil.Error:
         return {}
 

@@ -128,12 +128,17 @@ def _layout_dict(layout: ParallelLayout) -> dict[str, Any]:
     return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
 
 
-def check_inventory(reader: HFCheckpointReader, hf: HFConfig, weight_map: Any, shape: Any) -> None:
-    """Refuse unexpected tensors and float dtypes that disagree with config.json, naming file and tensor."""
+def check_inventory(
+    reader: HFCheckpointReader, hf: HFConfig, weight_map: Any, shape: Any, ignore: tuple[str, ...] = ()
+) -> None:
+    """Refuse unexpected tensors and float dtypes that disagree with config.json, naming file and tensor (tensors
+    under the `ignore` prefixes, MTP layers turned off, are not read)."""
     block = fp8_block_size(reader.config)
     want = DTYPES[_hf_dtype(reader.config)]
     unexpected, wrong = [], []
     for name in reader.names():
+        if ignore and name.startswith(ignore):
+            continue
         dtype = reader.dtype(name)
         if name.endswith("_scale_inv"):
             weight = name[: -len("_scale_inv")]
@@ -317,9 +322,11 @@ def _run(fn: Any, world: int, args: tuple) -> list[dict[str, Any]]:
 def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
     """HF directory -> Megatron torch_dist directory (plus hf/ config and tokenizer, and the layout file)."""
     reader = HFCheckpointReader(args.hf)
-    config = dict(reader.config)
+    family = get_family(HFConfig(reader.config).model_type)
+    config, note, ignore = family.resolve_mtp(dict(reader.config), set(reader.names()), args.mtp)
+    if note:
+        print(note)
     hf = HFConfig(config)
-    family = get_family(hf.model_type)
     layout = ParallelLayout(
         tp=args.tp,
         pp=args.pp,
@@ -334,7 +341,7 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
     dtype = args.dtype or _hf_dtype(config)
     vocab_multiple = args.make_vocab_size_divisible_by * layout.tp
     weight_map = _spec(config, layout, dtype, args.make_vocab_size_divisible_by).weight_map()
-    check_inventory(reader, hf, weight_map, family.shape(hf))
+    check_inventory(reader, hf, weight_map, family.shape(hf), ignore)
     stored = {k: v for k, v in config.items() if k != "quantization_config"}
     stored["dtype"] = {v: k for k, v in HF_DTYPE_NAMES.items()}[dtype]
     out = Path(args.out)
@@ -478,6 +485,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--first-stage-layers", type=int, default=None, help="layers on the first pipeline stage (uneven)")
     a.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last pipeline stage (uneven)")
     a.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype (default: config.json's)")
+    a.add_argument(
+        "--mtp",
+        choices=("on", "off", "auto"),
+        default="auto",
+        help="multi-token-prediction layers (DeepSeek-V3): auto = on when the checkpoint holds them, off when it holds "
+        "none (transformers' save_pretrained drops them); a partial MTP layer is refused, naming what is missing",
+    )
     a.add_argument(
         "--make-vocab-size-divisible-by", type=_positive, default=128, help="Megatron vocab padding multiple"
     )

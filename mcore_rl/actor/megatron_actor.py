@@ -109,10 +109,14 @@ class MegatronActor:
         fp8 = fp8_block_size(reader.config) is not None
         load_hf_weights(self.chunks, self.contexts, self.weight_map, fp8_aware_reader(reader))
         shape = self.spec.family.shape(self.spec.hf)
+        from mcore_rl.models.base import checkpoint_config
+
+        unread = checkpoint_config(path, self.model_cfg.mtp)[2]  # model.mtp=off: MTP tensors held but not read
         unexpected = [
             n
             for n in reader.names()
             if not (fp8 and n.endswith("_scale_inv"))
+            and not (unread and n.startswith(unread))
             and not self.weight_map.is_known_hf(n, shape.num_layers, shape.num_experts)
         ]
         if unexpected:
@@ -368,8 +372,7 @@ def _sum_metrics(outputs: list[dict[str, float]]) -> dict[str, float]:
 
 def _hf_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
     if model_cfg.path:
-        import json
+        from mcore_rl.models.base import checkpoint_config
 
-        with open(os.path.join(model_cfg.path, "config.json")) as f:
-            return json.load(f)
+        return checkpoint_config(model_cfg.path, model_cfg.mtp)[0]  # MTP off where the checkpoint holds none
     return dict(model_cfg.hf_config)
