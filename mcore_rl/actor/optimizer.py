@@ -137,7 +137,9 @@ def lr_scheduler(optimizer: Any, optim: OptimConfig) -> Any:
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    decay_steps = optim.lr_decay_steps or 1
+    # RLConfig.validate sets lr_decay_steps to the run's optimizer steps; an ActorConfig built alone (tests, tools)
+    # may leave it null: the schedule then ends with the warmup.
+    decay_steps = optim.lr_decay_steps or optim.lr_warmup_steps + 1
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
