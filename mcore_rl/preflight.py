@@ -113,8 +113,9 @@ def check_checkpoint(path: str, divisible_by: int, mtp: str = "auto") -> None:
         raise ConfigError(f"model.path={path!r} does not hold the weights its config.json describes:\n  {shown}")
 
 
-def expected_hf_tensors(hf: dict[str, Any], divisible_by: int) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape the actor loads, from the family's model built on the meta device (world of one)."""
+def expected_hf_tensors(hf: dict[str, Any], divisible_by: int) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(HF tensor name -> shape the actor loads, every name it knows including optional aliases), from the family's
+    model built on the meta device (world of one)."""
     import torch
     import torch.distributed as dist
 
@@ -143,7 +144,8 @@ def expected_hf_tensors(hf: dict[str, Any], divisible_by: int) -> dict[str, tupl
         shape.num_experts,
     )
     # Aliases (tied copies) are optional in a checkpoint; the transform outputs are required.
-    return {name: tuple(s.hf_shapes[i]) for s in sources for i, name in enumerate(s.hf[: s.num_outputs])}
+    required = {name: tuple(s.hf_shapes[i]) for s in sources for i, name in enumerate(s.hf[: s.num_outputs])}
+    return required, {name for s in sources for name in s.hf}
 
 
 def checkpoint_problems(path: str, divisible_by: int, mtp: str = "auto") -> tuple[list[str], str | None]:
@@ -154,13 +156,23 @@ def checkpoint_problems(path: str, divisible_by: int, mtp: str = "auto") -> tupl
 
     try:
         reader = HFCheckpointReader(path)
-        config, note, _ = checkpoint_config(path, mtp)
+        config, note, unread = checkpoint_config(path, mtp)
     except CheckpointError as err:
         return [str(err)], None
-    expected = expected_hf_tensors(config, divisible_by)
+    expected, known = expected_hf_tensors(config, divisible_by)
     fp8 = (reader.config.get("quantization_config") or {}).get("quant_method") == "fp8"
-    problems = [f"missing tensor {name} (expected shape {list(shape)})" for name, shape in expected.items()
+    problems = [f"HF tensor '{name}' is missing (expected shape {list(shape)})" for name, shape in expected.items()
                 if name not in reader]  # fmt: skip
+    unexpected = [
+        n
+        for n in reader.names()
+        if n not in known and not (fp8 and n.endswith("_scale_inv")) and not (unread and n.startswith(unread))
+    ]
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected tensors not in the {config['model_type']} weight map: {unexpected[:5]}"
+            + (" ..." if len(unexpected) > 5 else "")
+        )
     for name, shape in expected.items():
         if name in reader and tuple(reader.shape(name)) != shape and not fp8:
             problems.append(f"{reader.file_of(name)}: tensor {name} has shape {list(reader.shape(name))}, expected "

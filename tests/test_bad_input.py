@@ -137,7 +137,7 @@ def test_checkpoint_missing_and_misshapen_tensors_found_before_ray(checkpoint, t
 
     bad = _variant(checkpoint, tmp_path / "bad", edit)
     assert_user_error(train(f"model.path={bad}", f"trainer.run_dir={tmp_path}/run"),
-                      f"missing tensor {missing}", f"tensor {wrong} has shape [3, 5]")  # fmt: skip
+                      f"HF tensor '{missing}' is missing", f"tensor {wrong} has shape [3, 5]")  # fmt: skip
 
 
 def test_truncated_checkpoint_found_before_ray(checkpoint, tmp_path) -> None:

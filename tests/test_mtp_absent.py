@@ -86,7 +86,7 @@ def test_partial_mtp_layer_is_refused_naming_the_missing_tensors(no_mtp, tmp_pat
     from mcore_rl.config import ConfigError
     from mcore_rl.preflight import check_checkpoint
 
-    with pytest.raises(ConfigError, match=f"missing tensor model.layers.{layers}.eh_proj.weight"):
+    with pytest.raises(ConfigError, match=f"HF tensor 'model.layers.{layers}.eh_proj.weight' is missing"):
         check_checkpoint(str(partial), 64)
 
 
