@@ -11,10 +11,12 @@ from configs/). Before anything is written, the config is composed in-process an
 - World size rule: the actor's `actor.world_size` ranks must fit on the N*G GPUs. If they take all of them, the
   rollout engines share those GPUs (colocated mode); if fewer, the rollout engines get the remaining GPUs. More is
   refused. (trainer.runtime=cpu jobs skip the GPU checks.)
-- Memory per GPU (mcore_rl/models/estimate.py): params per rank = dense / (tp*pp) + experts / (ep*etp*pp);
-  bf16 weights (2 B) + fp32 main grads (4 B) + fp32 Adam master+m+v (12 B, divided by dp / expert-dp because the
-  distributed optimizer is assumed on; --no-distributed-optimizer turns that off) + a bf16 reference copy when
-  actor.use_ref + activations under full recomputation + 4 GiB CUDA context/NCCL. More than --gpu-memory-gb is refused.
+- Memory per GPU (mcore_rl/models/estimate.py): parameters of the fullest rank from the meta-device model at the
+  actor's layout; bytes per parameter from the optimizer plan the ranks build (mcore_rl/actor/optimizer.py:
+  weights, fp32 main grads, fp32 masters + Adam state sharded by `actor.optim.distributed`, partly on the host with
+  `actor.optim.offload_fraction`) + a reference copy when actor.use_ref + activations under full recomputation +
+  4 GiB CUDA context/NCCL; a colocated SGLang engine adds mem_fraction_static x GPU memory (its weights + KV cache)
+  while it generates. More than --gpu-memory-gb is refused.
 
 The sbatch script (written to <run_dir>/<job-name>.sbatch, via a temp file + rename):
 - `srun --overlap --nodes=1 --ntasks=1 -w <head>` runs `ray start --head --block` on the first node; once its GCS
@@ -157,11 +159,14 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.1f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
 
 
-def check_config(
-    cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float, distributed_optimizer: bool = True
-) -> CheckReport:
-    """World size and per-GPU memory of the actor against N x G; SubmitError naming the figures when it cannot fit."""
-    from mcore_rl.models.estimate import count_params, estimate_memory
+def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float) -> CheckReport:
+    """World size and per-GPU memory of the actor against N x G; SubmitError naming the figures when it cannot fit.
+
+    The optimizer figures come from the plan the ranks build (mcore_rl/actor/optimizer.py), the parameters per rank
+    from the meta-device model at the actor's layout, and a colocated engine adds its mem_fraction_static share.
+    """
+    from mcore_rl.actor.optimizer import optimizer_plan
+    from mcore_rl.models.estimate import EngineShare, count_params, estimate_memory, rank_params
 
     report = CheckReport(run_dir=cfg.trainer.run_dir)
     gpus = nodes * gpus_per_node
@@ -194,12 +199,26 @@ def check_config(
         raise SubmitError(
             f"actor.world_size={world} does not fit on {nodes} nodes x {gpus_per_node} GPUs = {gpus} GPUs"
         )
+    limit = gpu_memory_gb * GIB
+    engine = None
     if world == gpus:
         report.lines.append(f"placement: actor uses all {gpus} GPUs; rollout ({cfg.rollout.engine}) colocated on them")
+        sg = cfg.rollout.sglang
+        # engine weights: the whole model over the engine's tp GPUs, bf16 (fp8 when the sync sends FP8 weights)
+        weights = counts.total * (1 if cfg.sync.fp8 else 2) / sg.tp
+        engine = EngineShare(weights=weights, static=sg.mem_fraction_static * limit, releases=sg.enable_memory_saver)
+        if weights >= engine.static:
+            raise SubmitError(
+                f"the colocated rollout engine's weights ({weights / GIB:.1f} GiB per GPU at "
+                f"rollout.sglang.tp={sg.tp}) "
+                f"leave no KV cache in rollout.sglang.mem_fraction_static={sg.mem_fraction_static} x "
+                f"{gpu_memory_gb:g} GiB: raise rollout.sglang.tp (and nnodes) or mem_fraction_static, or sync.fp8=true"
+            )
     else:
         report.lines.append(
             f"placement: actor {world} GPUs, rollout ({cfg.rollout.engine}) gets the other {gpus - world} GPUs"
         )
+    plan = optimizer_plan(cfg.actor.optim, cfg.model.dtype, cfg.trainer.runtime)
     est = estimate_memory(
         hf,
         world,
@@ -213,22 +232,23 @@ def check_config(
         last_stage_layers=lay.last_stage_layers,
         micro_batch=cfg.actor.micro_batch_size,
         seq_len=cfg.model.max_sequence_length,
-        distributed_optimizer=distributed_optimizer,
+        plan=plan,
         use_ref=cfg.actor.use_ref,
+        params=rank_params(hf, lay.to_layout(), cfg.model.make_vocab_size_divisible_by, cfg.model.dtype),
+        engine=engine,
     )
     report.lines.append(
         f"memory per GPU (estimate; micro_batch={cfg.actor.micro_batch_size}, seq={cfg.model.max_sequence_length}, "
         "full recompute):"
     )
     report.lines.append(est.describe())
-    limit = gpu_memory_gb * GIB
     if est.total > limit:
         raise SubmitError(
             "layout does not fit in GPU memory: estimated "
             f"{est.total / GIB:.1f} GiB per GPU > --gpu-memory-gb {gpu_memory_gb:g} GiB\n"
             + "\n".join(report.lines)
-            + "\nraise tp/pp/ep (or etp)"
-            + ("" if distributed_optimizer else ", or drop --no-distributed-optimizer")
+            + "\nraise tp/pp/ep (or etp), set actor.optim.distributed=true or actor.optim.offload_fraction, "
+            "lower rollout.sglang.mem_fraction_static, or use more nodes"
         )
     report.lines.append(f"fits: {est.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB per GPU")
     return report
@@ -454,6 +474,8 @@ def run_local(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------------- CLI
+#: sbatch --time formats (man sbatch): M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, and UNLIMITED / infinite
+SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|unlimited|infinite", re.ASCII)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -476,12 +498,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="check the config against N x G and print the script")
     p.add_argument("--local", action="store_true", help="run here without Slurm (the driver starts a local Ray)")
     p.add_argument("--gpu-memory-gb", type=float, default=80.0, help="GPU memory in GiB (default 80)")
-    p.add_argument(
-        "--no-distributed-optimizer",
-        dest="distributed_optimizer",
-        action="store_false",
-        help="estimate without Megatron's distributed optimizer (Adam state not sharded over dp)",
-    )
     p.add_argument("--nccl-socket-ifname", help="NCCL_SOCKET_IFNAME (and GLOO_SOCKET_IFNAME unless given)")
     p.add_argument("--gloo-socket-ifname", help="GLOO_SOCKET_IFNAME")
     p.add_argument("--nccl-ib-hca", help="NCCL_IB_HCA, e.g. mlx5_0,mlx5_1 or ^mlx5_4")
@@ -507,11 +523,16 @@ def main(argv: list[str] | None = None) -> int:
             value = getattr(args, flag)
             if value is not None and value < 1:
                 raise SubmitError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+        if not SLURM_TIME.fullmatch(args.time):
+            raise SubmitError(
+                f"--time {args.time!r} is not a Slurm time limit; expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
+                "D-HH:MM:SS or UNLIMITED (e.g. 24:00:00)"
+            )
         if args.dry_run and args.local:
             raise SubmitError("--dry-run and --local exclude each other")
         comm_env(args)  # refuse a malformed --env early
         cfg = compose_config(overrides)
-        report = check_config(cfg, args.nodes, args.gpus_per_node, args.gpu_memory_gb, args.distributed_optimizer)
+        report = check_config(cfg, args.nodes, args.gpus_per_node, args.gpu_memory_gb)
         for line in report.lines:
             print(line)
         if args.local:

@@ -73,27 +73,102 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 64  #: Megatron pads the vocab to a multiple of this x tp
     max_sequence_length: int = 512  #: longest prompt + response
     init_seed: int = 1234  #: seed of the random initialisation when path is null
+    #: multi-token-prediction layers of a checkpoint whose config asks for them (DeepSeek-V3): auto = on when the
+    #: checkpoint holds their weights, off when it holds none (transformers' save_pretrained drops them) | on | off
+    mtp: str = "auto"
 
     def validate(self) -> None:
         _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32 or bfloat16")
         _check(bool(self.path) or bool(self.hf_config), "model.path", self.path, "a checkpoint dir or model.hf_config")
         _positive("model.max_sequence_length", self.max_sequence_length)
+        _positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        _check(self.mtp in ("on", "off", "auto"), "model.mtp", self.mtp, "on, off or auto")
 
 
 @dataclass
 class OptimConfig:
-    """Adam settings of Megatron's optimizer."""
+    """Megatron's Adam, its distributed optimizer and its learning-rate schedule (mcore_rl/actor/optimizer.py decides
+    what the ranks build from these, and `launch/submit.py --dry-run` counts the same)."""
 
-    lr: float = 1e-3  #: learning rate (constant)
+    lr: float = 1e-3  #: peak learning rate (after warmup)
     weight_decay: float = 0.0  #: decoupled weight decay
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  #: global gradient-norm clip
+    #: Megatron's distributed optimizer: fp32 masters and Adam state sharded over data-parallel ranks; null = on for
+    #: trainer.runtime=cuda, off for cpu (it runs on CPU/gloo too)
+    distributed: bool | None = None
+    #: share of the optimizer state (and its step) held on the host, 0..1 (Megatron's HybridDeviceOptimizer); needs
+    #: distributed=true, trainer.runtime=cuda and Transformer Engine
+    offload_fraction: float = 0.0
+    lr_warmup_steps: int = 0  #: optimizer steps of linear warmup from 0 to lr
+    lr_warmup_ratio: float | None = None  #: warmup as a share of lr_decay_steps (replaces lr_warmup_steps when set)
+    #: after warmup: constant | linear | cosine | inverse-square-root (Megatron's OptimizerParamScheduler styles)
+    lr_decay_style: str = "constant"
+    #: optimizer steps over which lr decays to min_lr; null = the whole run (trainer.steps x mini_batches x ppo_epochs)
+    lr_decay_steps: int | None = None
+    min_lr: float = 0.0  #: learning rate at the end of the decay
+
+    def warmup_steps(self, decay_steps: int) -> int:
+        """Warmup in optimizer steps: lr_warmup_ratio x decay_steps when the ratio is set, else lr_warmup_steps."""
+        if self.lr_warmup_ratio is not None:
+            return int(self.lr_warmup_ratio * decay_steps)
+        return self.lr_warmup_steps
 
     def validate(self, prefix: str = "actor.optim") -> None:
         _check(self.lr > 0, f"{prefix}.lr", self.lr, "> 0")
         _check(self.clip_grad >= 0, f"{prefix}.clip_grad", self.clip_grad, ">= 0")
+        _check(0 <= self.offload_fraction <= 1, f"{prefix}.offload_fraction", self.offload_fraction, "in [0, 1]")
+        _check(
+            self.offload_fraction == 0 or self.distributed is not False,
+            f"{prefix}.offload_fraction",
+            self.offload_fraction,
+            f"0 unless {prefix}.distributed is true (Megatron offloads the distributed optimizer's shards)",
+        )
+        _check(0 <= self.min_lr <= self.lr, f"{prefix}.min_lr", self.min_lr, f"in [0, {prefix}.lr={self.lr}]")
+        _check(
+            isinstance(self.lr_warmup_steps, int) and self.lr_warmup_steps >= 0,
+            f"{prefix}.lr_warmup_steps",
+            self.lr_warmup_steps,
+            "an integer >= 0",
+        )
+        if self.lr_warmup_ratio is not None:
+            _check(0 <= self.lr_warmup_ratio < 1, f"{prefix}.lr_warmup_ratio", self.lr_warmup_ratio, "in [0, 1)")
+        if self.lr_decay_steps is not None:
+            _positive(f"{prefix}.lr_decay_steps", self.lr_decay_steps)
+            warmup = self.warmup_steps(self.lr_decay_steps)
+            _check(
+                warmup < self.lr_decay_steps,
+                f"{prefix}.lr_warmup_steps",
+                warmup,
+                f"fewer than {prefix}.lr_decay_steps={self.lr_decay_steps} (the schedule's length)",
+            )
+        self._check_decay_style(prefix)
+
+    def _check_decay_style(self, prefix: str) -> None:
+        """Ask Megatron's scheduler itself whether it implements `lr_decay_style` (its branches are the registry).
+
+        "constant" is its first branch, always there: skipping the probe for it keeps Megatron's import (seconds) out
+        of the validation of the default config.
+        """
+        if self.lr_decay_style == "constant":
+            return
+        from types import SimpleNamespace
+
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        probe = SimpleNamespace(param_groups=[{}])
+        try:
+            sched = OptimizerParamScheduler(probe, 0.0, 1.0, 0.0, 0, 4, self.lr_decay_style, 0.0, 0.0, 4, "constant")
+            sched.num_steps = 2
+            sched.get_lr(probe.param_groups[0])
+        except Exception:  # noqa: BLE001 - Megatron raises a bare Exception (or asserts) for what it lacks
+            raise ConfigError(
+                f"{prefix}.lr_decay_style={self.lr_decay_style!r} is invalid: expected a style Megatron's "
+                "OptimizerParamScheduler implements without further settings: constant | linear | cosine | "
+                "inverse-square-root"
+            ) from None
 
 
 @dataclass
@@ -451,6 +526,8 @@ class DataConfig:
         _positive("data.batch_size", self.batch_size)
         if self.val_batch_size is not None:
             _positive("data.val_batch_size", self.val_batch_size)
+        _positive("data.max_prompt_length", self.max_prompt_length)
+        _positive("data.synthetic_num_prompts", self.synthetic_num_prompts)
         _check(self.overlong in ("error", "drop"), "data.overlong", self.overlong, "error or drop")
 
 
@@ -478,10 +555,10 @@ class OverlongBufferConfig:
 class RewardConfig:
     """Reward function (verl's custom_reward_function: path + name), else built-ins by data_source."""
 
-    path: str | None = None
-    name: str | None = None
-    num_threads: int = 1
-    timeout_s: float | None = None
+    path: str | None = None  #: python file defining the reward function; null = built-ins by data_source
+    name: str | None = None  #: function name in `path` (verl's custom_reward_function.name)
+    num_threads: int = 1  #: concurrent calls of a per-response function
+    timeout_s: float | None = None  #: per-call limit in seconds (null = none); a call past it fails the step
     #: HF sequence-classification reward model dir (num_labels=1), scored by a Ray worker (reward/reward_model.py)
     model_path: str | None = None
     model_weight: float = 1.0  #: weight of the reward model's score in the per-row sum
@@ -490,6 +567,15 @@ class RewardConfig:
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
     def validate(self) -> None:
+        _positive("reward.num_threads", self.num_threads)
+        if self.timeout_s is not None:
+            _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "> 0 seconds, or null for no limit")
+        _check(
+            self.name is None or self.path is not None,
+            "reward.name",
+            self.name,
+            "null unless reward.path names the file that defines it",
+        )
         if self.model_path is not None:
             import os
 
@@ -546,6 +632,8 @@ class TrainerConfig:
         from mcore_rl.metrics.backends import BACKENDS, missing_packages
 
         _positive("trainer.steps", self.steps)
+        if self.ray_num_cpus is not None:
+            _positive("trainer.ray_num_cpus", self.ray_num_cpus)
         _check(self.runtime in ("cpu", "cuda"), "trainer.runtime", self.runtime, "cpu or cuda")
         for name in self.loggers:
             _check(name in BACKENDS, "trainer.loggers", list(self.loggers), f"a list of {tuple(BACKENDS)}")
@@ -586,16 +674,8 @@ class RLConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
     def validate(self) -> None:
-        for group in (
-            self.model,
-            self.actor,
-            self.rollout,
-            self.sync,
-            self.algorithm,
-            self.data,
-            self.reward,
-            self.trainer,
-        ):
+        groups = (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.reward, self.trainer)
+        for group in groups:
             group.validate()
         self.check_model()
         if self.actor.use_ref is None:
@@ -623,6 +703,18 @@ class RLConfig:
                 f"trainer.val_every={self.trainer.val_every} / trainer.val_before_train={self.trainer.val_before_train}"
                 " need data.val_files (only a synthetic task gets a held-out set by default); expected parquet files"
             )
+        for name, group in (("actor", self.actor), ("critic", self.critic)):
+            optim = group.optim
+            _check(
+                optim.offload_fraction == 0 or self.trainer.runtime == "cuda",
+                f"{name}.optim.offload_fraction",
+                optim.offload_fraction,
+                "0 with trainer.runtime=cpu (offload moves optimizer state from the GPU to the host; it needs CUDA "
+                "and Transformer Engine)",
+            )
+            if optim.lr_decay_steps is None:  # the schedule spans the run: one optimizer step per mini-batch, epoch
+                optim.lr_decay_steps = self.trainer.steps * group.mini_batches * group.ppo_epochs
+                optim.validate(f"{name}.optim")
         total = self.data.batch_size * self.rollout.n
         dp = self.actor.layout.to_layout().dp(self.actor.world_size)
         _check(
@@ -691,8 +783,18 @@ class RLConfig:
             config_path = os.path.join(self.model.path, "config.json")
             if not os.path.isfile(config_path):
                 raise ConfigError(f"model.path={self.model.path!r}: {config_path} does not exist")
-            with open(config_path) as f:
-                hf = HFConfig(json.load(f))
+            try:
+                with open(config_path) as f:
+                    raw = json.load(f)
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ConfigError(
+                    f"model.path={self.model.path!r}: {config_path} is not readable JSON: {err}"
+                ) from None
+            if not isinstance(raw, dict):
+                raise ConfigError(
+                    f"model.path={self.model.path!r}: {config_path} holds {type(raw).__name__}, expected a JSON object"
+                )
+            hf = HFConfig(raw)
         else:
             hf = HFConfig(self.model.hf_config)
         family = get_family(hf.model_type)

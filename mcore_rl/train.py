@@ -55,6 +55,10 @@ def run(cfg: RLConfig) -> dict[str, float]:
     """Run the whole job; returns the summary figures."""
     import ray
 
+    from mcore_rl.preflight import check
+
+    check(cfg)  # inputs that would fail later (files, run dir, checkpoint, Ray CPUs): refused before anything starts
+
     from mcore_rl._quiet import quiet_process, ray_init_kwargs
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.advantage_stage import AdvantageStage
@@ -199,27 +203,23 @@ register_schema()
 
 @hydra.main(config_path="pkg://mcore_rl.configs", config_name="default", version_base=None)
 def main(dcfg: DictConfig) -> None:
-    import ray
+    """Exit codes, the FAILED marker and Ctrl-C handling: mcore_rl/lifecycle.py."""
+    from mcore_rl.lifecycle import run_guarded
 
     try:
         cfg = to_config(dcfg)
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
-    try:
-        if cfg.trainer.mode == "dpo":
-            from mcore_rl.controller.dpo_loop import run_dpo
+    if cfg.trainer.mode == "dpo":
+        from mcore_rl.controller.dpo_loop import run_dpo
 
-            summary = run_dpo(cfg)
-        else:
-            summary = run(cfg)
-    except (ValueError, ray.exceptions.RayError) as err:
-        # Bad checkpoints, datasets or reward functions surface here (from this process or from a Ray worker).
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(1)
-    with open(os.path.join(cfg.trainer.run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f)
+        run_guarded(cfg, run_dpo)
+    else:
+        run_guarded(cfg, run)
 
 
 if __name__ == "__main__":
-    main()
+    from mcore_rl.lifecycle import cli
+
+    cli(main)

@@ -24,7 +24,31 @@ _ENABLED = False
 
 
 class CpuRuntimeRefused(RuntimeError):
-    """Raised when the CPU runtime is asked for on a machine with a usable GPU."""
+    """Raised when the CPU runtime is asked for on a machine with a usable GPU, or with an unverified Megatron."""
+
+
+#: megatron-core releases these patches were run against (constraints.txt pins the one CI uses). Another release may
+#: move a patched call site and fail deep inside a rank, or silently not be patched;
+#: MCORE_RL_ALLOW_UNVERIFIED_MEGATRON=1 lets one try anyway.
+VERIFIED_MEGATRON = ("0.16.1",)
+
+
+def megatron_version_problem(version: str | None = None) -> str | None:
+    """Why the installed (or given) megatron-core cannot carry the CPU runtime; None when it is verified."""
+    if version is None:
+        from importlib import metadata
+
+        try:
+            version = metadata.version("megatron-core")
+        except metadata.PackageNotFoundError:
+            return "megatron-core is not installed (pip install -c constraints.txt -e .)"
+    if version in VERIFIED_MEGATRON or os.environ.get("MCORE_RL_ALLOW_UNVERIFIED_MEGATRON") == "1":
+        return None
+    return (
+        f"megatron-core {version} is installed, but the CPU runtime's patches (parallel/cpu_runtime.py) are verified "
+        f"with {', '.join(VERIFIED_MEGATRON)} only: pip install -c constraints.txt megatron-core, or set "
+        "MCORE_RL_ALLOW_UNVERIFIED_MEGATRON=1 to try it"
+    )
 
 
 class _CudaToCpuMode(TorchFunctionMode):
@@ -33,6 +57,7 @@ class _CudaToCpuMode(TorchFunctionMode):
     Megatron 0.16.1 allocates with `device="cuda"` or `device=torch.cuda.current_device()` (an int, which torch reads
     as a CUDA ordinal) in its schedules (token counters), causal masks, MoE router/expert buffers and optimizer.
     Rewriting the `device` argument here keeps those call sites untouched.
+    `Tensor.type()` (no arguments) answers with the CUDA type name, for Megatron's dtype checks.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
@@ -41,6 +66,12 @@ class _CudaToCpuMode(TorchFunctionMode):
             kwargs = dict(kwargs, device="cpu")
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # The distributed optimizer (0.16.1) sorts parameters by `param.type()` and refuses any but
+            # 'torch.cuda.{Float,Half,BFloat16}Tensor': report a CPU tensor's type under its CUDA name.
+            with torch._C.DisableTorchFunction():
+                name = args[0].type()
+            return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
         if func is torch.Tensor.to and args[1:] and _names_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         if kwargs.get("pin_memory"):
@@ -130,6 +161,9 @@ def enable_cpu_runtime(allow_with_gpu: bool = False) -> None:
     global _ENABLED
     if _ENABLED:
         return
+    problem = megatron_version_problem()
+    if problem is not None:
+        raise CpuRuntimeRefused(problem)
     if usable_gpu() and not (allow_with_gpu or os.environ.get("MCORE_RL_ALLOW_CPU_WITH_GPU") == "1"):
         raise CpuRuntimeRefused(
             "runtime=cpu refused: this machine has a usable GPU "

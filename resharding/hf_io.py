@@ -148,8 +148,10 @@ class HFCheckpointReader:
             raise CheckpointError(f"{config_path}: missing (an HF checkpoint needs config.json)")
         try:
             self.config: dict[str, Any] = json.loads(config_path.read_text())
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{config_path}: not valid JSON ({err})") from None
+        if not isinstance(self.config, dict):
+            raise CheckpointError(f"{config_path}: holds {type(self.config).__name__}, expected a JSON object")
         self.remap_bytes = remap_bytes
         self._file_of: dict[str, str] = {}
         self._info: dict[str, dict[str, Any]] = {}
@@ -299,9 +301,12 @@ def prepare_output(out_dir: str | Path, overwrite: bool = False) -> Path:
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out}: output directory exists (pass overwrite / --overwrite to replace it)")
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    except OSError as err:
+        raise CheckpointError(f"{out}: cannot create the output directory here ({err.strerror or err})") from None
     return tmp
 
 

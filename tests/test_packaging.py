@@ -73,3 +73,30 @@ def test_regular_install_puts_mapped_folders_under_mcore_rl(tmp_path: Path):
     path, no_top_level = _probe(":".join([str(target), *site_packages]), tmp_path)
     assert Path(path) == target / "mcore_rl" / "parallel" / "layout.py"
     assert no_top_level == "True"
+
+
+def test_unverified_megatron_is_refused_with_a_message(monkeypatch) -> None:
+    from mcore_rl.parallel.cpu_runtime import VERIFIED_MEGATRON, megatron_version_problem
+
+    monkeypatch.delenv("MCORE_RL_ALLOW_UNVERIFIED_MEGATRON", raising=False)
+    assert megatron_version_problem() is None  # the installed one (constraints.txt's) is verified
+    assert megatron_version_problem(VERIFIED_MEGATRON[0]) is None
+    problem = megatron_version_problem("0.17.0")
+    assert "megatron-core 0.17.0 is installed" in problem and "verified with 0.16.1" in problem
+    monkeypatch.setenv("MCORE_RL_ALLOW_UNVERIFIED_MEGATRON", "1")
+    assert megatron_version_problem("0.17.0") is None
+
+
+def test_constraints_pin_what_this_environment_runs() -> None:
+    """constraints.txt (used by `make setup`) names the versions installed here, for every package it lists."""
+    from importlib import metadata
+
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[name.lower()] = version
+    assert "mcore_rl" not in pins and "megatron-core" in pins and "torch" in pins
+    for name in ("megatron-core", "torch", "ray", "transformers", "hydra-core"):
+        assert metadata.version(name).split("+")[0] == pins[name], name
+    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()

@@ -128,12 +128,17 @@ def _layout_dict(layout: ParallelLayout) -> dict[str, Any]:
     return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout)}
 
 
-def check_inventory(reader: HFCheckpointReader, hf: HFConfig, weight_map: Any, shape: Any) -> None:
-    """Refuse unexpected tensors and float dtypes that disagree with config.json, naming file and tensor."""
+def check_inventory(
+    reader: HFCheckpointReader, hf: HFConfig, weight_map: Any, shape: Any, ignore: tuple[str, ...] = ()
+) -> None:
+    """Refuse unexpected tensors and float dtypes that disagree with config.json, naming file and tensor (tensors
+    under the `ignore` prefixes, MTP layers turned off, are not read)."""
     block = fp8_block_size(reader.config)
     want = DTYPES[_hf_dtype(reader.config)]
     unexpected, wrong = [], []
     for name in reader.names():
+        if ignore and name.startswith(ignore):
+            continue
         dtype = reader.dtype(name)
         if name.endswith("_scale_inv"):
             weight = name[: -len("_scale_inv")]
@@ -317,9 +322,11 @@ def _run(fn: Any, world: int, args: tuple) -> list[dict[str, Any]]:
 def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
     """HF directory -> Megatron torch_dist directory (plus hf/ config and tokenizer, and the layout file)."""
     reader = HFCheckpointReader(args.hf)
-    config = dict(reader.config)
+    family = get_family(HFConfig(reader.config).model_type)
+    config, note, ignore = family.resolve_mtp(dict(reader.config), set(reader.names()), args.mtp)
+    if note:
+        print(note)
     hf = HFConfig(config)
-    family = get_family(hf.model_type)
     layout = ParallelLayout(
         tp=args.tp,
         pp=args.pp,
@@ -334,7 +341,7 @@ def hf_to_mcore(args: argparse.Namespace) -> dict[str, Any]:
     dtype = args.dtype or _hf_dtype(config)
     vocab_multiple = args.make_vocab_size_divisible_by * layout.tp
     weight_map = _spec(config, layout, dtype, args.make_vocab_size_divisible_by).weight_map()
-    check_inventory(reader, hf, weight_map, family.shape(hf))
+    check_inventory(reader, hf, weight_map, family.shape(hf), ignore)
     stored = {k: v for k, v in config.items() if k != "quantization_config"}
     stored["dtype"] = {v: k for k, v in HF_DTYPE_NAMES.items()}[dtype]
     out = Path(args.out)
@@ -478,7 +485,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--first-stage-layers", type=int, default=None, help="layers on the first pipeline stage (uneven)")
     a.add_argument("--last-stage-layers", type=int, default=None, help="layers on the last pipeline stage (uneven)")
     a.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="parameter dtype (default: config.json's)")
-    a.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="Megatron vocab padding multiple")
+    a.add_argument(
+        "--mtp",
+        choices=("on", "off", "auto"),
+        default="auto",
+        help="multi-token-prediction layers (DeepSeek-V3): auto = on when the checkpoint holds them, off when it holds "
+        "none (transformers' save_pretrained drops them); a partial MTP layer is refused, naming what is missing",
+    )
+    a.add_argument(
+        "--make-vocab-size-divisible-by", type=_positive, default=128, help="Megatron vocab padding multiple"
+    )
     b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist directory -> HF directory")
     b.add_argument("--mcore", required=True, help="torch_dist directory (hf-to-mcore's, or Megatron-LM's save dir)")
     b.add_argument(
@@ -502,14 +518,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_out(args: argparse.Namespace) -> None:
+    """--out must not be, contain or lie inside an input (--overwrite would replace the checkpoint being read)."""
+    out = Path(args.out).resolve()
+    inputs = [args.hf] if args.command == "hf-to-mcore" else [args.mcore] + ([args.hf_config] if args.hf_config else [])
+    for given in inputs:
+        src = Path(given).resolve()
+        if out == src or src.is_relative_to(out) or out.is_relative_to(src):
+            raise ConvertError(f"--out {args.out} overlaps the input {given}; expected a separate output directory")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.t0 = time.time()
     start = time.perf_counter()
     try:
+        check_out(args)
         stats = hf_to_mcore(args) if args.command == "hf-to-mcore" else mcore_to_hf(args)
     except (ConvertError, CheckpointError, WeightMapError, UnsupportedModel, LayoutError) as err:
         print(f"error: {err}", file=sys.stderr)
+        return 2
+    except OSError as err:  # an unwritable --out, a directory where a file was expected: input, not a bug
+        print(f"error: {err.filename or args.out}: {err.strerror or err}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
     LAST_STATS.clear()

@@ -133,10 +133,14 @@ class MegatronActor:
         fp8 = fp8_block_size(reader.config) is not None
         load_hf_weights(self.chunks, self.contexts, self.weight_map, fp8_aware_reader(reader))
         shape = self.spec.family.shape(self.spec.hf)
+        from mcore_rl.models.base import checkpoint_config
+
+        unread = checkpoint_config(path, self.model_cfg.mtp)[2]  # model.mtp=off: MTP tensors held but not read
         unexpected = [
             n
             for n in reader.names()
             if not (fp8 and n.endswith("_scale_inv"))
+            and not (unread and n.startswith(unread))
             and not self.weight_map.is_known_hf(n, shape.num_layers, shape.num_experts)
         ]
         if unexpected:
@@ -146,38 +150,30 @@ class MegatronActor:
             )
 
     def _wrap_ddp_and_optimizer(self) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        """DDP, optimizer and lr schedule as mcore_rl/actor/optimizer.py plans them (the dry run counts the same)."""
+        from megatron.core.distributed import DistributedDataParallel
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
 
+        from mcore_rl.actor.optimizer import lr_scheduler, optimizer_plan
+
+        optim = self.cfg.optim
+        self.optim_plan = optimizer_plan(optim, self.model_cfg.dtype, self.runtime)
         config = self.chunks[0].config
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+        ddp_config = self.optim_plan.ddp_config()
         self.ddp_chunks = [
             DistributedDataParallel(config, ddp_config, module=chunk, pg_collection=self.pg) for chunk in self.chunks
         ]
         for ddp in self.ddp_chunks:
             ddp.broadcast_params()
         config.finalize_model_grads_func = finalize_model_grads
-        optim = self.cfg.optim
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=optim.lr,
-                weight_decay=optim.weight_decay,
-                adam_beta1=optim.adam_beta1,
-                adam_beta2=optim.adam_beta2,
-                adam_eps=optim.adam_eps,
-                clip_grad=optim.clip_grad,
-                bf16=self.spec.dtype == torch.bfloat16,
-                params_dtype=self.spec.dtype,
-                use_distributed_optimizer=False,
-            ),
+            self.optim_plan.optimizer_config(optim),
             self.ddp_chunks,
             use_gloo_process_groups=False,
             pg_collection=self.pg,
         )
-        for group in self.optimizer.param_groups:
-            group["lr"] = optim.lr
+        self.lr_scheduler = lr_scheduler(self.optimizer, optim)
 
     # ------------------------------------------------------------------------------------------ queries
     def ping(self) -> dict[str, Any]:
@@ -380,10 +376,13 @@ class MegatronActor:
                     chunk.zero_grad_buffer()
                 self.optimizer.zero_grad()
                 outputs = self._run_schedule(self.ddp_chunks, mbs, seq_len, loss_fn, forward_only=False)
+                lr = float(self.optimizer.param_groups[0]["lr"])
                 ok, grad_norm, _ = self.optimizer.step()
+                self.lr_scheduler.step(1)  # the lr of the next optimizer step
                 metrics = _sum_metrics(outputs)
                 metrics[f"{self.role}/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
                 metrics[f"{self.role}/update_ok"] = float(bool(ok))
+                metrics[f"{self.role}/lr"] = lr
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value
                 steps += 1
@@ -513,8 +512,7 @@ def _sum_metrics(outputs: list[dict[str, float]]) -> dict[str, float]:
 
 def _hf_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
     if model_cfg.path:
-        import json
+        from mcore_rl.models.base import checkpoint_config
 
-        with open(os.path.join(model_cfg.path, "config.json")) as f:
-            return json.load(f)
+        return checkpoint_config(model_cfg.path, model_cfg.mtp)[0]  # MTP off where the checkpoint holds none
     return dict(model_cfg.hf_config)

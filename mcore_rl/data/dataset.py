@@ -114,6 +114,12 @@ def _read_rows(path: str, prompt_key: str) -> list[dict[str, Any]]:
                 raise DatasetSchemaError(
                     f"{path}: row {row}: column {prompt_key!r} holds a message without role/content: {message!r}"
                 )
+        blank = [i for i, m in enumerate(messages) if m["role"] == "user" and not str(m["content"]).strip()]
+        if blank or not any(str(m["content"]).strip() for m in messages):
+            raise DatasetSchemaError(
+                f"{path}: row {row}: column {prompt_key!r} has a prompt with empty content "
+                f"(message {blank[0] if blank else 0}); expected text to answer"
+            )
         if source is None:
             raise DatasetSchemaError(f"{path}: row {row}: column 'data_source' is null")
         if reward_model is None or reward_model.get("ground_truth") is None:

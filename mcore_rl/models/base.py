@@ -119,6 +119,14 @@ class ModelFamily:
         """The HF <-> Megatron weight map for this config (tied embeddings, dense/MoE layers...)."""
         raise NotImplementedError
 
+    def resolve_mtp(
+        self, config: dict[str, Any], names: set[str], mode: str
+    ) -> tuple[dict[str, Any], str | None, tuple[str, ...]]:
+        """(config to build from a checkpoint holding tensors `names`, a line to print when it differs from
+        config.json, HF name prefixes left unread). Families with multi-token-prediction layers decide here whether
+        those layers are on (`mode`: on | off | auto); the rest have none to decide."""
+        return config, None, ()
+
 
 _REGISTRY: dict[str, ModelFamily] = {}
 
@@ -129,6 +137,16 @@ def register(family: type[ModelFamily]) -> type[ModelFamily]:
         raise ValueError(f"{family.__name__} has no model_type")
     _REGISTRY[family.model_type] = family()
     return family
+
+
+def checkpoint_config(path: str, mtp: str = "auto") -> tuple[dict[str, Any], str | None, tuple[str, ...]]:
+    """An HF checkpoint's config.json as the actor builds from it: the family's `resolve_mtp` applied to the tensor
+    names its safetensors headers hold (read without loading a tensor). Returns (config, note, unread prefixes)."""
+    from mcore_rl.resharding.hf_io import HFCheckpointReader
+
+    with HFCheckpointReader(path) as reader:
+        config, names = dict(reader.config), set(reader.names())
+    return get_family(HFConfig(config).model_type).resolve_mtp(config, names, mtp)
 
 
 def supported_model_types() -> list[str]:

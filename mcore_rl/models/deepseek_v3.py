@@ -164,6 +164,38 @@ def num_mtp_layers(hf: HFConfig) -> int:
     return int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)))
 
 
+MTP_MODES = ("on", "off", "auto")
+
+
+def resolve_mtp(
+    config: dict[str, Any], names: set[str], mode: str
+) -> tuple[dict[str, Any], str | None, tuple[str, ...]]:
+    """MTP on or off for a checkpoint (see ModelFamily.resolve_mtp).
+
+    transformers' save_pretrained keeps `num_nextn_predict_layers` but drops the MTP layers (model.layers.{L + i}.*):
+    `auto` turns MTP off when the checkpoint holds none of them and keeps it on when it holds any, so a checkpoint
+    with only part of an MTP layer is still refused by the loaders, which name the missing tensors. `off` ignores
+    them; `on` requires them.
+    """
+    if mode not in MTP_MODES:
+        raise ValueError(f"mtp={mode!r} is invalid: expected one of {MTP_MODES}")
+    hf = HFConfig(config)
+    n = num_mtp_layers(hf)
+    if n == 0 or mode == "on":
+        return config, None, ()
+    first = hf.req("num_hidden_layers")
+    prefixes = tuple(f"model.layers.{first + i}." for i in range(n))
+    held = sum(name.startswith(prefixes) for name in names)
+    if mode == "auto" and held:
+        return config, None, ()
+    off = {k: v for k, v in config.items() if k != "num_mtp_layers"}
+    off["num_nextn_predict_layers"] = 0
+    why = (
+        f"mtp=off (its {held} tensors are not read)" if mode == "off" else "the checkpoint holds none of their weights"
+    )
+    return off, f"MTP off: config.json asks for {n} MTP layer(s) (num_nextn_predict_layers={n}), {why}", prefixes
+
+
 def attention_rules(hf: HFConfig, m: str = L, h: str = H) -> list[Rule]:
     """MLA rules for one layer prefix (decoder layers or an MTP layer's transformer_layer)."""
     heads, nope, rope, v = (
@@ -289,6 +321,11 @@ class DeepseekV3Family(ModelFamily):
     model_type = "deepseek_v3"
     engine_shards = DEEPSEEK_ENGINE_SHARDS
     architecture = "DeepseekV3ForCausalLM"
+
+    def resolve_mtp(
+        self, config: dict[str, Any], names: set[str], mode: str
+    ) -> tuple[dict[str, Any], str | None, tuple[str, ...]]:
+        return resolve_mtp(config, names, mode)
 
     def shape(self, hf: HFConfig) -> ModelShape:
         heads = hf.req("num_attention_heads")

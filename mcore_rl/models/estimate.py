@@ -14,20 +14,25 @@ estimate works for any MoE or dense config without importing Megatron. Supported
 Pipeline stages: every figure is for the rank holding the most decoder layers. With even stages that is 1/pp of them;
 with uneven first/last stages (`first_stage_layers` / `last_stage_layers`) the largest stage's share.
 
-Memory per GPU (bytes), mixed-precision Adam as Megatron runs it:
-    weights bf16 (2) + main grads fp32 (4) + optimizer fp32 master + m + v (12, divided by the data-parallel size of
-    that parameter when the distributed optimizer is on: dense / dp, experts / expert-dp)
-    + a frozen bf16 reference copy (2) when actor.use_ref
-    + an activation allowance (see `activation_bytes`) + a fixed allowance for the CUDA context and NCCL buffers.
+Memory per GPU (bytes): the per-parameter bytes of weights, fp32 grads and the optimizer (fp32 masters + Adam state,
+sharded over dp by the distributed optimizer, partly on the host when offloaded) come from the run's
+`OptimizerPlan` (mcore_rl/actor/optimizer.py), the same object the Megatron ranks build from; parameters per rank come
+from the meta-device model at the actor's layout (`rank_params`: padded vocabulary and every norm included), so the
+figures are what the ranks allocate. On top: a frozen reference copy when actor.use_ref, an activation allowance
+(`activation_bytes`), a fixed allowance for the CUDA context and NCCL buffers, and a colocated rollout engine's
+share (`EngineShare`: its weights and KV cache, `rollout.sglang.mem_fraction_static` of the GPU).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mcore_rl.parallel.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from mcore_rl.actor.optimizer import OptimizerPlan
 
 GIB = 1024**3
 
@@ -93,6 +98,27 @@ def count_params(hf: Mapping[str, Any]) -> ParamCounts:
 
 
 @dataclass(frozen=True)
+class RankParams:
+    """Parameters held by one actor rank, split by the data-parallel group their optimizer state is sharded over."""
+
+    dense: float  #: optimised over dp (x cp)
+    expert: float  #: routed experts, optimised over expert dp
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+
+@dataclass(frozen=True)
+class EngineShare:
+    """A rollout engine colocated on the actor's GPUs: its weights and its static pool (weights + KV cache)."""
+
+    weights: float  #: bytes of engine weights per GPU
+    static: float  #: mem_fraction_static x GPU memory: weights + KV cache while it holds them
+    releases: bool  #: enable_memory_saver: weights and KV cache released while the actor trains
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """Per-GPU figures of one actor rank, in bytes, and the assumptions they were made under."""
 
@@ -100,40 +126,108 @@ class MemoryEstimate:
     expert_params_per_rank: float
     weights: float
     grads: float
-    optimizer: float
+    optimizer: float  #: on the GPU
+    optimizer_host: float  #: offloaded to host memory (not in `total`)
     reference: float
     activations: float
     overhead: float
     dp: int
     expert_dp: int
-    distributed_optimizer: bool
+    plan: OptimizerPlan
+    engine: EngineShare | None = None
 
     @property
     def params_per_rank(self) -> float:
         return self.dense_params_per_rank + self.expert_params_per_rank
 
     @property
+    def resident(self) -> float:
+        """What the actor holds between updates (weights, grads, optimizer, reference, CUDA context)."""
+        return self.weights + self.grads + self.optimizer + self.reference + self.overhead
+
+    @property
+    def training(self) -> float:
+        """Peak while training: resident + activations (+ the engine's pool if it does not release it)."""
+        engine = self.engine.static if self.engine is not None and not self.engine.releases else 0.0
+        return self.resident + self.activations + engine
+
+    @property
+    def generating(self) -> float:
+        """Peak while a colocated engine generates: resident + the engine's weights and KV cache."""
+        return self.resident + (self.engine.static if self.engine is not None else 0.0)
+
+    @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.reference + self.activations + self.overhead
+        return max(self.training, self.generating)
 
     def describe(self) -> str:
         """One line per figure, in GiB."""
         g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
-        return "\n".join(
-            [
-                f"  params per rank: {self.params_per_rank / 1e9:.2f} B "
-                f"(dense {self.dense_params_per_rank / 1e9:.2f} B, experts {self.expert_params_per_rank / 1e9:.2f} B)",
-                f"  weights bf16:        {g(self.weights)}",
-                f"  main grads fp32:     {g(self.grads)}",
-                f"  Adam fp32 (master+m+v){' / dp' if self.distributed_optimizer else ''}: {g(self.optimizer)}"
-                f"  (dp={self.dp}, expert dp={self.expert_dp}, "
-                f"distributed optimizer {'on' if self.distributed_optimizer else 'off'})",
-                f"  reference bf16:      {g(self.reference)}",
-                f"  activations:         {g(self.activations)}",
-                f"  CUDA ctx + NCCL:     {g(self.overhead)}",
-                f"  total per GPU:       {g(self.total)}",
+        lines = [
+            f"  params per rank: {self.params_per_rank / 1e9:.2f} B "
+            f"(dense {self.dense_params_per_rank / 1e9:.2f} B, experts {self.expert_params_per_rank / 1e9:.2f} B)",
+            f"  {self.plan.describe()} (dp={self.dp}, expert dp={self.expert_dp})",
+            f"  weights {self.plan.dtype}:    {g(self.weights)}",
+            f"  main grads fp32:     {g(self.grads)}",
+            f"  optimizer on GPU:    {g(self.optimizer)}"
+            + (f"  (host: {g(self.optimizer_host)})" if self.optimizer_host else ""),
+            f"  reference:           {g(self.reference)}",
+            f"  activations:         {g(self.activations)}",
+            f"  CUDA ctx + NCCL:     {g(self.overhead)}",
+            f"  training peak:       {g(self.training)}",
+        ]
+        if self.engine is not None:
+            lines += [
+                f"  colocated engine:    {g(self.engine.static)} (weights {g(self.engine.weights)} + KV cache "
+                f"{g(self.engine.static - self.engine.weights)}; "
+                f"{'released' if self.engine.releases else 'kept'} while training)",
+                f"  generation peak:     {g(self.generating)}",
             ]
-        )
+        lines.append(f"  total per GPU:       {g(self.total)}")
+        return "\n".join(lines)
+
+
+def rank_params(hf: Mapping[str, Any], layout: ParallelLayout, divisible_by: int, dtype: str) -> RankParams:
+    """Parameters of the fullest actor rank at `layout`, counted from the model built on the meta device (the same
+    builder and weight map the ranks use: padded vocabulary, norms, MTP layers included; no memory, no ranks)."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    from mcore_rl.models.base import HFConfig
+    from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
+    from mcore_rl.parallel.cpu_runtime import enable_cpu_runtime
+    from mcore_rl.parallel.groups import free_port, init_distributed, initialize_model_parallel
+    from mcore_rl.resharding.sync.inventory import meta_sources
+
+    if not dist.is_initialized():
+        enable_cpu_runtime(allow_with_gpu=True)  # meta tensors only: nothing runs, so a GPU here is no concern
+        init_distributed("cpu", 0, 1, "127.0.0.1", free_port())
+    pg = initialize_model_parallel(ParallelLayout())
+    spec = ModelSpec(
+        HFConfig(dict(hf)),
+        ParallelLayout(),
+        dtype=getattr(torch, dtype),
+        make_vocab_size_divisible_by=divisible_by * layout.tp,
+        config_overrides={"perform_initialization": False},
+    )
+    shape = spec.family.shape(spec.hf)
+    sources = meta_sources(
+        lambda: build_gpt_chunks(spec, pg, meta=True), spec.weight_map(), layout, shape.num_layers, shape.num_experts
+    )
+    dense: dict[int, int] = {}
+    expert: dict[tuple[int, int], int] = {}
+    for source in sources:
+        n = math.prod(source.shard_shape)
+        if source.ep_rank is None:
+            dense[source.pp_rank] = dense.get(source.pp_rank, 0) + n
+        else:
+            key = (source.pp_rank, source.ep_rank)
+            expert[key] = expert.get(key, 0) + n
+    ranks = [(dense.get(pp, 0), expert.get((pp, ep), 0)) for pp in range(layout.pp) for ep in range(layout.ep)]
+    d, e = max(ranks, key=sum)
+    return RankParams(dense=d, expert=e)
 
 
 def stage_pp_divisor(
@@ -193,36 +287,43 @@ def estimate_memory(
     vpp: int | None = None,
     micro_batch: int = 1,
     seq_len: int = 4096,
-    distributed_optimizer: bool = True,
+    plan: OptimizerPlan | None = None,
     use_ref: bool = True,
     overhead_gib: float = 4.0,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    params: RankParams | None = None,
+    engine: EngineShare | None = None,
 ) -> MemoryEstimate:
-    """Per-GPU memory of one actor rank: params per rank = dense / (tp*pp) + experts / (ep*etp*pp), see module doc.
+    """Per-GPU memory of one actor rank (see the module doc); bytes per parameter from `plan` (default: bf16, the
+    distributed optimizer), parameters per rank from `params` (`rank_params`; without it, the closed-form count of
+    `count_params`: dense / (tp*pp) + experts / (ep*etp*pp), pp being num_layers / layers on the largest stage)."""
+    from mcore_rl.actor.optimizer import OptimizerPlan
 
-    With uneven first/last stages pp in those divisions becomes num_layers / (layers on the largest stage).
-    """
-    counts = count_params(hf)
+    plan = plan or OptimizerPlan(distributed=True, offload_fraction=0.0, dtype="bfloat16")
     etp = tp if etp is None else etp
-    stage_pp = stage_pp_divisor(int(hf["num_hidden_layers"]), pp, vpp, first_stage_layers, last_stage_layers)
-    dense = counts.dense / (tp * stage_pp)
-    expert = counts.expert / (ep * etp * stage_pp)
+    if params is None:
+        counts = count_params(hf)
+        stage_pp = stage_pp_divisor(int(hf["num_hidden_layers"]), pp, vpp, first_stage_layers, last_stage_layers)
+        params = RankParams(dense=counts.dense / (tp * stage_pp), expert=counts.expert / (ep * etp * stage_pp))
     dp = max(1, world_size // (tp * cp * pp))
     edp = max(1, world_size // (etp * ep * pp))
-    optimizer = 12 * (dense / dp + expert / edp) if distributed_optimizer else 12 * (dense + expert)
+    # the distributed optimizer shards dense parameters over dp x cp (Megatron's data-parallel-with-cp group)
+    dense, expert = plan.rank_bytes(params.dense, dp * cp), plan.rank_bytes(params.expert, edp)
     return MemoryEstimate(
-        dense_params_per_rank=dense,
-        expert_params_per_rank=expert,
-        weights=2 * (dense + expert),
-        grads=4 * (dense + expert),
-        optimizer=optimizer,
-        reference=2 * (dense + expert) if use_ref else 0.0,
+        dense_params_per_rank=params.dense,
+        expert_params_per_rank=params.expert,
+        weights=dense.weights + expert.weights,
+        grads=dense.grads + expert.grads,
+        optimizer=dense.optimizer_device + expert.optimizer_device,
+        optimizer_host=dense.optimizer_host + expert.optimizer_host,
+        reference=dense.weights + expert.weights if use_ref else 0.0,
         activations=activation_bytes(
             hf, tp, pp, cp, micro_batch, seq_len, vpp or 1, first_stage_layers, last_stage_layers
         ),
         overhead=overhead_gib * GIB,
         dp=dp,
         expert_dp=edp,
-        distributed_optimizer=distributed_optimizer,
+        plan=plan,
+        engine=engine,
     )

@@ -170,7 +170,9 @@ class RewardManager:
         Python cannot kill a thread, so a call past its deadline is abandoned: its (daemon) thread no longer counts
         towards `num_threads` and its late result is ignored. Abandoning rather than joining is what keeps one hung
         verifier from stalling the whole step; the cost is a leaked thread per hang. A pool executor would not do:
-        a hung call would hold a worker forever and starve the queued calls.
+        a hung call would hold a worker forever and starve the queued calls. Without a `timeout_score` the first
+        timeout ends the batch (no further call starts), so a hanging function fails in one timeout, leaving at most
+        `num_threads` threads behind.
         """
         n = len(calls)
         results: list[Any] = [None] * n
@@ -217,6 +219,10 @@ class RewardManager:
                         del started[row]
                 if errors:
                     raise errors[min(errors)]
+                if timed_out and self.timeout_score is None:
+                    # Fail at the first hang: a function that hangs on one row usually hangs on all of them, and
+                    # going on would cost one timeout and one abandoned thread per remaining row.
+                    break
         return results, sorted(timed_out)
 
     def _validate(self, result: Any, row: int, data_source: str) -> tuple[float, dict[str, Any]]:

@@ -1,0 +1,191 @@
+"""Checks of a run's inputs before anything starts (no Ray, no Megatron rank): `check(cfg)` at the top of train.run.
+
+Each check raises `ConfigError` naming the field, file or tensor and what was expected, so `python -m mcore_rl.train`
+exits with code 2 and one message instead of failing minutes later inside a Ray actor:
+
+    megatron-core    a release the CPU runtime is verified with (trainer.runtime=cpu)
+    run_dir          created (or existing) and writable
+    data files       exist and are parquet files (their schema and rows are checked by data/dataset.py next)
+    tokenizer        the directory exists
+    Ray CPUs         trainer.ray_num_cpus covers what the actors and engines reserve (else Ray waits forever)
+    checkpoint       model.path's safetensors headers (truncated files, index) and every tensor's name and shape
+                     against the family's weight map, from the meta-device model (expected_hf_tensors)
+
+`python -m mcore_rl.preflight <model.path> <make_vocab_size_divisible_by> [mtp]` runs the checkpoint check alone, in a
+child process, so the driver never initialises torch.distributed or Megatron itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from mcore_rl.config import ConfigError, RLConfig
+
+
+def check(cfg: RLConfig) -> None:
+    """Every check above; ConfigError on the first failure."""
+    if cfg.trainer.runtime == "cpu":
+        from mcore_rl.parallel.cpu_runtime import megatron_version_problem
+
+        problem = megatron_version_problem()
+        if problem is not None:
+            raise ConfigError(f"trainer.runtime=cpu: {problem}")
+    check_run_dir(cfg.trainer.run_dir)
+    for path in cfg.data.train_files:
+        check_parquet(path)
+    if cfg.model.tokenizer and not os.path.isdir(cfg.model.tokenizer):
+        raise ConfigError(f"model.tokenizer={cfg.model.tokenizer!r}: no such directory")
+    check_ray_cpus(cfg)
+    if cfg.model.path:
+        check_checkpoint(cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
+
+
+def check_run_dir(run_dir: str) -> None:
+    """Create `run_dir` if needed and prove it writable with a temporary file."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"trainer.run_dir={run_dir!r} is not a writable directory ({err.strerror or err}); expected a path "
+            "where the run can write its metrics and artifacts"
+        ) from None
+
+
+def check_parquet(path: str) -> None:
+    """A data file that exists and has a parquet footer."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"data.train_files: {path!r} does not exist; expected a parquet file in verl's schema")
+    try:
+        pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        raise ConfigError(f"data.train_files: {path!r} is not a readable parquet file ({err})") from None
+
+
+def ray_cpus_needed(cfg: RLConfig) -> float:
+    """Logical CPUs the run's Ray actors reserve: every Megatron rank and every embedded rollout engine."""
+    engines = cfg.rollout.num_cpus * cfg.rollout.num_engines if cfg.rollout.engine == "hf" else 0.0
+    return cfg.actor.world_size * cfg.actor.num_cpus_per_rank + engines
+
+
+def check_ray_cpus(cfg: RLConfig) -> None:
+    """A local Ray with fewer CPUs than the actors reserve would leave them pending forever: refuse with figures."""
+    have = cfg.trainer.ray_num_cpus
+    if cfg.trainer.ray_address is not None or have is None:
+        return
+    need = ray_cpus_needed(cfg)
+    if have < need:
+        raise ConfigError(
+            f"trainer.ray_num_cpus={have} is too small: the run reserves {need:g} CPUs (actor.world_size="
+            f"{cfg.actor.world_size} x actor.num_cpus_per_rank={cfg.actor.num_cpus_per_rank:g} + rollout.num_engines="
+            f"{cfg.rollout.num_engines} x rollout.num_cpus={cfg.rollout.num_cpus:g}); expected >= {need:g}, or lower "
+            "those reservations"
+        )
+
+
+def check_checkpoint(path: str, divisible_by: int, mtp: str = "auto") -> None:
+    """Headers of model.path against the weight map, in a child process (see the module docstring); prints the
+    family's note once when the checkpoint changes what is built (DeepSeek-V3 without its MTP weights: MTP off)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.preflight", path, str(divisible_by), mtp],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"checkpoint pre-flight of {path} crashed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    result = json.loads(lines[-1])
+    if result["note"]:
+        print(result["note"])
+    problems = result["problems"]
+    if problems:
+        shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise ConfigError(f"model.path={path!r} does not hold the weights its config.json describes:\n  {shown}")
+
+
+def expected_hf_tensors(hf: dict[str, Any], divisible_by: int) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(HF tensor name -> shape the actor loads, every name it knows including optional aliases), from the family's
+    model built on the meta device (world of one)."""
+    import torch
+    import torch.distributed as dist
+
+    from mcore_rl.models.base import HFConfig
+    from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
+    from mcore_rl.parallel.groups import free_port, init_distributed, initialize_model_parallel
+    from mcore_rl.parallel.layout import ParallelLayout
+    from mcore_rl.resharding.sync.inventory import meta_sources
+
+    if not dist.is_initialized():
+        init_distributed("cpu", 0, 1, "127.0.0.1", free_port())
+    pg = initialize_model_parallel(ParallelLayout())
+    spec = ModelSpec(
+        HFConfig(hf),
+        ParallelLayout(),
+        dtype=torch.float32,
+        make_vocab_size_divisible_by=divisible_by,
+        config_overrides={"perform_initialization": False},
+    )
+    shape = spec.family.shape(spec.hf)
+    sources = meta_sources(
+        lambda: build_gpt_chunks(spec, pg, meta=True),
+        spec.weight_map(),
+        ParallelLayout(),
+        shape.num_layers,
+        shape.num_experts,
+    )
+    # Aliases (tied copies) are optional in a checkpoint; the transform outputs are required.
+    required = {name: tuple(s.hf_shapes[i]) for s in sources for i, name in enumerate(s.hf[: s.num_outputs])}
+    return required, {name for s in sources for name in s.hf}
+
+
+def checkpoint_problems(path: str, divisible_by: int, mtp: str = "auto") -> tuple[list[str], str | None]:
+    """What is wrong with the HF checkpoint at `path` (unreadable headers, missing tensors, wrong shapes), and the
+    family's note on what it builds from it."""
+    from mcore_rl.models.base import checkpoint_config
+    from mcore_rl.resharding.hf_io import CheckpointError, HFCheckpointReader
+
+    try:
+        reader = HFCheckpointReader(path)
+        config, note, unread = checkpoint_config(path, mtp)
+    except CheckpointError as err:
+        return [str(err)], None
+    expected, known = expected_hf_tensors(config, divisible_by)
+    fp8 = (reader.config.get("quantization_config") or {}).get("quant_method") == "fp8"
+    problems = [f"HF tensor '{name}' is missing (expected shape {list(shape)})" for name, shape in expected.items()
+                if name not in reader]  # fmt: skip
+    unexpected = [
+        n
+        for n in reader.names()
+        if n not in known and not (fp8 and n.endswith("_scale_inv")) and not (unread and n.startswith(unread))
+    ]
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} unexpected tensors not in the {config['model_type']} weight map: {unexpected[:5]}"
+            + (" ..." if len(unexpected) > 5 else "")
+        )
+    for name, shape in expected.items():
+        if name in reader and tuple(reader.shape(name)) != shape and not fp8:
+            problems.append(f"{reader.file_of(name)}: tensor {name} has shape {list(reader.shape(name))}, expected "
+                            f"{list(shape)}")  # fmt: skip
+    return problems, note
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from mcore_rl.parallel.cpu_runtime import enable_cpu_runtime
+
+    enable_cpu_runtime(allow_with_gpu=True)  # meta tensors only: nothing runs on a device here
+    problems, note = checkpoint_problems(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "auto")
+    print(json.dumps({"problems": problems, "note": note}))

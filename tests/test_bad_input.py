@@ -1,0 +1,263 @@
+"""Bad input is refused before anything starts, with exit code 2 and one message naming what is wrong (no traceback).
+
+Every case runs the real CLI (`python -m mcore_rl.train`, tools/convert_checkpoint.py, launch/submit.py) as a new user
+would; the ones that fail before Ray starts take seconds. The Ctrl-C and kill -9 cases start a real run (slow tier).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import tiny_qwen3_moe_transformers
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mcore_rl.train", *overrides], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+def assert_user_error(res: subprocess.CompletedProcess, *needles: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stderr[-3000:])
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    for needle in needles:
+        assert needle in res.stderr, (needle, res.stderr[-3000:])
+    assert "Started a local Ray instance" not in res.stdout + res.stderr  # refused before Ray
+
+
+# ------------------------------------------------------------------------------------------------ config keys
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("+actor.foo=1", "unknown key 'actor.foo' ('+' adds keys"),
+        ("foo=1", "unknown key 'foo'"),
+        ("trainer.stepz=3", "trainer has no field 'stepz'"),
+        ("trainer.steps=abc", "trainer.steps"),  # Hydra's own type error: exit 2, not 1
+    ],
+)
+def test_unknown_or_mistyped_keys_exit_2(override: str, needle: str, tmp_path) -> None:
+    assert_user_error(train(override, f"trainer.run_dir={tmp_path}"), needle)
+
+
+def test_keys_under_free_form_dicts_may_be_added() -> None:
+    from mcore_rl.lifecycle import unknown_override
+
+    assert unknown_override("+model.hf_config.rope_scaling.factor=2") is None
+    assert unknown_override("actor.optim.lr=1e-5") is None and unknown_override("--config-name=x") is None
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by=0"),
+        ("reward.num_threads=0", "reward.num_threads=0"),
+        ("reward.timeout_s=-1", "reward.timeout_s=-1"),
+        ("data.max_prompt_length=0", "data.max_prompt_length=0"),
+        ("data.synthetic_num_prompts=0", "data.synthetic_num_prompts=0"),
+        ("trainer.ray_num_cpus=1", "trainer.ray_num_cpus=1 is too small: the run reserves 3 CPUs"),
+    ],
+)
+def test_values_that_used_to_fail_late_exit_2(override: str, field: str, tmp_path) -> None:
+    assert_user_error(train(override, f"trainer.run_dir={tmp_path}"), field)
+
+
+# ------------------------------------------------------------------------------------------------ files
+def test_missing_data_file(tmp_path) -> None:
+    missing = tmp_path / "nope.parquet"
+    assert_user_error(train(f"data.train_files=[{missing}]", f"trainer.run_dir={tmp_path}/run"), str(missing))
+
+
+def test_impossible_run_dir(tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    assert_user_error(train(f"trainer.run_dir={tmp_path}/file/run"), "trainer.run_dir=", "not a writable directory")
+
+
+def test_corrupted_config_json_is_named(tmp_path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text('{"model_type": "qwen3_moe", ')
+    assert_user_error(train(f"model.path={tmp_path}/ckpt", f"trainer.run_dir={tmp_path}/run"),
+                      f"{tmp_path}/ckpt/config.json is not readable JSON")  # fmt: skip
+
+
+def test_empty_prompt_content_fails_and_marks_the_run_dir(tmp_path) -> None:
+    row = {
+        "data_source": "synthetic/copy_digit",
+        "prompt": [{"role": "user", "content": "  "}],
+        "reward_model": {"style": "rule", "ground_truth": "1"},
+    }
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "d.parquet")
+    res = train(f"data.train_files=[{tmp_path}/d.parquet]", f"trainer.run_dir={tmp_path}/run")
+    assert_user_error(res, "row 0", "empty content")
+    assert "empty content" in (tmp_path / "run" / "FAILED").read_text()
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    from transformers import Qwen3MoeForCausalLM
+
+    path = tmp_path_factory.mktemp("ckpt")
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(tiny_qwen3_moe_transformers(vocab_size=63, eos_token_id=2, pad_token_id=0))
+    model.save_pretrained(path)
+    return path
+
+
+def _variant(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def test_checkpoint_missing_and_misshapen_tensors_found_before_ray(checkpoint, tmp_path) -> None:
+    missing = "model.layers.1.mlp.experts.3.down_proj.weight"
+    wrong = "model.layers.0.self_attn.o_proj.weight"
+
+    def edit(t: dict) -> None:
+        del t[missing]
+        t[wrong] = torch.zeros(3, 5)
+
+    bad = _variant(checkpoint, tmp_path / "bad", edit)
+    assert_user_error(train(f"model.path={bad}", f"trainer.run_dir={tmp_path}/run"),
+                      f"HF tensor '{missing}' is missing", f"tensor {wrong} has shape [3, 5]")  # fmt: skip
+
+
+def test_truncated_checkpoint_found_before_ray(checkpoint, tmp_path) -> None:
+    bad = _variant(checkpoint, tmp_path / "bad", lambda t: None)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) - 100])
+    assert_user_error(train(f"model.path={bad}", f"trainer.run_dir={tmp_path}/run"), "truncated")
+
+
+def test_preflight_passes_an_intact_checkpoint(checkpoint) -> None:
+    from mcore_rl.preflight import check_checkpoint
+
+    check_checkpoint(str(checkpoint), 64)  # raises on any problem
+
+
+# ------------------------------------------------------------------------------------------------ reward
+def test_hanging_reward_fails_at_the_first_timeout_without_a_thread_per_row() -> None:
+    from mcore_rl.reward.manager import RewardManager, RewardTimeoutError
+
+    release, calls = threading.Event(), []
+
+    def hang(**_: object) -> float:
+        calls.append(1)
+        release.wait(60)
+        return 0.0
+
+    before = threading.active_count()
+    manager = RewardManager(hang, num_threads=2, timeout_s=0.5)
+    with pytest.raises(RewardTimeoutError, match="ran past timeout_s=0.5 on row 0"):
+        manager.score(["a"] * 16, ["s"] * 16, ["1"] * 16)
+    assert len(calls) == 2  # the two running calls; none of the 14 others started
+    assert threading.active_count() - before <= 2
+    release.set()
+
+
+# ------------------------------------------------------------------------------------------------ convert, submit
+def convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), *args],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_convert_out_equal_to_input_is_refused_even_with_overwrite(checkpoint, tmp_path) -> None:
+    copy = _variant(checkpoint, tmp_path / "hf", lambda t: None)
+    before = sorted(p.name for p in copy.iterdir())
+    res = convert("hf-to-mcore", "--hf", str(copy), "--out", str(copy), "--overwrite", "--nproc", "1")
+    assert res.returncode == 2 and "overlaps the input" in res.stderr and "Traceback" not in res.stderr
+    assert sorted(p.name for p in copy.iterdir()) == before
+
+
+def test_convert_out_where_nothing_can_be_written(checkpoint, tmp_path) -> None:
+    (tmp_path / "file").write_text("x")
+    res = convert("hf-to-mcore", "--hf", str(checkpoint), "--out", str(tmp_path / "file" / "out"), "--nproc", "1")
+    assert res.returncode == 2 and "cannot create the output directory" in res.stderr, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
+
+
+def test_convert_vocab_multiple_zero_is_a_usage_error(checkpoint, tmp_path) -> None:
+    res = convert("hf-to-mcore", "--hf", str(checkpoint), "--out", str(tmp_path / "o"),
+                  "--make-vocab-size-divisible-by", "0")  # fmt: skip
+    assert res.returncode == 2 and "must be a positive integer" in res.stderr
+
+
+def test_submit_refuses_a_malformed_time() -> None:
+    res = subprocess.run([sys.executable, str(REPO / "launch" / "submit.py"), "--nodes", "1", "--gpus-per-node", "0",
+                          "--partition", "p", "--time", "banana", "--job-name", "j", "--dry-run"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 2 and "--time 'banana' is not a Slurm time limit" in res.stderr
+
+
+# ------------------------------------------------------------------------------------------------ endings
+def _start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcore_rl.train", "trainer.steps=200", f"trainer.run_dir={run_dir}",
+         "data.batch_size=2", "rollout.n=2", "actor.mini_batches=1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+    )  # fmt: skip
+    deadline = time.time() + 300
+    metrics = run_dir / "metrics.jsonl"
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= 1:
+            return proc, run_dir
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(f"the run never wrote a metrics line: {proc.communicate()[1][-3000:]}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_with_one_line_exit_130_and_a_failed_marker(tmp_path) -> None:
+    proc, run_dir = _start_run(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert "interrupted after step" in err and "of 200" in err
+    assert (run_dir / "FAILED").read_text().startswith("interrupted (Ctrl-C) after step")
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_driver_leaves_no_ray_process(tmp_path) -> None:
+    import psutil
+
+    proc, _ = _start_run(tmp_path)
+    started = {p.pid: p.create_time() for p in psutil.Process(proc.pid).children(recursive=True)}
+    assert any("raylet" in " ".join(psutil.Process(p).cmdline()) for p in started)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=30)
+
+    def alive() -> list[str]:
+        out = []
+        for pid, created in started.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(f"{pid} {' '.join(p.cmdline())[:80]}")
+            except psutil.Error:
+                pass
+        return out
+
+    deadline = time.time() + 20  # the watchdog needs its 2 s grace; Ray's agents alone took about a minute
+    while alive() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not alive(), json.dumps(alive(), indent=1)
