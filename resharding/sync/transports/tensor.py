@@ -96,6 +96,9 @@ class TensorTransport:
         self.ranks_per_engine = ranks_per_engine
         self.timeout_s = timeout_s
         self.device = torch.device(device)
+        #: where allocate puts buffers: the executor reuses them while this stays the same, so one pair of shared
+        #: segments serves every bucket of every sync (a fresh segment per bucket faulted in 64 MB of pages each time)
+        self.memory = "cpu-shared" if self.device.type == "cpu" else str(self.device)
         self._http = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)), thread_name_prefix="sync-http")
         self._sender = BackgroundSender(self._send)
 
