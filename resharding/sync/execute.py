@@ -1,7 +1,7 @@
 """Run this rank's part of a sync plan: gather, transform into the flat bucket, hand it to the transport.
 
 ```
-for each stream this rank is in, for each bucket (same order on every rank of the stream's group):
+for each bucket of the streams this rank is in, interleaved across streams (one global order on every rank):
     gather   the bucket's sharded tensors to the stream leader, in chunks of at most the largest tensor's bytes:
              each rank copies its shards side by side into its gather buffer, then on CPU each peer sends that row
              to the leader (one message per chunk; only the leader receives), on GPU one all_gather_into_tensor
@@ -139,6 +139,18 @@ class SyncExecutor:
             if len(stream.group) > 1
             for bucket in plan.buckets_of(stream.index)
         }
+        # The order this rank handles its buckets in: the streams' buckets interleaved (bucket k of every stream at
+        # about k / its bucket count), one global order on every rank. Stream by stream, a rank that leads one
+        # stream and gathers for another would keep the other's leader waiting until its own stream is done (TP2 x
+        # EP2: the dense stream's leader is an expert stream's peer); interleaved, both leaders' transports run at
+        # once. Every rank takes its gathers in the same global order, so no two ranks wait on each other in a cycle.
+        counts: dict[int, int] = {}
+        for b in plan.buckets:
+            counts[b.stream] = counts.get(b.stream, 0) + 1
+        mine = {s.index: s for s in self._streams}
+        order = sorted((b.index / counts[b.stream], b.stream, b.index) for b in plan.buckets if b.stream in mine)
+        buckets = {(b.stream, b.index): b for b in plan.buckets if b.stream in mine}
+        self._schedule = [(mine[stream], buckets[(stream, index)]) for _, stream, index in order]
         # reused buffers (see the module docstring): two bucket buffers, one gather buffer
         self._buffers: list[torch.Tensor] = []
         self._buffer_memory: str | None = None
@@ -198,28 +210,26 @@ class SyncExecutor:
         with self.alloc._lock:  # this run's peak, not the largest of every run so far
             self.alloc.peak = self.alloc.current
         start = time.perf_counter()
-        for stream in self._streams:
-            leader = stream.leader == self.rank
-            for bucket in self.plan.buckets_of(stream.index):
-                buffer = self._bucket_buffer(bucket.nbytes, transport) if leader else None
-                for chunk in self._chunks.get((stream.index, bucket.index), []):
+        for stream, bucket in self._schedule:
+            buffer = self._bucket_buffer(bucket.nbytes, transport) if stream.leader == self.rank else None
+            for chunk in self._chunks.get((stream.index, bucket.index), []):
+                t0 = time.perf_counter()
+                gathered = self._gather(stream, chunk)
+                stats.gather_s += time.perf_counter() - t0
+                if buffer is not None:
                     t0 = time.perf_counter()
-                    gathered = self._gather(stream, chunk)
-                    stats.gather_s += time.perf_counter() - t0
-                    if buffer is not None:
-                        t0 = time.perf_counter()
-                        self._pack_chunk(bucket, chunk, gathered, buffer)
-                        stats.pack_s += time.perf_counter() - t0
-                if buffer is None:
-                    continue
-                t0 = time.perf_counter()
-                self._pack_local(bucket, buffer)
-                stats.pack_s += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                transport.send(stream, bucket, buffer)  # returns once bucket k-1 has landed (see _bucket_buffer)
-                stats.wait_s += time.perf_counter() - t0
-                stats.buckets += 1
-                stats.bytes_sent += bucket.nbytes
+                    self._pack_chunk(bucket, chunk, gathered, buffer)
+                    stats.pack_s += time.perf_counter() - t0
+            if buffer is None:
+                continue
+            t0 = time.perf_counter()
+            self._pack_local(bucket, buffer)
+            stats.pack_s += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            transport.send(stream, bucket, buffer)  # returns once bucket k-1 has landed (see _bucket_buffer)
+            stats.wait_s += time.perf_counter() - t0
+            stats.buckets += 1
+            stats.bytes_sent += bucket.nbytes
         t0 = time.perf_counter()
         transport.wait()
         stats.wait_s += time.perf_counter() - t0
