@@ -353,6 +353,9 @@ class SyncConfig:
     #: send the family's FP8 targets (attention and MLP projections) as 128x128-blockwise e4m3 + weight_scale_inv,
     #: for engines serving FP8 (the rollout then runs the quantised model; tools/fp8_parity.py gates its accuracy)
     fp8: bool = False
+    #: keep each sending rank's sync buffers (two buckets + the largest tensor at most) resident between syncs, so
+    #: no sync faults in fresh pages; false frees them after every sync (a colocated run short of memory)
+    keep_buffers: bool = True
 
     def validate(self) -> None:
         from mcore_rl.resharding.sync.plan import MODES

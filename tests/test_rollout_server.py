@@ -371,10 +371,27 @@ def test_abort_request_by_rid(server) -> None:
     assert post(server, "/abort_request", {}).status_code == 400
 
 
+def test_staging_tensors_are_reused_by_the_next_update(server) -> None:
+    receiver = server.server.receiver
+    sync(server, source_weights(11), "11")
+    resident = receiver.resident_bytes
+    kept = {name: t.data_ptr() for name, t in receiver._spare.items()}
+    assert resident >= sum(t.numel() * t.element_size() for _, t in source_weights(11))  # one model, kept
+    sync(server, source_weights(12), "12")
+    assert receiver.resident_bytes == resident, "the second update allocated new staging tensors"
+    assert {name: t.data_ptr() for name, t in receiver._spare.items()} == kept
+    assert (
+        greedy(server, [5, 6])
+        == HFRolloutEngine(dict(HF), init_seed=12).generate([[5, 6]], temperature=0, max_new_tokens=6)[0].response_ids
+    )
+
+
 def test_release_and_resume_memory(server) -> None:
     sync(server, source_weights(9), "9")
     expected = greedy(server, [4, 4])
+    assert server.server.receiver.resident_bytes > 0  # staging kept for the next update ...
     assert post(server, "/release_memory_occupation", {"tags": ["kv_cache", "weights"]}).status_code == 200
+    assert server.server.receiver.resident_bytes == 0  # ... and released with the weights
     assert requests.get(server.url + "/server_info", headers=AUTH).json()["internal_states"][0]["weights_released"]
     assert post(server, "/resume_memory_occupation", {"tags": ["weights"]}).status_code == 200
     sync(server, source_weights(9), "10")  # the values are gone until the next sync (as with SGLang's saver)

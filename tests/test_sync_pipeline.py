@@ -67,6 +67,9 @@ def _deliver_rank(
                     slices[(e.name, engine_rank)] = value.narrow(e.dim, *got) if value.dim() else value
 
     stats = sender.executor.run(InProcessTransport(receive))
+    again = sender.executor.run(InProcessTransport(lambda *_: None))  # the next sync: the same buffers, none new
+    stats.resident_after_second = again.resident_bytes
+    stats.peak_second = again.peak_extra_bytes
     reference = {
         n: t.clone()
         for n, t in export_hf_weights(actor.chunks, actor.contexts, actor.weight_map, actor.pg.tp, actor.pg.expt_tp)
@@ -100,6 +103,8 @@ def test_every_tensor_arrives_bit_exact_within_the_memory_bound(name, hf, layout
         reference.update(ref)
         # counted from the executor's own buffers, not timed: two buckets and the largest tensor at most
         assert stats.peak_extra_bytes <= 2 * bucket_bytes + largest, (stats.peak_extra_bytes, bucket_bytes, largest)
+        # the buffers stay for the next sync (resident, within the same bound), which allocates nothing more
+        assert stats.resident_bytes == stats.resident_after_second == stats.peak_second <= 2 * bucket_bytes + largest
     assert sorted(delivered) == sorted(reference)
     for key, tensor in reference.items():
         assert torch.equal(delivered[key], tensor), key

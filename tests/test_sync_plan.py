@@ -133,16 +133,28 @@ def test_streams_follow_stages_and_ep_owners(inventories) -> None:
     ]
     for stream in plan.streams:
         coords = layout.coords(stream.leader, WORLD)
-        assert coords.pp_rank == stream.pp_rank
-        if stream.ep_rank is None:
-            assert coords.dp_rank == 0 and coords.tp_rank == 0
-        else:  # EP is carved out of data parallelism: the owner of EP rank e sits in dense dp replica e
-            assert coords.ep_rank == stream.ep_rank and coords.edp_rank == 0 and coords.etp_rank == 0
+        assert coords.pp_rank == stream.pp_rank and stream.leader in stream.group
+        if stream.ep_rank is not None:  # EP is carved out of data parallelism: EP rank e's owner is dp replica e
+            assert coords.ep_rank == stream.ep_rank
         for bucket in plan.buckets_of(stream.index):
             for e in bucket.entries:
                 if ".experts." in e.name:
                     expert = int(e.name.split(".experts.")[1].split(".")[0])
                     assert expert // 2 == stream.ep_rank, "experts leave from their EP owner"
+
+
+def test_stream_leaders_spread_over_the_ranks_that_hold_them(inventories) -> None:
+    """Each stream leaves from a rank that holds it; while a stage has ranks to spare, no rank leads two streams (so
+    the stage's sends run in parallel: TP2 x EP2's dense stream no longer leaves from an expert stream's leader)."""
+    for name, layout in MOE_LAYOUTS.items():
+        plan = _plan(inventories[("deepseek_v3", name)], name, EngineLayout(), "full")
+        for pp_rank in {s.pp_rank for s in plan.streams}:
+            streams = [s for s in plan.streams if s.pp_rank == pp_rank]
+            ranks = [r for r in range(WORLD) if layout.coords(r, WORLD).pp_rank == pp_rank]
+            for s in streams:
+                assert s.leader in s.group and set(s.group) <= set(ranks), (name, s)
+            if len(streams) <= len(ranks):
+                assert len({s.leader for s in streams}) == len(streams), (name, [(s.name, s.leader) for s in streams])
 
 
 def test_plan_is_deterministic_and_its_digest_sees_changes(inventories) -> None:

@@ -25,7 +25,9 @@ as tests/test_sync_pipeline.py does:
               tensor       one copy into a shared-memory tensor + the engine's staging copy out of it: the two
                            copies the protocol needs (the payload carries only the segment's name)
               disk         write one safetensors file + read it back (safe_open maps it; the copy out is the read)
-            A sync that allocates fresh buffers per bucket pays page faults on top; its profile shows them.
+            The sync reuses its buffers (ranks: two buckets + a gather buffer; engine: staging and receive
+            buffers) from one sync to the next, so only a layout's first sync faults them in; the profile shows
+            fresh pages and what stays resident.
     v1      the path before resharding/sync/: every rank exports full HF tensors (export_hf_weights, cloned, as
             MegatronActor.export_hf did), they travel to the driver pickled (torch.save bytes through a spawn queue,
             as the harness returns results and Ray returned them), the driver pushes the whole model in one
@@ -411,8 +413,9 @@ class EngineProfile:
         def timed_begin() -> str:
             with self._lock:
                 self.sessions.append(
-                    {"receive_s": 0.0, "stage_s": 0.0, "_usage": resource.getrusage(resource.RUSAGE_SELF)}
-                )
+                    {"receive_s": 0.0, "stage_s": 0.0, "_usage": resource.getrusage(resource.RUSAGE_SELF),
+                     "resident_bytes": receiver.resident_bytes}  # kept from the previous session for reuse
+                )  # fmt: skip
             return begin()
 
         def timed_take() -> Any:
@@ -592,6 +595,7 @@ def _print_profile(run: dict[str, Any], row: dict[str, Any]) -> None:
     eng = attempt["engine"]
     ranks = {k: sum(s[k] for s in attempt["stats"]) for k in ("cpu_s", "sys_s", "fault_bytes")}
     total = ranks["cpu_s"] + eng.get("cpu_s", 0.0)
+    resident = max(s.get("resident_bytes", 0) for s in attempt["stats"])
     print(
         f"  {run['transport']} {run['mode']}: fence {attempt['seconds']:.2f} s = begin {attempt['begin_s']:.2f} + "
         f"send {attempt['send_s']:.2f} + disk {attempt['disk_s']:.2f} + end {attempt['end_s']:.2f}; slowest of "
@@ -600,7 +604,9 @@ def _print_profile(run: dict[str, Any], row: dict[str, Any]) -> None:
         f"      cpu: ranks {ranks['cpu_s']:.2f} s (sys {ranks['sys_s']:.2f}, fresh pages "
         f"{ranks['fault_bytes'] / GB:.2f} GB) + engine {eng.get('cpu_s', 0):.2f} s (sys {eng.get('sys_s', 0):.2f}, "
         f"fresh pages {eng.get('fault_bytes', 0) / GB:.2f} GB; thread-s receiving {eng.get('receive_s', 0):.2f}, "
-        f"staging {eng.get('stage_s', 0):.2f}) = {total:.2f} cpu-s of {cores * attempt['seconds']:.2f} core-s"
+        f"staging {eng.get('stage_s', 0):.2f}) = {total:.2f} cpu-s of {cores * attempt['seconds']:.2f} core-s\n"
+        f"      resident between syncs: largest rank {resident / MB:.1f} MB (its reused bucket and gather buffers); "
+        f"engine {eng.get('resident_bytes', 0) / MB:.1f} MB (reused staging and receive buffers)"
     )
 
 

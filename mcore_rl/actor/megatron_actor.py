@@ -491,9 +491,13 @@ class MegatronActor:
         disk_dir: str | None = None,
         ranks_per_engine: int = 1,
         timeout_s: float = 300.0,
+        keep_buffers: bool = True,
     ) -> dict[str, Any]:
-        """Send this rank's part of the plan (collective within each stream's gather group)."""
-        return self._sender().send(version, transport, engine_urls, api_key, disk_dir, ranks_per_engine, timeout_s)
+        """Send this rank's part of the plan (collective within each stream's gather group); the sync buffers stay
+        resident for the next one unless `keep_buffers` is false."""
+        return self._sender().send(
+            version, transport, engine_urls, api_key, disk_dir, ranks_per_engine, timeout_s, keep_buffers
+        )
 
     def pid(self) -> int:
         return os.getpid()

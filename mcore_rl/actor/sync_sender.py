@@ -4,6 +4,7 @@
     sender.addresses()                                           # streams this rank leads -> (host, port)
     sender.join(stream_name, host, port, world_size, backend)    # leader = rank 0 of the stream's group
     stats = sender.send(version, transport="distributed", engine_urls=[...], api_key=...)
+    sender.release()                                             # drop the reused buffers (see keep_buffers)
 
 The plan comes from every rank's exported tensors (all-gathered metadata, `resharding/sync/inventory.py`), so it
 is the same on every rank; `resharding/sync/execute.py` does the gathering, packing and sending.
@@ -104,8 +105,10 @@ class SyncSender:
         disk_dir: str | None = None,
         ranks_per_engine: int = 1,
         timeout_s: float = 300.0,
+        keep_buffers: bool = True,
     ) -> dict[str, Any]:
-        """Run this rank's part of the plan through `transport` (collective within each stream's gather group)."""
+        """Run this rank's part of the plan through `transport` (collective within each stream's gather group).
+        The executor's bucket and gather buffers stay for the next sync unless `keep_buffers` is false."""
         if self.executor is None:
             raise RuntimeError("weight sync has no plan yet: call sync_plan first")
         device = torch.device("cuda", torch.cuda.current_device()) if self.actor.runtime == "cuda" else "cpu"
@@ -129,4 +132,13 @@ class SyncSender:
             stats = self.executor.run(sink)
         finally:
             sink.close()
-        return asdict(stats)
+            if not keep_buffers:
+                self.executor.release()
+        out = asdict(stats)
+        out["resident_bytes"] = self.executor.resident_bytes  # what stays for the next sync (0 once released)
+        return out
+
+    def release(self) -> None:
+        """Free the executor's reused buffers (2 buckets + the largest tensor at most); the next sync reallocates."""
+        if self.executor is not None:
+            self.executor.release()

@@ -158,7 +158,7 @@ class WeightSync:
             try:
                 self.last_stats = self.actor.call(
                     "sync_send", version, self.cfg.transport, urls, self.pool.api_key, disk_dir,
-                    self.ranks_per_engine, self.cfg.timeout_s,
+                    self.ranks_per_engine, self.cfg.timeout_s, self.cfg.keep_buffers,
                 )  # fmt: skip
                 if disk_dir is not None:
                     for url in urls:

@@ -445,6 +445,7 @@ class EngineServer:
                 self.engine.weight_version = version
 
         await _wrap(self.batcher.call(commit))
+        self.receiver.recycle()  # the staging tensors serve the next update (resident until released)
         return _ok(f"committed {len(staged)} tensors", weight_version=self._version())
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
@@ -478,6 +479,7 @@ class EngineServer:
 
         def release() -> None:
             if "weights" in tags and not self._released:
+                self.receiver.release()  # the staging and receive buffers kept for the next update go too
                 for name, param in self.engine.model.named_parameters():
                     self._released[name] = param.shape
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)

@@ -9,7 +9,9 @@
                                           nothing (old weights and version stay)
 ```
 Staging costs up to one model's bytes on the engine and buys atomicity without stopping generation while buckets
-stream in: requests keep decoding on the old weights until the commit, and no token mixes versions.
+stream in: requests keep decoding on the old weights until the commit, and no token mixes versions. The staging
+tensors and the broadcast receive buffers are reused by the next session (fresh pages cost more than the copies into
+them), so they stay resident between syncs until `release()` (the server's /release_memory_occupation of weights).
 
 Tensor payloads are SGLang's: base64 of a `ForkingPickler` dump (CPU tensors through shared memory with torch's
 `file_system` strategy; CUDA IPC handles on GPU), either a list of `(name, tensor)` or, with
@@ -132,6 +134,12 @@ def decode_payload(payload: str | bytes, load_format: str | None) -> NamedTensor
     return out
 
 
+class _Received(list):
+    """Named views of one received flattened bucket, with the pooled buffer they live in."""
+
+    buffer: torch.Tensor
+
+
 class WeightReceiver:
     """Staged weight updates for one `HFRolloutEngine` (see the module docstring). Thread-safe."""
 
@@ -142,6 +150,34 @@ class WeightReceiver:
         self._failed: str | None = None
         self._version: str | None = None
         self.groups: dict[str, Any] = {}
+        self._spare: dict[str, torch.Tensor] = {}  # staging tensors of earlier sessions, by name, to reuse
+        self._committing: dict[str, torch.Tensor] = {}  # handed out by take_commit, back with recycle
+        #: flattened-bucket receive buffers not in use: a broadcast takes one (or allocates), stage() gives it back,
+        #: so there are as many as buckets ever arrived at once (one per stream sending in parallel), not per group
+        self._receive_buffers: list[torch.Tensor] = []
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the staging and receive buffers kept for the next session (see `release`)."""
+        spare = sum(t.numel() * t.element_size() for t in self._spare.values())
+        return spare + sum(t.numel() for t in self._receive_buffers)
+
+    def release(self) -> None:
+        """Drop the buffers kept for reuse (an open session keeps what it staged)."""
+        with self._lock:
+            self._spare.clear()
+            self._committing.clear()
+            self._receive_buffers = []
+
+    def recycle(self) -> None:
+        """Give the last commit's staging tensors back for the next session (call once the commit copied them)."""
+        with self._lock:
+            self._spare.update(self._committing)
+            self._committing = {}
+
+    def _return_staged(self) -> None:  # with self._lock held
+        for name, (_, value) in (self._staged or {}).items():
+            self._spare[name] = value
 
     @property
     def session_open(self) -> bool:
@@ -155,18 +191,22 @@ class WeightReceiver:
     def begin(self) -> str:
         with self._lock:
             dropped = "" if self._staged is None else f" (discarded an unfinished session of {len(self._staged)})"
+            self._return_staged()
             self._staged, self._failed, self._version = {}, None, None
         return "weight update session opened" + dropped
 
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: str | None) -> int:
         """Check every tensor, then stage copies of them; WeightUpdateError (and the session is spoiled) if any is
-        refused, so a later end_weight_update commits nothing."""
+        refused, so a later end_weight_update commits nothing. The copies run outside the lock, so buckets of
+        different streams stage in parallel (copy_ releases the GIL)."""
         with self._lock:
             if self._staged is None:
                 raise WeightUpdateError("no weight update session: call /begin_weight_update first")
             if self._failed is not None:
                 raise WeightUpdateError(f"this session already had a refused bucket ({self._failed}); begin again")
+            session = self._staged
             checked = []
+            named_in = named
             try:
                 named = _dequantize_fp8(list(named))
                 for name, tensor in named:
@@ -176,8 +216,24 @@ class WeightReceiver:
             except ValueError as err:
                 self._failed = str(err)
                 raise WeightUpdateError(f"bucket refused, old weights kept: {err}") from err
-            for name, view, tensor in checked:
-                self._staged[name] = (view, tensor.to(view.dtype, copy=True))
+            values = []
+            for name, view, tensor in checked:  # reuse the tensor this name was staged in last time
+                value = self._spare.pop(name, None)
+                if value is None or value.shape != tensor.shape or value.dtype != view.dtype:
+                    value = torch.empty(tensor.shape, dtype=view.dtype, device=view.device)
+                values.append(value)
+        for (_, _, tensor), value in zip(checked, values):
+            value.copy_(tensor)
+        with self._lock:
+            if isinstance(named_in, _Received):  # its views are copied: the buffer serves the next bucket
+                self._receive_buffers.append(named_in.buffer)
+            if self._staged is not session:  # the session was discarded or committed meanwhile: stage nothing
+                self._spare.update((name, value) for (name, _, _), value in zip(checked, values))
+                raise WeightUpdateError("the weight update session ended while this bucket was being staged")
+            for (name, view, _), value in zip(checked, values):
+                if name in self._staged:  # sent twice in one session: the later copy wins
+                    self._spare[name] = self._staged[name][1]
+                self._staged[name] = (view, value)
             if weight_version is not None:
                 self._version = str(weight_version)
             return len(checked)
@@ -191,13 +247,18 @@ class WeightReceiver:
     def discard(self) -> None:
         """Drop the open session, if any, without committing."""
         with self._lock:
+            self._return_staged()
             self._staged, self._failed, self._version = None, None, None
 
     def take_commit(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
         """Close the session: the (parameter view, new value) pairs and version to commit; WeightUpdateError if the
-        session had a refused bucket or none was open."""
+        session had a refused bucket or none was open. Call `recycle()` once the values are copied."""
         with self._lock:
             staged, failed, version = self._staged, self._failed, self._version
+            if failed is not None:
+                self._return_staged()
+            elif staged is not None:
+                self._committing = {name: value for name, (_, value) in staged.items()}
             self._staged, self._failed, self._version = None, None, None
         if staged is None:
             raise WeightUpdateError("no weight update session: call /begin_weight_update first")
@@ -224,9 +285,19 @@ class WeightReceiver:
         device = self.engine.device
         if load_format == "flattened_bucket":
             sizes = [int(torch.Size(s).numel()) * t.itemsize for s, t in zip(shapes, types_)]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+            # A buffer from the pool: stage() copies the views returned here before the request answers, then
+            # gives the buffer back (a refused bucket's buffer is simply dropped).
+            nbytes = sum(sizes)
+            with self._lock:
+                pool = self._receive_buffers
+                fits = [k for k, b in enumerate(pool) if b.numel() >= nbytes and b.device == torch.device(device)]
+                buffer = pool.pop(min(fits, key=lambda k: pool[k].numel())) if fits else None
+            if buffer is None:
+                buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            flat = buffer[:nbytes]
             broadcast(group, flat)
-            out, offset = [], 0
+            out, offset = _Received(), 0
+            out.buffer = buffer
             for name, shape, dtype, size in zip(names, shapes, types_, sizes):
                 out.append((name, flat[offset : offset + size].view(dtype).reshape(shape)))
                 offset += size

@@ -2,13 +2,18 @@
 
 ```
 sources (inventory.py) -> streams: one per (pipeline stage, dense | EP rank); its leader sends, its TP/ETP group
-                                   gathers (dense: tp ranks of dp replica 0; experts: etp ranks of the owning EP rank)
+                                   gathers (dense: the tp ranks of one dp/cp replica; experts: the etp ranks of one
+                                   edp replica of the owning EP rank)
+                       -> leaders: spread over the ranks that hold each stream (any replica, any rank of the
+                                   group), largest stream first, each to the rank that sends the fewest bytes so far
                        -> buckets: each stream's HF tensors packed back to back (4-byte dtypes first, so every offset
                                    is aligned: SGLang's receiving FlattenedTensorBucket requires it) up to bucket_bytes
                        -> receivers: which engine ranks keep which slice of each HF tensor (mode full: everything;
                                    shard_aware: its TP slice, experts only on their EP owner)
 ```
-Stages and EP ranks stream in parallel (different leaders, different broadcast groups). `SyncPlan.digest()` hashes
+Stages and EP ranks stream in parallel (different leaders, different broadcast groups): with leaders spread, no rank
+packs and sends two streams while another one idles (TP2 x EP2: the dense stream leaves from a rank that leads no
+expert stream). `SyncPlan.digest()` hashes
 everything, so ranks can check they agree before any byte moves.
 """
 
@@ -18,6 +23,7 @@ import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from mcore_rl.resharding.sync.inventory import SourceTensor
 
@@ -107,8 +113,8 @@ class Stream:
     index: int
     pp_rank: int
     ep_rank: int | None
-    leader: int  #: actor rank that packs and sends
-    group: tuple[int, ...]  #: actor ranks that gather with the leader (leader first), over tp or etp
+    leader: int  #: actor rank that packs and sends (one of `group`)
+    group: tuple[int, ...]  #: actor ranks that gather to the leader, in tp / etp rank order (the gather's row order)
     name: str  #: the broadcast group's name, e.g. "pp0-dense", "pp1-ep3"
 
 
@@ -144,7 +150,11 @@ class SyncPlan:
 
     @property
     def largest_tensor_bytes(self) -> int:
-        return max((e.nbytes for b in self.buckets for e in b.entries), default=0)
+        """The largest tensor a sync holds whole: an HF tensor of a bucket, or a sharded Megatron tensor gathered over
+        its stream's group (more bytes than its HF outputs where vocab padding is trimmed)."""
+        group = {(s.pp_rank, s.ep_rank): len(s.group) for s in self.streams}
+        gathered = (s.shard_bytes * group[(s.pp_rank, s.ep_rank)] for s in self.sources if s.axis is not None)
+        return max(max((e.nbytes for b in self.buckets for e in b.entries), default=0), max(gathered, default=0))
 
     # ------------------------------------------------------------------ receivers
     def receive_slice(self, entry: Entry, engine_rank: int) -> tuple[int, int] | None:
@@ -269,11 +279,11 @@ def build_plan(
             f"sync.bucket_bytes={bucket_bytes} is smaller than {largest.mcore} ({largest.hf_bytes} bytes as "
             f"{', '.join(largest.hf)}), which is sent whole: raise sync.bucket_bytes to at least {largest.hf_bytes}"
         )
-    streams: dict[tuple[int, int | None], Stream] = {}
+    stream_bytes: dict[tuple[int, int | None], int] = {}  # in order of first appearance
     for s in sources:
         key = (s.pp_rank, s.ep_rank)
-        if key not in streams:
-            streams[key] = _stream(len(streams), s.pp_rank, s.ep_rank, actor_layout, world_size)
+        stream_bytes[key] = stream_bytes.get(key, 0) + s.hf_bytes
+    streams = _place_streams(list(stream_bytes), stream_bytes, actor_layout, world_size)
     buckets: list[Bucket] = []
     for key, stream in streams.items():
         members = [(i, s) for i, s in enumerate(sources) if (s.pp_rank, s.ep_rank) == key]
@@ -308,17 +318,42 @@ def build_plan(
     )
 
 
-def _stream(index: int, pp_rank: int, ep_rank: int | None, layout, world_size: int) -> Stream:  # noqa: ANN001
+def _place_streams(
+    keys: list[tuple[int, int | None]],
+    stream_bytes: dict[tuple[int, int | None], int],
+    layout,  # noqa: ANN001
+    world_size: int,
+) -> dict[tuple[int, int | None], Stream]:
+    """A group and a leader for every (pp stage, EP rank | None) stream. Candidates: the TP group of every dp/cp
+    replica of the stage (dense), the ETP group of every edp replica of the EP owner (experts); they all hold the same
+    weights. Largest stream first, the leader is the candidate rank with the fewest bytes to send so far (ties: the
+    lowest rank), so leaders spread and their sends run in parallel."""
     coords = [layout.coords(r, world_size) for r in range(world_size)]
-    if ep_rank is None:
-        group = [c.rank for c in coords if c.pp_rank == pp_rank and c.cp_rank == 0 and c.dp_rank == 0]
-        group.sort(key=lambda r: coords[r].tp_rank)
-        name = f"pp{pp_rank}-dense"
-    else:
-        group = [c.rank for c in coords if c.pp_rank == pp_rank and c.ep_rank == ep_rank and c.edp_rank == 0]
-        group.sort(key=lambda r: coords[r].etp_rank)
-        name = f"pp{pp_rank}-ep{ep_rank}"
-    return Stream(index, pp_rank, ep_rank, group[0], tuple(group), name)
+    by_stage: dict[int, list[Any]] = {}
+    for c in coords:
+        by_stage.setdefault(c.pp_rank, []).append(c)
+    load = [0] * world_size
+    chosen: dict[tuple[int, int | None], tuple[int, tuple[int, ...]]] = {}
+    for _, _, key in sorted((-stream_bytes[k], i, k) for i, k in enumerate(keys)):  # i is unique: k never compared
+        pp_rank, ep_rank = key
+        replicas: dict[tuple[int, ...], list[int]] = {}
+        for c in by_stage[pp_rank]:
+            if ep_rank is None:
+                replicas.setdefault((c.dp_rank, c.cp_rank), []).append(c.rank)
+            elif c.ep_rank == ep_rank:
+                replicas.setdefault((c.edp_rank,), []).append(c.rank)
+        axis = "tp_rank" if ep_rank is None else "etp_rank"
+        groups = [tuple(sorted(g, key=lambda r: getattr(coords[r], axis))) for _, g in sorted(replicas.items())]
+        leader, group = min(((r, g) for g in groups for r in g), key=lambda rg: (load[rg[0]], rg[0]))
+        load[leader] += stream_bytes[key]
+        chosen[key] = (leader, group)
+    streams = {}
+    for index, key in enumerate(keys):
+        pp_rank, ep_rank = key
+        leader, group = chosen[key]
+        name = f"pp{pp_rank}-dense" if ep_rank is None else f"pp{pp_rank}-ep{ep_rank}"
+        streams[key] = Stream(index, pp_rank, ep_rank, leader, group, name)
+    return streams
 
 
 def _bucket(

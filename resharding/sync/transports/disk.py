@@ -14,6 +14,8 @@ from mcore_rl.resharding.sync.transports.base import BackgroundSender
 
 
 class DiskTransport:
+    memory = "cpu"  #: where allocate puts buffers (the executor reuses them while this stays the same)
+
     def __init__(self, directory: str) -> None:
         self.directory = directory
         os.makedirs(directory, exist_ok=True)

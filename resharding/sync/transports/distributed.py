@@ -40,6 +40,7 @@ class DistributedTransport:
         self.weight_version = weight_version
         self.timeout_s = timeout_s
         self.device = device
+        self.memory = str(torch.device(device))  #: where allocate puts buffers (reused while this stays the same)
         self._http = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)), thread_name_prefix="sync-http")
         self._sender = BackgroundSender(self._send)
 

@@ -10,6 +10,8 @@ from mcore_rl.resharding.sync.plan import Bucket, Stream
 
 
 class InProcessTransport:
+    memory = "cpu"  #: where allocate puts buffers (the executor reuses them while this stays the same)
+
     def __init__(self, receive: Callable[[Stream, Bucket, torch.Tensor], None]) -> None:
         self.receive = receive
 

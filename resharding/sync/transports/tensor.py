@@ -6,6 +6,12 @@ buffers are allocated in shared memory (torch's `file_system` strategy: the defa
 cross between unrelated processes), so the engine maps the same pages and nothing is copied on the way; on GPU the
 buffer travels as a CUDA IPC handle. Metadata records are `types.SimpleNamespace`, which SGLang's SafeUnpickler
 admits and its loader reads by attribute.
+
+Segments are reused: the executor (resharding/sync/execute.py) packs every bucket of every sync into one of two
+buffers this transport allocated once. That is safe because (1) an engine answers the POST only after it has copied
+the bucket out of the segment (its staging copy), (2) `send` submits to a one-deep BackgroundSender, which waits for
+the previous bucket's POSTs to be answered, so when bucket k is packed into the segment of bucket k - 2, every engine
+has answered for k - 2 already.
 """
 
 from __future__ import annotations
@@ -96,6 +102,9 @@ class TensorTransport:
         self.ranks_per_engine = ranks_per_engine
         self.timeout_s = timeout_s
         self.device = torch.device(device)
+        #: where allocate puts buffers: the executor reuses them while this stays the same, so one pair of shared
+        #: segments serves every bucket of every sync (a fresh segment per bucket faulted in 64 MB of pages each time)
+        self.memory = "cpu-shared" if self.device.type == "cpu" else str(self.device)
         self._http = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)), thread_name_prefix="sync-http")
         self._sender = BackgroundSender(self._send)
 
