@@ -454,8 +454,6 @@ class MegatronActor:
         metrics["_tokens"] = weight
         return loss * scale, metrics
 
-    # ------------------------------------------------------------------------------------------- export
-    @torch.no_grad()
     # ------------------------------------------------------------------------------------------- weight sync
     def _sender(self):  # noqa: ANN202
         from mcore_rl.actor.sync_sender import SyncSender
