@@ -36,7 +36,9 @@ def _rank(rank: int, world: int, distributed: bool) -> dict:
     from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
 
-    cfg = ActorConfig(world_size=world, layout=LayoutConfig(ep=2), optim=_optim(distributed), mini_batches=1)
+    cfg = ActorConfig(
+        world_size=world, layout=LayoutConfig(ep=2), optim=_optim(distributed), mini_batches=1, use_ref=True
+    )
     actor = MegatronActor(rank, world, ModelConfig(hf_config=HF, dtype="bfloat16"), cfg)
     actor.initialize("127.0.0.1", 0)  # the harness already started torch.distributed
     gen = torch.Generator().manual_seed(0)
