@@ -118,6 +118,9 @@ class ActorConfig:
     entropy_coef: float = 0.0  #: entropy bonus weight
     use_ref: bool = True  #: keep a frozen reference model for KL
     num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
+    #: truncated importance sampling (TIS) cap for samples generated with an older weight version than the one
+    #: trained (trainer.async_rollout): w = min(pi_old / pi_rollout, cap) per token; null = no correction
+    stale_tis_cap: float | None = 2.0
 
     def validate(self) -> None:
         for name in ("world_size", "micro_batch_size", "mini_batches", "ppo_epochs"):
@@ -132,6 +135,7 @@ class ActorConfig:
         _check(self.kl_loss_type in kls, "actor.kl_loss_type", self.kl_loss_type, f"one of {kls}")
         self.layout.validate()
         self.layout.to_layout().check_world_size(self.world_size)
+        _check(self.stale_tis_cap is None or self.stale_tis_cap > 0, "actor.stale_tis_cap", self.stale_tis_cap, "> 0")
 
 
 @dataclass
@@ -312,6 +316,40 @@ class RewardConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn tool-use episodes (mcore_rl/rollout/agent/): the model calls tools, their answers come back as
+    tokens (loss mask 0), until it answers, `max_turns`, or `max_response_tokens`."""
+
+    enabled: bool = False  #: run agent episodes instead of single-turn samples
+    chat_format: str = "hermes"  #: tool-call markup: hermes (Qwen2.5/Qwen3 <tool_call>{json}</tool_call>)
+    #: tools of a sample whose extra_info has no tools_kwargs (verl's tools_kwargs, when present, select them)
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4  #: model turns per episode (a tool call in the last one is not run)
+    max_response_tokens: int = 256  #: tokens after the prompt (model and tool tokens together)
+    tool_timeout_s: float = 10.0  #: wall-clock limit of one tool call (an error observation after it)
+    max_tool_errors: int | None = None  #: end an episode after this many error observations; null = never
+    max_concurrency: int = 256  #: episodes in flight at once (each has at most one request at the engines)
+
+    def validate(self) -> None:
+        from mcore_rl.rollout.agent.parser import CHAT_FORMATS
+        from mcore_rl.rollout.agent.tools import TOOLS
+
+        formats = tuple(CHAT_FORMATS)
+        _check(self.chat_format in CHAT_FORMATS, "agent.chat_format", self.chat_format, f"one of {formats}")
+        for name in self.tools:
+            _check(name in TOOLS, "agent.tools", name, f"registered tools {tuple(TOOLS)}")
+        for name in ("max_turns", "max_response_tokens", "max_concurrency"):
+            _positive(f"agent.{name}", getattr(self, name))
+        _check(self.tool_timeout_s > 0, "agent.tool_timeout_s", self.tool_timeout_s, "> 0")
+        _check(
+            self.max_tool_errors is None or self.max_tool_errors > 0,
+            "agent.max_tool_errors",
+            self.max_tool_errors,
+            "a positive integer or null",
+        )
+
+
+@dataclass
 class TrainerConfig:
     """The run."""
 
@@ -321,10 +359,27 @@ class TrainerConfig:
     seed: int = 0
     ray_address: str | None = None  #: null = start a local Ray
     ray_num_cpus: int | None = None  #: logical CPUs for a local Ray (null = enough for the actors)
+    #: split: actor ranks and rollout engines in separate pools (Ray placement groups) | colocated: they share
+    #: devices; engines release weights and KV cache while the actor trains, the actor offloads while they generate
+    placement: str = "split"
+    #: generate the next batch while the actor trains on this one (one step off policy; needs placement=split).
+    #: Named async_rollout: `async` is a Python keyword, which a dataclass field cannot be
+    async_rollout: bool = False
+    max_staleness: int = 1  #: async_rollout: a trained sample's tokens are at most this many weight versions old
 
     def validate(self) -> None:
+        from mcore_rl.controller.placement import PLACEMENTS
+
         _positive("trainer.steps", self.steps)
         _check(self.runtime in ("cpu", "cuda"), "trainer.runtime", self.runtime, "cpu or cuda")
+        _check(self.placement in PLACEMENTS, "trainer.placement", self.placement, f"one of {tuple(PLACEMENTS)}")
+        _positive("trainer.max_staleness", self.max_staleness)
+        _check(
+            not self.async_rollout or self.placement == "split",
+            "trainer.async_rollout",
+            self.async_rollout,
+            "false with trainer.placement=colocated (engines and actor take turns on the same devices)",
+        )
 
 
 @dataclass
@@ -339,9 +394,11 @@ class RLConfig:
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def validate(self) -> None:
-        for group in (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.trainer):
+        groups = (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.trainer, self.agent)
+        for group in groups:
             group.validate()
         self.check_model()
         if self.sync.transport == "tensor" and self.rollout.engine == "sglang" and self.rollout.sglang.nnodes > 1:

@@ -38,7 +38,7 @@ def setup_data(cfg: RLConfig) -> tuple[Any, Any, str]:
     if cfg.model.tokenizer:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     else:
-        tokenizer = build_tiny_tokenizer(tokenizer_dir)
+        tokenizer = build_tiny_tokenizer(tokenizer_dir, tools=cfg.agent.enabled)
     files = list(cfg.data.train_files)
     if not files:
         path = os.path.join(cfg.trainer.run_dir, f"{cfg.data.synthetic_task}.parquet")
@@ -55,8 +55,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
     from mcore_rl.algorithms import kl_penalty, masked_mean
     from mcore_rl.controller.actor_group import ActorGroup
+    from mcore_rl.controller.async_producer import make_producer
     from mcore_rl.controller.engine_pool import EnginePool
-    from mcore_rl.controller.producer import RolloutProducer
+    from mcore_rl.controller.placement import make_placement
     from mcore_rl.controller.samples import outcome_advantages, reduce_rank_metrics
     from mcore_rl.controller.state import LoopState
     from mcore_rl.controller.weight_sync import WeightSync
@@ -87,8 +88,11 @@ def run(cfg: RLConfig) -> dict[str, float]:
             include_dashboard=False,
             log_to_driver=True,
         )
-    actor = ActorGroup(cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed)
-    engines = None
+    placement = make_placement(cfg)  # split pools, or colocated taking turns (controller/placement.py)
+    actor = ActorGroup(
+        cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed, options=placement.actor_options
+    )
+    engines = producer = None
     try:
         engines = EnginePool(
             cfg.rollout,
@@ -97,13 +101,14 @@ def run(cfg: RLConfig) -> dict[str, float]:
             dtype=cfg.model.dtype,
             runtime=cfg.trainer.runtime,
             log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
+            engine_options=placement.engine_options,
         )
         sync = WeightSync(
             actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, _hf_config(cfg)
         )
         state = LoopState()
-        sync.push(state.weight_version)  # the engines start from the actor's weights
-        producer = RolloutProducer(cfg, loader, engines, reward, tokenizer)
+        placement.sync_weights(sync, state.weight_version)  # the engines start from the actor's weights
+        producer = make_producer(cfg, loader, engines, reward, tokenizer, state)  # single-turn | agent, sync | async
         log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), history=state.rewards)
         start = time.time() - state.seconds
 
@@ -111,6 +116,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             timer = log.timer()
             rollouts = producer.produce(step, timer)  # prompts -> engines -> reward
             batch = rollouts.batch
+            rollouts.metrics.update(placement.to_training(actor, engines))
 
             batch.tensors["old_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch))
             if cfg.actor.use_ref:
@@ -126,7 +132,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
             state.weight_version += 1
             engines.wait_for_restarts()
-            sync.push(state.weight_version)
+            rollouts.metrics.update(placement.sync_weights(sync, state.weight_version))
             timer.lap("time/sync")
 
             mask = batch.response_mask
@@ -155,9 +161,12 @@ def run(cfg: RLConfig) -> dict[str, float]:
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
         return log.summary(seconds=time.time() - start)
     finally:  # also on errors: no engine, router or rank outlives the run
+        if hasattr(producer, "close"):
+            producer.close()
         actor.shutdown()
         if engines is not None:
             engines.shutdown()
+        placement.shutdown()
 
 
 _SHOWN = ("actor/pg_loss", "actor/clip_frac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/kl_loss")

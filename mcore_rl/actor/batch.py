@@ -21,6 +21,13 @@ class TrainBatch:
     responses: torch.Tensor  # [B, R] long, right-padded with 0
     response_mask: torch.Tensor  # [B, R] float
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logprobs, ref_logprobs, advantages ...
+    #: [B] response lengths; None = response_mask.sum(1). Needed when the mask has zeros inside a response
+    #: (multi-turn: tool tokens are part of the sequence but not trained on)
+    lengths: torch.Tensor | None = None
+
+    def response_lengths(self) -> torch.Tensor:
+        """[B] tokens of each response (trained on or not)."""
+        return self.lengths if self.lengths is not None else self.response_mask.sum(1).long()
 
     @property
     def size(self) -> int:
@@ -34,6 +41,7 @@ class TrainBatch:
             responses=self.responses[idx],
             response_mask=self.response_mask[idx],
             tensors={k: v[idx] for k, v in self.tensors.items()},
+            lengths=None if self.lengths is None else self.lengths[idx],
         )
 
     def shard(self, dp_rank: int, dp_size: int) -> TrainBatch:
@@ -72,7 +80,8 @@ def micro_batches(
     budget, a micro-batch holds at most max(1, max_tokens // length) samples (and never more than micro_batch_size), so
     long rollouts split into smaller micro-batches instead of running out of memory.
     """
-    lengths = [len(p) + int(m.sum()) for p, m in zip(batch.prompts, batch.response_mask)]
+    response_lengths = batch.response_lengths().tolist()
+    lengths = [len(p) + int(r) for p, r in zip(batch.prompts, response_lengths)]
     seq_len = max(lengths) + 1  # +1 keeps a target for the last real token
     seq_len = -(-seq_len // pad_multiple) * pad_multiple
     if max_tokens:
@@ -86,7 +95,7 @@ def micro_batches(
         gather = torch.zeros(b, R, dtype=torch.long)
         for i, prompt in enumerate(part.prompts):
             p = len(prompt)
-            r = int(part.response_mask[i].sum())
+            r = int(response_lengths[start + i])
             tokens[i, :p] = torch.as_tensor(prompt, dtype=torch.long)
             tokens[i, p : p + r] = part.responses[i, :r]
             gather[i] = (p - 1 + torch.arange(R)).clamp(max=seq_len - 1)

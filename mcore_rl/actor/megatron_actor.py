@@ -277,6 +277,7 @@ class MegatronActor:
         logp = self._response_logprobs(mb, logits)
         mask = mb.response_mask
         extra = {"clip_ratio_c": cfg.clip_ratio_c} if cfg.policy_loss == "ppo" else {}
+        weights = stale_tis_weights(mb.tensors, mask, cfg.stale_tis_cap)
         out = get_policy_loss(cfg.policy_loss)(
             logp,
             mb.tensors["old_logprobs"],
@@ -288,6 +289,7 @@ class MegatronActor:
             loss_agg_mode=cfg.loss_agg_mode,
             max_response_len=mask.shape[1],
             agg_denominator=denominator,
+            importance_weights=weights,
         )
         loss = out.loss
         # Metrics are token-weighted sums here and divided by the token count in the controller.
@@ -356,8 +358,33 @@ class MegatronActor:
         """Send this rank's part of the plan (collective within each stream's gather group)."""
         return self._sender().send(version, transport, engine_urls, api_key, disk_dir, ranks_per_engine, timeout_s)
 
+    def offload(self) -> dict[str, int]:
+        """Colocated placement: training state to host memory while the engines generate (actor/offload.py)."""
+        from mcore_rl.actor.offload import offload
+
+        return offload(self)
+
+    def onload(self) -> dict[str, int]:
+        """Colocated placement: training state back onto the device before training (actor/offload.py)."""
+        from mcore_rl.actor.offload import onload
+
+        return onload(self)
+
     def pid(self) -> int:
         return os.getpid()
+
+
+def stale_tis_weights(tensors: dict[str, torch.Tensor], mask: torch.Tensor, cap: float | None) -> torch.Tensor | None:
+    """TIS weights min(pi_old / pi_rollout, cap) on the tokens of samples marked `stale` (generated with an older
+    weight version: async rollouts), 1 elsewhere; None when no sample is stale or the correction is off."""
+    stale = tensors.get("stale")
+    if stale is None or cap is None or not bool(stale.any()):
+        return None
+    from mcore_rl.algorithms.mismatch import truncated_importance_weights
+
+    tis = truncated_importance_weights(tensors["old_logprobs"], tensors["rollout_logprobs"], mask, cap=cap)
+    stale = stale.to(mask).unsqueeze(1)
+    return stale * tis + (1 - stale) * mask
 
 
 def _sum_metrics(outputs: list[dict[str, float]]) -> dict[str, float]:

@@ -11,6 +11,7 @@ order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -23,11 +24,24 @@ from mcore_rl.config import ActorConfig, ModelConfig
 class ActorGroup:
     """N Ray actors, one Megatron rank each."""
 
-    def __init__(self, model_cfg: ModelConfig, actor_cfg: ActorConfig, runtime: str, seed: int = 0) -> None:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        actor_cfg: ActorConfig,
+        runtime: str,
+        seed: int = 0,
+        options: Callable[[int], dict[str, Any]] | None = None,
+    ) -> None:
+        """`options(rank)`: extra Ray options of a rank (controller/placement.py: its placement-group bundle)."""
         world = actor_cfg.world_size
         num_gpus = 1 if runtime == "cuda" else 0
-        remote_cls = ray.remote(MegatronActor).options(num_cpus=actor_cfg.num_cpus_per_rank, num_gpus=num_gpus)
-        self.handles = [remote_cls.remote(rank, world, model_cfg, actor_cfg, runtime, seed) for rank in range(world)]
+        base = {"num_cpus": actor_cfg.num_cpus_per_rank, "num_gpus": num_gpus}
+        self.handles = [
+            ray.remote(MegatronActor)
+            .options(**base, **(options(rank) if options else {}))
+            .remote(rank, world, model_cfg, actor_cfg, runtime, seed)
+            for rank in range(world)
+        ]
         # Rank 0 hosts torch.distributed's TCP store, so the address must be its own node's, asked of rank 0 itself
         # (Ray places actors on any node with room).
         addr, port = ray.get(self.handles[0].rendezvous_address.remote())

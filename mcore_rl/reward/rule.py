@@ -57,6 +57,46 @@ def synthetic_digits_score(
     return {"score": score, "acc": exact, "first_correct": first_correct}
 
 
+# --- the multi-turn lookup task ----------------------------------------------------------------------------------
+LOOKUP_CALL_WEIGHT = 0.3
+LOOKUP_ANSWER_WEIGHT = 0.5
+LOOKUP_EXACT_WEIGHT = 0.2
+_LOOKUP_CALL_HEAD = '{"name": "lookup", "arguments": {"key": '
+
+
+def synthetic_lookup_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Score a `synthetic/lookup` episode (see `mcore_rl/data/synthetic.py`): the decoded response after the prompt,
+    tool turns included (`<tool_call>...</tool_call>`, `<tool_response>...</tool_response>`, the final answer).
+
+        score = 0.3 * (share of the expected call's pieces in place: <tool_call>, the JSON head, the key, }},
+                       </tool_call>, compared at their offsets in the first turn)
+              + 0.5 * (the final answer starts with the value)  + 0.2 * (the final answer is exactly the value)
+
+    The final answer is the text after the last tool response (the whole text if no tool answered), so it can only
+    be right by luck (1 in 10) or by reading the tool. Pieces are credited separately, for the same reason as the
+    digit task's partial credit: a random policy must see a gradient before it ever completes a call.
+    Returns "score", "acc" (exact answer), "called" (the call was exactly right).
+    """
+    kwargs = ((extra_info or {}).get("tools_kwargs") or {}).get("lookup") or {}
+    key = (kwargs.get("create_kwargs") or {}).get("key")
+    if key is None:
+        raise ValueError(f"lookup reward for data_source={data_source!r}: extra_info.tools_kwargs.lookup has no key")
+    pieces = ["<tool_call>", _LOOKUP_CALL_HEAD, str(key), "}}", "</tool_call>"]
+    first_turn = solution_str.split("<tool_response>", 1)[0]
+    offset, placed = 0, 0
+    for piece in pieces:
+        placed += first_turn[offset : offset + len(piece)] == piece
+        offset += len(piece)
+    answer = solution_str.rsplit("</tool_response>", 1)[-1]
+    answer = answer.split("assistant\n", 1)[-1].strip() if "</tool_response>" in solution_str else answer.strip()
+    starts = float(answer[: len(ground_truth)] == ground_truth)
+    exact = float(answer == ground_truth)
+    score = LOOKUP_CALL_WEIGHT * placed / len(pieces) + LOOKUP_ANSWER_WEIGHT * starts + LOOKUP_EXACT_WEIGHT * exact
+    return {"score": score, "acc": exact, "called": float(placed == len(pieces))}
+
+
 # --- GSM8K -------------------------------------------------------------------------------------------------------
 
 _GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")

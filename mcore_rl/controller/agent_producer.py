@@ -1,0 +1,71 @@
+"""A step's batch from multi-turn tool episodes (agent.enabled): prompts -> agent loop over the engines -> reward.
+
+    producer = AgentProducer(cfg, loader, engines, reward, tokenizer)
+    rollouts = producer.produce(step, timer)   # the same Rollouts as single-turn; response_mask 0 on tool tokens
+
+Each prompt's `rollout.n` episodes run concurrently with every other prompt's on the rollout client's event loop
+(mcore_rl/rollout/agent/loop.py); a sample's tools come from its extra_info.tools_kwargs (verl's convention) or
+`agent.tools`. The reward function sees the whole decoded response, tool turns included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mcore_rl.config import RLConfig
+from mcore_rl.controller.producer import RolloutProducer, Rollouts
+from mcore_rl.controller.samples import samples_to_batch
+from mcore_rl.metrics.logger import StepTimer
+from mcore_rl.rollout.agent.loop import AgentLoop, AgentSettings, episode_metrics
+from mcore_rl.rollout.agent.parser import get_chat_format
+from mcore_rl.rollout.agent.tools import ToolFailure, ToolSet
+
+
+class AgentProducer(RolloutProducer):
+    """Multi-turn rollouts behind the single-turn producer's `produce`."""
+
+    def __init__(self, cfg: RLConfig, loader: Any, engines: Any, reward: Any, tokenizer: Any) -> None:
+        super().__init__(cfg, loader, engines, reward, tokenizer)
+        agent, rollout = cfg.agent, cfg.rollout
+        settings = AgentSettings(
+            max_turns=agent.max_turns,
+            max_response_tokens=agent.max_response_tokens,
+            max_new_tokens_per_turn=rollout.max_new_tokens,
+            tool_timeout_s=agent.tool_timeout_s,
+            max_tool_errors=agent.max_tool_errors,
+        )
+        params = {
+            "temperature": rollout.temperature,
+            "top_p": rollout.top_p,
+            "stop_token_ids": self.eos,
+            "skip_special_tokens": False,
+            "no_stop_trim": True,
+        }
+        self.loop = AgentLoop(
+            engines.client, tokenizer, get_chat_format(agent.chat_format), settings, params, agent.max_concurrency
+        )
+
+    def tools_for(self, prompt: dict[str, Any]) -> ToolSet:
+        """The prompt's tools; ValueError naming the row when its tools_kwargs cannot configure them."""
+        try:
+            return ToolSet.for_sample(self.cfg.agent.tools, prompt.get("extra_info"))
+        except (ValueError, ToolFailure) as err:
+            raise ValueError(f"prompt {prompt.get('index')}: extra_info.tools_kwargs: {err}") from err
+
+    def produce(self, step: int, timer: StepTimer) -> Rollouts:
+        """Run `rollout.n` episodes per prompt and score them (laps `time/generate` and `time/reward`)."""
+        n = self.cfg.rollout.n
+        prompts = next(self.loader)
+        seed = self.seed(step, len(prompts))
+        jobs = [
+            (p["prompt_token_ids"], self.tools_for(p), seed + i * n + j)
+            for i, p in enumerate(prompts)
+            for j in range(n)
+        ]
+        episodes = self.engines.client.run(self.loop.run_episodes(jobs))
+        timer.lap("time/generate")
+        samples = [e.sample for e in episodes]
+        scores = self.score(prompts, samples, n)
+        batch, group_ids = samples_to_batch(samples, n)
+        timer.lap("time/reward")
+        return Rollouts(prompts, samples, scores, batch, group_ids, metrics=episode_metrics(episodes))
