@@ -71,18 +71,28 @@ class MicroBatch:
     tensors: dict[str, torch.Tensor]
 
 
+def sequence_length(batch: TrainBatch) -> int:
+    """Longest prompt + response of the batch, + 1 (a target for the last real token)."""
+    return max(len(p) + int(r) for p, r in zip(batch.prompts, batch.response_lengths().tolist())) + 1
+
+
 def micro_batches(
-    batch: TrainBatch, micro_batch_size: int, pad_multiple: int = 1, max_tokens: int | None = None
+    batch: TrainBatch,
+    micro_batch_size: int,
+    pad_multiple: int = 1,
+    max_tokens: int | None = None,
+    min_seq_len: int = 0,
 ) -> tuple[list[MicroBatch], int]:
     """Cut a batch into micro-batches padded to one common length (a multiple of pad_multiple, e.g. tp for SP).
 
     One length for all micro-batches of a schedule call: pipeline stages exchange fixed-shape activations. With a token
     budget, a micro-batch holds at most max(1, max_tokens // length) samples (and never more than micro_batch_size), so
-    long rollouts split into smaller micro-batches instead of running out of memory.
+    long rollouts split into smaller micro-batches instead of running out of memory. `min_seq_len`: pad at least to
+    this (the whole batch's `sequence_length` when each data-parallel rank cuts its own shard: expert parallelism's
+    all-gather dispatcher needs one shape on every rank, and multi-turn responses vary in length).
     """
     response_lengths = batch.response_lengths().tolist()
-    lengths = [len(p) + int(r) for p, r in zip(batch.prompts, response_lengths)]
-    seq_len = max(lengths) + 1  # +1 keeps a target for the last real token
+    seq_len = max(sequence_length(batch), min_seq_len)
     seq_len = -(-seq_len // pad_multiple) * pad_multiple
     if max_tokens:
         micro_batch_size = max(1, min(micro_batch_size, max_tokens // seq_len))

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.actor.batch import MicroBatch, TrainBatch, micro_batches
+from mcore_rl.actor.batch import MicroBatch, TrainBatch, micro_batches, sequence_length
 from mcore_rl.actor.logprobs import vocab_parallel_entropy, vocab_parallel_logprobs
 from mcore_rl.actor.schedule import run_schedule
 from mcore_rl.algorithms import get_policy_loss, kl_loss
@@ -197,8 +197,9 @@ class MegatronActor:
             chunk.eval()
         shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
         mbs, seq_len = micro_batches(
-            shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch
-        )
+            shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch,
+            sequence_length(batch),  # one length on every dp rank
+        )  # fmt: skip
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             logp = self._response_logprobs(mb, logits) * mb.response_mask
@@ -252,8 +253,9 @@ class MegatronActor:
                 denominator = tokens if self.cfg.loss_agg_mode == "token-mean" else float(mini.size)
                 shard = mini.shard(dp_rank, dp_size)
                 mbs, seq_len = micro_batches(
-                    shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch
-                )
+                    shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch,
+                    sequence_length(mini),  # one length on every dp rank
+                )  # fmt: skip
                 scale = dp_size * len(mbs)
 
                 def loss_fn(mb: MicroBatch, logits: torch.Tensor, denominator=denominator, scale=scale):

@@ -127,10 +127,14 @@ class ColocatedPlacement(SplitPlacement):
 
     def to_training(self, actor: Any, engines: Any) -> dict[str, float]:
         """Engines release weights and KV cache; the actor loads its state back onto its devices."""
+        released = 0
         for url in engines.urls:
             engines.client.post(url, "/release_memory_occupation", {"tags": MEMORY_TAGS})
+            _, info = engines.client.get(url, "/server_info")
+            states = (info or {}).get("internal_states") or [{}] if isinstance(info, dict) else [{}]
+            released += bool(states[0].get("weights_released"))  # our server says so; SGLang's does not
         moved = sum(r["bytes"] for r in actor.call("onload"))
-        return {"placement/onload_gib": moved / 2**30}
+        return {"placement/onload_gib": moved / 2**30, "placement/engines_released": float(released)}
 
     def sync_weights(self, sync: Any, version: int) -> dict[str, float]:
         engines = sync.pool

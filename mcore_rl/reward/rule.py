@@ -70,8 +70,8 @@ def synthetic_lookup_score(
     """Score a `synthetic/lookup` episode (see `mcore_rl/data/synthetic.py`): the decoded response after the prompt,
     tool turns included (`<tool_call>...</tool_call>`, `<tool_response>...</tool_response>`, the final answer).
 
-        score = 0.3 * (share of the expected call's pieces in place: <tool_call>, the JSON head, the key, }},
-                       </tool_call>, compared at their offsets in the first turn)
+        score = 0.3 * (share of the expected call's pieces, in order in the first turn: <tool_call>, the JSON head,
+                       the key, }}, </tool_call>)
               + 0.5 * (the final answer starts with the value)  + 0.2 * (the final answer is exactly the value)
 
     The final answer is the text after the last tool response (the whole text if no tool answered), so it can only
@@ -85,10 +85,15 @@ def synthetic_lookup_score(
         raise ValueError(f"lookup reward for data_source={data_source!r}: extra_info.tools_kwargs.lookup has no key")
     pieces = ["<tool_call>", _LOOKUP_CALL_HEAD, str(key), "}}", "</tool_call>"]
     first_turn = solution_str.split("<tool_response>", 1)[0]
+    # Scan the pieces in order; a missing piece earns nothing but does not cost the ones after it (a wrong key
+    # digit is skipped over), so each piece is learnt on its own.
     offset, placed = 0, 0
     for piece in pieces:
-        placed += first_turn[offset : offset + len(piece)] == piece
-        offset += len(piece)
+        if first_turn.startswith(piece, offset):
+            placed, offset = placed + 1, offset + len(piece)
+        elif piece == str(key):
+            while offset < len(first_turn) and first_turn[offset].isdigit():
+                offset += 1
     answer = solution_str.rsplit("</tool_response>", 1)[-1]
     answer = answer.split("assistant\n", 1)[-1].strip() if "</tool_response>" in solution_str else answer.strip()
     starts = float(answer[: len(ground_truth)] == ground_truth)
