@@ -33,7 +33,8 @@ TOK = build_tiny_tokenizer(None)
 
 @pytest.fixture(scope="module")
 def server():
-    thread = ServerThread(build_server(tiny_qwen3_moe(vocab_size=63, max_position_embeddings=512), max_running_requests=64, weight_version="1"))
+    model = tiny_qwen3_moe(vocab_size=63, max_position_embeddings=512)
+    thread = ServerThread(build_server(model, max_running_requests=64, weight_version="1"))
     client = RolloutClient(thread.url)
     yield thread, client
     client.close()
