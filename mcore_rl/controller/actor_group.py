@@ -38,7 +38,7 @@ class ActorGroup:
         base = {"num_cpus": actor_cfg.num_cpus_per_rank, "num_gpus": num_gpus}
         self.handles = [
             ray.remote(MegatronActor)
-            .options(**base, **(options(rank) if options else {}))
+            .options(**{**base, **(options(rank) if options else {})})
             .remote(rank, world, model_cfg, actor_cfg, runtime, seed)
             for rank in range(world)
         ]

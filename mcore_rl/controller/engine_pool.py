@@ -141,7 +141,7 @@ class EnginePool:
         base = {"num_cpus": self.cfg.num_cpus, "num_gpus": 1 if self.runtime == "cuda" else 0, "max_restarts": 0}
         handles = [
             ray.remote(EmbeddedEngineActor)
-            .options(**base, **(self.engine_options(first_index + i) if self.engine_options else {}))
+            .options(**{**base, **(self.engine_options(first_index + i) if self.engine_options else {})})
             .remote(
                 self.model,
                 self.tokenizer,
