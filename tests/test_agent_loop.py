@@ -213,3 +213,23 @@ def test_every_data_parallel_shard_gets_the_whole_batchs_length():
     batch, _ = samples_to_batch([e.sample for e in episodes], n=2)
     lengths = {micro_batches(batch.shard(r, 2), 4, min_seq_len=sequence_length(batch))[1] for r in range(2)}
     assert lengths == {sequence_length(batch)}
+
+
+def test_python_tool_runs_in_the_sandbox():
+    from mcore_rl.reward.sandbox import SandboxUnavailable
+
+    tool = get_tool("python")
+    try:
+        tool.sandbox().check()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"this machine cannot isolate generated code: {exc}")
+    call = '<tool_call>{"name": "python", "arguments": {"code": "import os\\nprint(6*7, len(os.environ))"}}</tool_call>'
+    episode = run(ScriptedPolicy([call, "42"]), tools={"tools_kwargs": {"python": {}}}, timeout=30)
+    assert not episode.errors
+    # the sandbox's stripped environment (4 variables), not this process's
+    assert "<tool_response>\n42 4\n\n</tool_response>" in TOK.decode(episode.sample.response_ids)
+    loop = "while 1: pass"  # the tiny vocabulary has no upper case
+    hang = f'<tool_call>{{"name": "python", "arguments": {{"code": "{loop}"}}}}</tool_call>'
+    tools = {"tools_kwargs": {"python": {"execute_kwargs": {"timeout_s": 1}}}}
+    episode = run(ScriptedPolicy([hang, "1"]), tools=tools, timeout=30)
+    assert episode.errors == {"tool_error": 1} and "timeout" in TOK.decode(episode.sample.response_ids)

@@ -71,7 +71,7 @@ def synthetic_lookup_score(
     tool turns included (`<tool_call>...</tool_call>`, `<tool_response>...</tool_response>`, the final answer).
 
         score = 0.3 * (share of the expected call's pieces, in order in the first turn: <tool_call>, the JSON head,
-                       the key, }}, </tool_call>)
+                       the key (half for another number), }}, </tool_call>)
               + 0.5 * (the final answer starts with the value)  + 0.2 * (the final answer is exactly the value)
 
     The final answer is the text after the last tool response (the whole text if no tool answered), so it can only
@@ -92,8 +92,10 @@ def synthetic_lookup_score(
         if first_turn.startswith(piece, offset):
             placed, offset = placed + 1, offset + len(piece)
         elif piece == str(key):
+            start = offset
             while offset < len(first_turn) and first_turn[offset].isdigit():
                 offset += 1
+            placed += 0.5 * (offset > start)  # a number where the key goes: half the key's credit
     answer = solution_str.rsplit("</tool_response>", 1)[-1]
     answer = answer.split("assistant\n", 1)[-1].strip() if "</tool_response>" in solution_str else answer.strip()
     starts = float(answer[: len(ground_truth)] == ground_truth)
