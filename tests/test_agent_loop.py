@@ -233,3 +233,30 @@ def test_python_tool_runs_in_the_sandbox():
     tools = {"tools_kwargs": {"python": {"execute_kwargs": {"timeout_s": 1}}}}
     episode = run(ScriptedPolicy([hang, "1"]), tools=tools, timeout=30)
     assert episode.errors == {"tool_error": 1} and "timeout" in TOK.decode(episode.sample.response_ids)
+
+
+def test_lookup_rows_and_reward(tmp_path):
+    from mcore_rl.data.dataset import PromptDataset
+    from mcore_rl.data.synthetic import write_synthetic_dataset
+    from mcore_rl.reward.loader import default_compute_score
+
+    path = write_synthetic_dataset(str(tmp_path / "lookup.parquet"), 20, 0, task="lookup")
+    rows = PromptDataset([path], TOK, 64)
+    keys = [r["extra_info"]["tools_kwargs"]["lookup"]["create_kwargs"]["key"] for r in rows]
+    values = [r["ground_truth"] for r in rows]
+    assert sorted(keys) == sorted(list(range(10)) * 2) and sorted(values) == sorted([str(d) for d in range(10)] * 2)
+    row = rows[0]
+    key, value = keys[0], values[0]
+    toolset = ToolSet.for_sample([], row["extra_info"])
+    assert asyncio.run(toolset.tools["lookup"].execute({"key": key}, toolset.states["lookup"])) == value
+
+    def score(text: str) -> float:
+        return default_compute_score("synthetic/lookup", text, value, row["extra_info"])["score"]
+
+    call = CALL.replace("7", str(key))
+    reply = f"\nuser\n<tool_response>\n{value}\n</tool_response>\nassistant\n"
+    assert score(call + reply + value) == 1.0
+    assert score(call + reply + value + "1") == pytest.approx(0.8)  # did not stop after the answer
+    assert score(call.replace(f" {key}}}", f" {(key + 1) % 10}}}")) == pytest.approx(0.3 * 4.5 / 5)  # wrong key
+    assert score(value) == pytest.approx(0.7)  # a lucky guess without the tool
+    assert score("") == 0.0

@@ -87,15 +87,16 @@ def synthetic_lookup_score(
     first_turn = solution_str.split("<tool_response>", 1)[0]
     # Scan the pieces in order; a missing piece earns nothing but does not cost the ones after it (a wrong key
     # digit is skipped over), so each piece is learnt on its own.
-    offset, placed = 0, 0
+    offset, placed, head = 0, 0.0, False
     for piece in pieces:
         if first_turn.startswith(piece, offset):
             placed, offset = placed + 1, offset + len(piece)
+            head = head or piece == _LOOKUP_CALL_HEAD
         elif piece == str(key):
             start = offset
             while offset < len(first_turn) and first_turn[offset].isdigit():
                 offset += 1
-            placed += 0.5 * (offset > start)  # a number where the key goes: half the key's credit
+            placed += 0.5 * (head and offset > start)  # another number after the JSON head: half the key's credit
     answer = solution_str.rsplit("</tool_response>", 1)[-1]
     answer = answer.split("assistant\n", 1)[-1].strip() if "</tool_response>" in solution_str else answer.strip()
     starts = float(answer[: len(ground_truth)] == ground_truth)
