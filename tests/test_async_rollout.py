@@ -141,3 +141,17 @@ def test_a_sample_older_than_the_bound_is_refused():
             producer.tag(rollouts)
     finally:
         producer.close()
+
+
+def test_stale_samples_get_truncated_importance_weights_fresh_ones_weight_one():
+    from mcore_rl.actor.megatron_actor import stale_tis_weights
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    old = torch.tensor([[-1.0, -0.1, -5.0], [-1.0, -1.0, -1.0]])
+    rollout = torch.tensor([[-1.5, -3.0, 0.0], [-2.0, -2.0, -2.0]])
+    tensors = {"old_logprobs": old, "rollout_logprobs": rollout, "stale": torch.tensor([1.0, 0.0])}
+    weights = stale_tis_weights(tensors, mask, cap=2.0)
+    expected_row0 = torch.tensor([torch.exp(torch.tensor(0.5)).item(), 2.0, 0.0])  # ratio 1.65, capped 2, masked
+    assert torch.allclose(weights[0], expected_row0) and torch.equal(weights[1], mask[1])
+    assert stale_tis_weights(tensors, mask, cap=None) is None
+    assert stale_tis_weights({**tensors, "stale": torch.zeros(2)}, mask, cap=2.0) is None
