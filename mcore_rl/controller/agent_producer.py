@@ -5,7 +5,9 @@
 
 Each prompt's `rollout.n` episodes run concurrently with every other prompt's on the rollout client's event loop
 (mcore_rl/rollout/agent/loop.py); a sample's tools come from its extra_info.tools_kwargs (verl's convention) or
-`agent.tools`. The reward function sees the whole decoded response, tool turns included.
+`agent.tools`. The prompt is rendered again with the sample's tool definitions (`apply_chat_template(tools=...)`,
+as verl does: Qwen3's template lists them in the system turn; a template that ignores tools gives the dataset's
+tokens). The reward function sees the whole decoded response, tool turns included.
 """
 
 from __future__ import annotations
@@ -52,16 +54,25 @@ class AgentProducer(RolloutProducer):
         except (ValueError, ToolFailure) as err:
             raise ValueError(f"prompt {prompt.get('index')}: extra_info.tools_kwargs: {err}") from err
 
+    def prompt_ids(self, prompt: dict[str, Any], tools: ToolSet) -> list[int]:
+        """The prompt's tokens with its tools' definitions in the chat template."""
+        if not tools.tools:
+            return prompt["prompt_token_ids"]
+        schemas = [tool.schema() for tool in tools.tools.values()]
+        text = self.tokenizer.apply_chat_template(
+            prompt["raw_prompt"], tools=schemas, add_generation_prompt=True, tokenize=False
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def produce(self, step: int, timer: StepTimer) -> Rollouts:
         """Run `rollout.n` episodes per prompt and score them (laps `time/generate` and `time/reward`)."""
         n = self.cfg.rollout.n
         prompts = next(self.loader)
         seed = self.seed(step, len(prompts))
-        jobs = [
-            (p["prompt_token_ids"], self.tools_for(p), seed + i * n + j)
-            for i, p in enumerate(prompts)
-            for j in range(n)
-        ]
+        # one ToolSet per episode: a tool's per-episode state is never shared between the n samples of a prompt
+        tools = [[self.tools_for(p) for _ in range(n)] for p in prompts]
+        ids = [self.prompt_ids(p, tools[i][0]) for i, p in enumerate(prompts)]
+        jobs = [(ids[i], tools[i][j], seed + i * n + j) for i in range(len(prompts)) for j in range(n)]
         episodes = self.engines.client.run(self.loop.run_episodes(jobs))
         timer.lap("time/generate")
         samples = [e.sample for e in episodes]
