@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from mcore_rl.config import RLConfig
-from mcore_rl.controller.producer import RolloutProducer, Rollouts
+from mcore_rl.controller.producer import PROMPT_FIELDS, RolloutProducer, Rollouts
 from mcore_rl.controller.samples import samples_to_batch
 from mcore_rl.metrics.logger import StepTimer
 from mcore_rl.rollout.agent.loop import AgentLoop, AgentSettings, episode_metrics
@@ -43,6 +43,7 @@ class AgentProducer(RolloutProducer):
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }
+        self.reward_metrics: dict[str, float] = {}
         self.loop = AgentLoop(
             engines.client, tokenizer, get_chat_format(agent.chat_format), settings, params, agent.max_concurrency
         )
@@ -79,4 +80,14 @@ class AgentProducer(RolloutProducer):
         scores = self.score(prompts, samples, n)
         batch, group_ids = samples_to_batch(samples, n)
         timer.lap("time/reward")
-        return Rollouts(prompts, samples, scores, batch, group_ids, metrics=episode_metrics(episodes))
+        metrics = {**episode_metrics(episodes), **self.reward_metrics}
+        return Rollouts(prompts, samples, scores, batch, group_ids, metrics=metrics)
+
+    def score(self, prompts: list[dict[str, Any]], samples: list, n: int) -> Any:
+        """As the single-turn producer's, keeping the reward's own metrics (e.g. the lookup task's `called` and
+        `acc` means: whether the policy really fetched the answer with the tool)."""
+        per_sample = {k: [p[k] for p in prompts for _ in range(n)] for k in PROMPT_FIELDS}
+        texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        out = self.reward.score(texts, *(per_sample[k] for k in PROMPT_FIELDS))
+        self.reward_metrics = {k: v for k, v in out.metrics.items() if k.startswith("reward/") and "/" not in k[7:]}
+        return out.scores
