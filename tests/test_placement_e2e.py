@@ -54,6 +54,7 @@ def test_multiturn_tool_job_runs_with_tool_tokens_masked(tmp_path: Path):
         assert 0 < r["agent/model_token_frac"] <= 1 and r["agent/turns"] >= 1
         # the trained length counts model tokens only
         assert r["response/length"] <= 2 * 6
+        assert 0 <= r["reward/called_mean"] <= 1 and 0 <= r["reward/acc_mean"] <= 1  # the lookup reward's own
 
 
 @pytest.mark.parametrize(
