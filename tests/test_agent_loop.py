@@ -257,6 +257,8 @@ def test_lookup_rows_and_reward(tmp_path):
     reply = f"\nuser\n<tool_response>\n{value}\n</tool_response>\nassistant\n"
     assert score(call + reply + value) == 1.0
     assert score(call + reply + value + "1") == pytest.approx(0.8)  # did not stop after the answer
-    assert score(call.replace(f" {key}}}", f" {(key + 1) % 10}}}")) == pytest.approx(0.3 * 4.5 / 5)  # wrong key
-    assert score(value) == pytest.approx(0.7)  # a lucky guess without the tool
+    assert score(call.replace(f" {key}}}", f" {(key + 1) % 10}}}")) == pytest.approx(0.25)  # wrong key: format only
+    head = '<tool_call>{"name": "lookup", "arguments": {"key": '
+    assert score(head + "}}</tool_call>") == pytest.approx(0.2)  # no key: the four fixed pieces
+    assert score(value) == pytest.approx(0.5)  # a lucky guess without the tool
     assert score("") == 0.0
