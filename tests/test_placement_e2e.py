@@ -73,3 +73,13 @@ def test_multiturn_tool_job_runs_with_tool_tokens_masked(tmp_path: Path):
 def test_bad_placement_and_agent_settings_exit_2(overrides, message):
     out = subprocess.run([*TRAIN, *overrides], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr
+
+
+@pytest.mark.slow
+def test_multiturn_tool_job_learns(tmp_path: Path):
+    # The whole multi-turn job (150 steps, ~3 min on an idle 2-core machine): the policy learns to emit the call, then
+    # to copy the prompt's key into it and the tool's value into its answer. Seeds are fixed (deterministic run).
+    train(tmp_path / "run", config="multiturn_tool", timeout=1800)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["reward_first"] < 0.05
+    assert summary["reward_last"] - summary["reward_first"] >= 0.3
