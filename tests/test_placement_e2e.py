@@ -77,7 +77,7 @@ def test_bad_placement_and_agent_settings_exit_2(overrides, message):
 
 @pytest.mark.slow
 def test_multiturn_tool_job_learns(tmp_path: Path):
-    # The whole multi-turn job (200 steps, ~4 min on an idle 2-core machine): the policy learns to emit the call, then
+    # The whole multi-turn job (150 steps, ~3 min on an idle 2-core machine): the policy learns to emit the call, then
     # to copy the prompt's key into it (reward/called_mean rises above the 1-in-10 of a fixed key). Fixed seeds.
     train(tmp_path / "run", config="multiturn_tool", timeout=1800)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
