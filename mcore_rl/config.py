@@ -204,6 +204,9 @@ class ActorConfig:
     #: old-logprob forward) | R3 (every policy forward replays the experts the rollout engine routed each token to)
     router_replay_mode: str = "disabled"
     num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
+    #: truncated importance sampling (TIS) cap for samples generated with an older weight version than the one
+    #: trained (trainer.async_rollout): w = min(pi_old / pi_rollout, cap) per token; null = no correction
+    stale_tis_cap: float | None = 2.0
 
     def validate(self) -> None:
         for name in ("world_size", "micro_batch_size", "mini_batches", "ppo_epochs"):
@@ -233,6 +236,7 @@ class ActorConfig:
         )
         self.layout.validate()
         self.layout.to_layout().check_world_size(self.world_size)
+        _check(self.stale_tis_cap is None or self.stale_tis_cap > 0, "actor.stale_tis_cap", self.stale_tis_cap, "> 0")
 
 
 @dataclass
@@ -613,6 +617,40 @@ TRAINER_MODES = ("rl", "dpo")
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn tool-use episodes (mcore_rl/rollout/agent/): the model calls tools, their answers come back as
+    tokens (loss mask 0), until it answers, `max_turns`, or `max_response_tokens`."""
+
+    enabled: bool = False  #: run agent episodes instead of single-turn samples
+    chat_format: str = "hermes"  #: tool-call markup: hermes (Qwen2.5/Qwen3 <tool_call>{json}</tool_call>)
+    #: tools of a sample whose extra_info has no tools_kwargs (verl's tools_kwargs, when present, select them)
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4  #: model turns per episode (a tool call in the last one is not run)
+    max_response_tokens: int = 256  #: tokens after the prompt (model and tool tokens together)
+    tool_timeout_s: float = 10.0  #: wall-clock limit of one tool call (an error observation after it)
+    max_tool_errors: int | None = None  #: end an episode after this many error observations; null = never
+    max_concurrency: int = 256  #: episodes in flight at once (each has at most one request at the engines)
+
+    def validate(self) -> None:
+        from mcore_rl.rollout.agent.parser import CHAT_FORMATS
+        from mcore_rl.rollout.agent.tools import TOOLS
+
+        formats = tuple(CHAT_FORMATS)
+        _check(self.chat_format in CHAT_FORMATS, "agent.chat_format", self.chat_format, f"one of {formats}")
+        for name in self.tools:
+            _check(name in TOOLS, "agent.tools", name, f"registered tools {tuple(TOOLS)}")
+        for name in ("max_turns", "max_response_tokens", "max_concurrency"):
+            _positive(f"agent.{name}", getattr(self, name))
+        _check(self.tool_timeout_s > 0, "agent.tool_timeout_s", self.tool_timeout_s, "> 0")
+        _check(
+            self.max_tool_errors is None or self.max_tool_errors > 0,
+            "agent.max_tool_errors",
+            self.max_tool_errors,
+            "a positive integer or null",
+        )
+
+
+@dataclass
 class TrainerConfig:
     """The run."""
 
@@ -630,8 +668,16 @@ class TrainerConfig:
     val_every: int = 0  #: validate every this many steps and after the last (verl: test_freq); 0 = never
     val_before_train: bool = False  #: validate the initial weights (logged as step 0)
     mode: str = "rl"  #: rl (the RL loop) | dpo (offline DPO on preference pairs, see the dpo group)
+    #: split: actor ranks and rollout engines in separate pools (Ray placement groups) | colocated: they share
+    #: devices; engines release weights and KV cache while the actor trains, the actor offloads while they generate
+    placement: str = "split"
+    #: generate the next batch while the actor trains on this one (one step off policy; needs placement=split).
+    #: Named async_rollout: `async` is a Python keyword, which a dataclass field cannot be
+    async_rollout: bool = False
+    max_staleness: int = 1  #: async_rollout: a trained sample's tokens are at most this many weight versions old
 
     def validate(self) -> None:
+        from mcore_rl.controller.placement import PLACEMENTS
         from mcore_rl.metrics.backends import BACKENDS, missing_packages
 
         _positive("trainer.steps", self.steps)
@@ -654,6 +700,14 @@ class TrainerConfig:
             "an integer >= 0",
         )
         _check(self.mode in TRAINER_MODES, "trainer.mode", self.mode, f"one of {TRAINER_MODES}")
+        _check(self.placement in PLACEMENTS, "trainer.placement", self.placement, f"one of {tuple(PLACEMENTS)}")
+        _positive("trainer.max_staleness", self.max_staleness)
+        _check(
+            not self.async_rollout or self.placement == "split",
+            "trainer.async_rollout",
+            self.async_rollout,
+            "false with trainer.placement=colocated (engines and actor take turns on the same devices)",
+        )
 
     @property
     def validates(self) -> bool:
@@ -675,9 +729,20 @@ class RLConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def validate(self) -> None:
-        groups = (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.reward, self.trainer)
+        groups = (
+            self.model,
+            self.actor,
+            self.rollout,
+            self.sync,
+            self.algorithm,
+            self.data,
+            self.reward,
+            self.trainer,
+            self.agent,
+        )
         for group in groups:
             group.validate()
         self.check_model()

@@ -40,7 +40,7 @@ def setup_data(cfg: RLConfig) -> tuple[Any, Any, str]:
     if cfg.model.tokenizer:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
     else:
-        tokenizer = build_tiny_tokenizer(tokenizer_dir)
+        tokenizer = build_tiny_tokenizer(tokenizer_dir, tools=cfg.agent.enabled)
     files = list(cfg.data.train_files)
     if not files:
         path = os.path.join(cfg.trainer.run_dir, f"{cfg.data.synthetic_task}.parquet")
@@ -62,9 +62,10 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl._quiet import quiet_process, ray_init_kwargs
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.advantage_stage import AdvantageStage
+    from mcore_rl.controller.async_producer import make_producer
     from mcore_rl.controller.critic_group import CriticGroup
     from mcore_rl.controller.engine_pool import EnginePool
-    from mcore_rl.controller.filters import build_producer
+    from mcore_rl.controller.placement import make_placement
     from mcore_rl.controller.samples import reduce_rank_metrics
     from mcore_rl.controller.state import LoopState
     from mcore_rl.controller.validation import Validator
@@ -102,8 +103,11 @@ def run(cfg: RLConfig) -> dict[str, float]:
             log_to_driver=True,
             **ray_init_kwargs(),
         )
-    actor = ActorGroup(cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed)
-    engines = critic = None
+    placement = make_placement(cfg)  # split pools, or colocated taking turns (controller/placement.py)
+    actor = ActorGroup(
+        cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed, options=placement.actor_options
+    )
+    engines = critic = producer = None
     try:
         critic = CriticGroup(cfg) if cfg.critic.enable else None
         engines = EnginePool(
@@ -113,13 +117,14 @@ def run(cfg: RLConfig) -> dict[str, float]:
             dtype=cfg.model.dtype,
             runtime=cfg.trainer.runtime,
             log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
+            engine_options=placement.engine_options,
         )
         sync = WeightSync(
             actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, _hf_config(cfg)
         )
         state = LoopState()
-        sync.push(state.weight_version)  # the engines start from the actor's weights
-        producer = build_producer(cfg, loader, engines, reward, tokenizer)
+        placement.sync_weights(sync, state.weight_version)  # the engines start from the actor's weights
+        producer = make_producer(cfg, loader, engines, reward, tokenizer, state)  # single-turn | agent, sync | async
         advantages = AdvantageStage(cfg.algorithm, state.controllers)
         log = MetricsLogger(
             os.path.join(cfg.trainer.run_dir, "metrics.jsonl"),
@@ -139,6 +144,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             timer = log.timer()
             rollouts = producer.produce(step, timer)  # prompts -> engines -> reward
             batch = rollouts.batch
+            rollouts.metrics.update(placement.to_training(actor, engines))
 
             batch.tensors.update(actor.logprobs(batch, with_ref=cfg.actor.use_ref))  # old (+ ref): one call
             timer.lap("old_log_prob")
@@ -158,8 +164,10 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
                 state.weight_version += 1
                 engines.wait_for_restarts()
-                sync.push(state.weight_version)
+                rollouts.metrics.update(placement.sync_weights(sync, state.weight_version))
                 timer.lap("update_weights")
+            else:  # critic warm-up: the actor is unchanged; colocated engines take their weights back
+                placement.to_generation(sync, state.weight_version)
             if validator is not None and validator.due(step, cfg.trainer.steps):
                 rollouts.metrics.update(validator.run(seed=step))
                 timer.lap("testing")
@@ -172,11 +180,14 @@ def run(cfg: RLConfig) -> dict[str, float]:
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
         return log.summary(seconds=time.time() - start)
     finally:  # also on errors: no engine, router or rank outlives the run
+        if hasattr(producer, "close"):
+            producer.close()
         actor.shutdown()
         if critic is not None:
             critic.shutdown()
         if engines is not None:
             engines.shutdown()
+        placement.shutdown()
 
 
 def _wandb_settings(cfg: RLConfig) -> dict[str, Any]:

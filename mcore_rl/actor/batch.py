@@ -21,6 +21,13 @@ class TrainBatch:
     responses: torch.Tensor  # [B, R] long, right-padded with 0
     response_mask: torch.Tensor  # [B, R] float
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # old_logprobs, ref_logprobs, advantages ...
+    #: [B] response lengths; None = response_mask.sum(1). Needed when the mask has zeros inside a response
+    #: (multi-turn: tool tokens are part of the sequence but not trained on)
+    lengths: torch.Tensor | None = None
+
+    def response_lengths(self) -> torch.Tensor:
+        """[B] tokens of each response (trained on or not)."""
+        return self.lengths if self.lengths is not None else self.response_mask.sum(1).long()
 
     @property
     def size(self) -> int:
@@ -34,6 +41,7 @@ class TrainBatch:
             responses=self.responses[idx],
             response_mask=self.response_mask[idx],
             tensors={k: v[idx] for k, v in self.tensors.items()},
+            lengths=None if self.lengths is None else self.lengths[idx],
         )
 
     def shard(self, dp_rank: int, dp_size: int) -> TrainBatch:
@@ -63,17 +71,28 @@ class MicroBatch:
     tensors: dict[str, torch.Tensor]
 
 
+def sequence_length(batch: TrainBatch) -> int:
+    """Longest prompt + response of the batch, + 1 (a target for the last real token)."""
+    return max(len(p) + int(r) for p, r in zip(batch.prompts, batch.response_lengths().tolist())) + 1
+
+
 def micro_batches(
-    batch: TrainBatch, micro_batch_size: int, pad_multiple: int = 1, max_tokens: int | None = None
+    batch: TrainBatch,
+    micro_batch_size: int,
+    pad_multiple: int = 1,
+    max_tokens: int | None = None,
+    min_seq_len: int = 0,
 ) -> tuple[list[MicroBatch], int]:
     """Cut a batch into micro-batches padded to one common length (a multiple of pad_multiple, e.g. tp for SP).
 
     One length for all micro-batches of a schedule call: pipeline stages exchange fixed-shape activations. With a token
     budget, a micro-batch holds at most max(1, max_tokens // length) samples (and never more than micro_batch_size), so
-    long rollouts split into smaller micro-batches instead of running out of memory.
+    long rollouts split into smaller micro-batches instead of running out of memory. `min_seq_len`: pad at least to
+    this (the whole batch's `sequence_length` when each data-parallel rank cuts its own shard: expert parallelism's
+    all-gather dispatcher needs one shape on every rank, and multi-turn responses vary in length).
     """
-    lengths = [len(p) + int(m.sum()) for p, m in zip(batch.prompts, batch.response_mask)]
-    seq_len = max(lengths) + 1  # +1 keeps a target for the last real token
+    response_lengths = batch.response_lengths().tolist()
+    seq_len = max(sequence_length(batch), min_seq_len)
     seq_len = -(-seq_len // pad_multiple) * pad_multiple
     if max_tokens:
         micro_batch_size = max(1, min(micro_batch_size, max_tokens // seq_len))
@@ -86,7 +105,7 @@ def micro_batches(
         gather = torch.zeros(b, R, dtype=torch.long)
         for i, prompt in enumerate(part.prompts):
             p = len(prompt)
-            r = int(part.response_mask[i].sum())
+            r = int(response_lengths[start + i])
             tokens[i, :p] = torch.as_tensor(prompt, dtype=torch.long)
             tokens[i, p : p + r] = part.responses[i, :r]
             gather[i] = (p - 1 + torch.arange(R)).clamp(max=seq_len - 1)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mcore_rl.actor.batch import MicroBatch, TrainBatch, micro_batches
+from mcore_rl.actor.batch import MicroBatch, TrainBatch, micro_batches, sequence_length
 from mcore_rl.algorithms.dpo import dpo_loss, get_dpo_loss, sequence_logprobs
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def dpo_update(actor: MegatronActor, batch: TrainBatch, beta: float, loss_type: 
             pairs = mini.size // 2
             shard = mini.shard(dp_rank, dp_size)
             # No token budget here: it could cut an odd micro-batch size and split a pair.
-            mbs, seq_len = micro_batches(shard, cfg.micro_batch_size, actor._pad_multiple)
+            mbs, seq_len = micro_batches(shard, cfg.micro_batch_size, actor._pad_multiple, None, sequence_length(mini))
             scale = dp_size * len(mbs)
 
             def loss_fn(mb: MicroBatch, logits: torch.Tensor, pairs: int = pairs, scale: int = scale) -> Any:

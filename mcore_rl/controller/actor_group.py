@@ -13,6 +13,7 @@ layout (the critic's TP/PP/EP need not be the actor's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -32,12 +33,17 @@ class ActorGroup:
         runtime: str,
         seed: int = 0,
         role: str = "actor",
+        options: Callable[[int], dict[str, Any]] | None = None,
     ) -> None:
+        """`options(rank)`: extra Ray options of a rank (controller/placement.py: its placement-group bundle)."""
         world = actor_cfg.world_size
         num_gpus = 1 if runtime == "cuda" else 0
-        remote_cls = ray.remote(MegatronActor).options(num_cpus=actor_cfg.num_cpus_per_rank, num_gpus=num_gpus)
+        base = {"num_cpus": actor_cfg.num_cpus_per_rank, "num_gpus": num_gpus}
         self.handles = [
-            remote_cls.remote(rank, world, model_cfg, actor_cfg, runtime, seed, role) for rank in range(world)
+            ray.remote(MegatronActor)
+            .options(**{**base, **(options(rank) if options else {})})
+            .remote(rank, world, model_cfg, actor_cfg, runtime, seed, role)
+            for rank in range(world)
         ]
         # Rank 0 hosts torch.distributed's TCP store, so the address must be its own node's, asked of rank 0 itself
         # (Ray places actors on any node with room).

@@ -93,8 +93,11 @@ class EnginePool:
         runtime: str,
         log_dir: str,
         init_seed: int = 0,
+        engine_options: Any = None,
     ) -> None:
+        """`engine_options(index)`: extra Ray options of an embedded engine (controller/placement.py)."""
         self.cfg = cfg
+        self.engine_options = engine_options
         self.model = model
         self.tokenizer = tokenizer
         self.dtype = dtype
@@ -132,14 +135,14 @@ class EnginePool:
         self._monitor.start()
 
     # ------------------------------------------------------------------ engines
-    def _start_engines(self, count: int) -> list[tuple[str, Any]]:
+    def _start_engines(self, count: int, first_index: int = 0) -> list[tuple[str, Any]]:
         if self.cfg.engine == "sglang":
             return [self._start_sglang_engine() for _ in range(count)]
-        actor_cls = ray.remote(EmbeddedEngineActor).options(
-            num_cpus=self.cfg.num_cpus, num_gpus=1 if self.runtime == "cuda" else 0, max_restarts=0
-        )
+        base = {"num_cpus": self.cfg.num_cpus, "num_gpus": 1 if self.runtime == "cuda" else 0, "max_restarts": 0}
         handles = [
-            actor_cls.remote(
+            ray.remote(EmbeddedEngineActor)
+            .options(**{**base, **(self.engine_options(first_index + i) if self.engine_options else {})})
+            .remote(
                 self.model,
                 self.tokenizer,
                 self.dtype,
@@ -151,7 +154,7 @@ class EnginePool:
                 # on a multi-node Ray cluster an engine may land on another node than the router and the senders
                 len([n for n in ray.nodes() if n.get("Alive")]) > 1,
             )
-            for _ in range(count)
+            for i in range(count)
         ]
         urls = ray.get([h.url.remote() for h in handles])
         return list(zip(urls, handles))
@@ -308,7 +311,7 @@ class EnginePool:
             except Exception:  # noqa: BLE001 (already gone)
                 pass
         try:
-            ((url, handle),) = self._start_engines(1)
+            ((url, handle),) = self._start_engines(1, dead.index)
             with self._lock:
                 self.engines[dead.index] = Engine(dead.index, url, handle)
                 self.pending.add(url)

@@ -11,7 +11,10 @@ from mcore_rl.rollout import Sample
 
 
 def samples_to_batch(samples: Sequence[Sample], n: int) -> tuple[TrainBatch, torch.Tensor]:
-    """Stack samples (prompt-major: prompt i's n samples are i*n .. i*n+n-1) into a TrainBatch and group ids."""
+    """Stack samples (prompt-major: prompt i's n samples are i*n .. i*n+n-1) into a TrainBatch and group ids.
+
+    A sample's `loss_mask` (multi-turn: 0 on tool tokens) becomes its row of `response_mask`; the batch then carries
+    the response lengths, since the mask no longer sums to them."""
     longest = max(1, max(len(s.response_ids) for s in samples))
     responses = torch.zeros(len(samples), longest, dtype=torch.long)
     mask = torch.zeros(len(samples), longest)
@@ -19,13 +22,16 @@ def samples_to_batch(samples: Sequence[Sample], n: int) -> tuple[TrainBatch, tor
     for i, s in enumerate(samples):
         r = len(s.response_ids)
         responses[i, :r] = torch.as_tensor(s.response_ids, dtype=torch.long)
-        mask[i, :r] = 1.0
+        mask[i, :r] = 1.0 if s.loss_mask is None else torch.as_tensor(s.loss_mask, dtype=torch.float32)
         rollout_logp[i, :r] = torch.as_tensor(s.response_logprobs, dtype=torch.float32)
     batch = TrainBatch(
         prompts=[list(s.prompt_ids) for s in samples],
         responses=responses,
         response_mask=mask,
         tensors={"rollout_logprobs": rollout_logp},
+        lengths=None
+        if all(s.loss_mask is None for s in samples)
+        else torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
     )
     if samples and all(s.routed_experts is not None for s in samples):
         # R3: the engine's routing of prompt + response tokens (all but the last), aligned to token positions

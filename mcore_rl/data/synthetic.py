@@ -6,6 +6,9 @@ must be learnable from scratch by RL alone, with prompts and answers a few token
     copy_digit   "repeat: 7"   -> "7"     the default; the policy must learn to attend to one prompt token
     copy_digits  "repeat: 372" -> "372"   three digits, scored per position
     successor    "next: 7"     -> "8"     digit + 1 mod 10: a fixed lookup the policy must learn
+    lookup       "lookup: 7"   -> "3"     multi-turn (configs/multiturn_tool.yaml): the value under key 7 is drawn
+                                          per row and only the `lookup` tool knows it (extra_info.tools_kwargs), so
+                                          the policy must call the tool, then copy its answer
 
 With the tiny tokenizer (`tokenizer.py`) each digit is one token, so an answer of n digits is n tokens plus eos.
 The reward (`mcore_rl.reward.rule.synthetic_digits_score`) gives partial credit for emitting digits, for each right
@@ -84,11 +87,71 @@ SYNTHETIC_SCHEMA = pa.schema(
 )
 
 
+LOOKUP_TASK = "lookup"
+"""The multi-turn tool task: rows carry verl's extra_info.tools_kwargs for the `lookup` tool."""
+LOOKUP_SCHEMA = pa.schema(
+    [
+        *(SYNTHETIC_SCHEMA.field(name) for name in ("data_source", "prompt", "ability", "reward_model")),
+        pa.field(
+            "extra_info",
+            pa.struct(
+                [
+                    ("split", pa.string()),
+                    ("index", pa.int64()),
+                    ("task", pa.string()),
+                    (
+                        "tools_kwargs",
+                        pa.struct(
+                            [
+                                (
+                                    "lookup",
+                                    pa.struct(
+                                        [("create_kwargs", pa.struct([("key", pa.int64()), ("value", pa.string())]))]
+                                    ),
+                                )
+                            ]
+                        ),
+                    ),
+                ]
+            ),
+        ),
+    ]
+)
+
+
 def get_task(task: str) -> SyntheticTask:
     """Look a task up by name; the error lists the known tasks."""
     if task not in TASKS:
-        raise ValueError(f"unknown synthetic task {task!r}; expected one of {sorted(TASKS)}")
+        raise ValueError(f"unknown synthetic task {task!r}; expected one of {sorted(TASKS) + [LOOKUP_TASK]}")
     return TASKS[task]
+
+
+def lookup_rows(num_prompts: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
+    """Rows of the lookup task: key and value digits drawn independently, each balanced over 0-9 (shuffled rounds),
+    so neither the prompt nor the value's frequency gives the answer away."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    rng = random.Random(seed)
+    keys: list[int] = []
+    values: list[int] = []
+    while len(keys) < num_prompts:
+        keys.extend(rng.sample(range(10), k=10))
+        values.extend(rng.sample(range(10), k=10))
+    return [
+        {
+            "data_source": DATA_SOURCE_PREFIX + LOOKUP_TASK,
+            "prompt": [{"role": "user", "content": f"lookup: {key}"}],
+            "ability": ABILITY,
+            "reward_model": {"style": "rule", "ground_truth": str(value)},
+            "extra_info": {
+                "split": split,
+                "index": index,
+                "task": LOOKUP_TASK,
+                "tools_kwargs": {"lookup": {"create_kwargs": {"key": key, "value": str(value)}}},
+            },
+        }
+        for index, (key, value) in enumerate(zip(keys[:num_prompts], values[:num_prompts]))
+    ]
 
 
 def synthetic_rows(num_prompts: int, seed: int, task: str = "copy_digit", split: str = "train") -> list[dict[str, Any]]:
@@ -146,14 +209,16 @@ def write_synthetic_dataset(
         path: output parquet file; written atomically (temporary file, then rename).
         num_prompts: number of rows.
         seed: determines the rows; the same (num_prompts, seed, task, split) always gives the same file content.
-        task: one of `TASKS` ("copy_digit", "copy_digits", "successor").
+        task: one of `TASKS` ("copy_digit", "copy_digits", "successor") or "lookup" (the multi-turn tool task).
         split: stored in `extra_info.split` ("train", "test", ...). Use a different seed for a test split.
 
     Returns:
         `path`, for chaining into a config.
     """
-    rows = synthetic_rows(num_prompts, seed, task, split)
-    table = pa.Table.from_pylist(rows, schema=SYNTHETIC_SCHEMA)
+    if task == LOOKUP_TASK:
+        table = pa.Table.from_pylist(lookup_rows(num_prompts, seed, split), schema=LOOKUP_SCHEMA)
+    else:
+        table = pa.Table.from_pylist(synthetic_rows(num_prompts, seed, task, split), schema=SYNTHETIC_SCHEMA)
     write_parquet_atomically(table, path)
     return path
 
@@ -196,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", help="output .parquet file")
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--task", default="copy_digit", choices=sorted(TASKS))
+    parser.add_argument("--task", default="copy_digit", choices=sorted(TASKS) + [LOOKUP_TASK])
     parser.add_argument("--split", default="train")
     args = parser.parse_args(argv)
     write_synthetic_dataset(args.path, args.num_prompts, args.seed, args.task, args.split)

@@ -47,6 +47,26 @@ PUNCTUATION: tuple[str, ...] = (" ", "\n") + tuple(":.,?!#+-=\\{}()*/")
 
 VOCAB_TOKENS: tuple[str, ...] = SPECIAL_TOKENS + WORD_TOKENS + DIGITS + LETTERS + PUNCTUATION
 
+# Tool-use vocabulary (`build_tiny_tokenizer(tools=True)`, the multi-turn job): appended after the 63 tokens above,
+# so the default job's ids and vocabulary size never move. Qwen3/Hermes tool markup as whole tokens, the characters
+# JSON needs beyond PUNCTUATION, and the synthetic lookup call's fixed JSON head as one word (a real BPE tokenizer
+# merges such frequent strings too; for a 2-layer model trained from scratch it keeps a call 5 tokens long).
+TOOL_TOKENS: tuple[str, ...] = (
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    '{"name": "lookup", "arguments": {"key": ',
+    "}}",
+    "lookup",
+    '"',
+    "_",
+    "[",
+    "]",
+    "<",
+    ">",
+)
+
 # ChatML, as Qwen2/Qwen3 render it without tools or thinking. `-` trims template whitespace so the output is exact.
 CHAT_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -58,31 +78,36 @@ CHAT_TEMPLATE = (
 )
 
 
-def _split_pattern() -> str:
+def _split_pattern(words: tuple[str, ...] = WORD_TOKENS) -> str:
     """Regex for the pre-tokenizer: a known word first, else any single character (newline included)."""
     # Longest words first, so a word that is a prefix of another never wins the alternation.
-    words = sorted(WORD_TOKENS, key=len, reverse=True)
+    words = tuple(sorted(words, key=len, reverse=True))
     return "|".join(re.escape(w) for w in words) + r"|[\s\S]"
 
 
-def build_tiny_tokenizer(out_dir: str | None = None) -> PreTrainedTokenizerFast:
+def build_tiny_tokenizer(out_dir: str | None = None, tools: bool = False) -> PreTrainedTokenizerFast:
     """Build the tiny ChatML tokenizer and, when `out_dir` is given, save it there.
 
     Args:
         out_dir: directory to write `tokenizer.json`, `tokenizer_config.json` and the chat template into (created if
             missing; files are written to a temporary sibling directory first and moved in one by one, so a crash
             never leaves a half-written file). `None` builds in memory only.
+        tools: append `TOOL_TOKENS` (ids 63 and up) for tool calls and responses; the model's vocab_size must then be
+            `len(VOCAB_TOKENS) + len(TOOL_TOKENS)`.
 
     Returns:
         A fast tokenizer with `len(tokenizer) == len(VOCAB_TOKENS)` (63), pad id 0, `<|im_start|>` id 1,
         eos `<|im_end|>` id 2, unk id 3, and a ChatML chat template.
     """
-    vocab = {token: token_id for token_id, token in enumerate(VOCAB_TOKENS)}
-    if len(vocab) != len(VOCAB_TOKENS):
-        raise ValueError("tiny tokenizer: VOCAB_TOKENS holds a duplicate token")
+    tokens = VOCAB_TOKENS + (TOOL_TOKENS if tools else ())
+    vocab = {token: token_id for token_id, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("tiny tokenizer: VOCAB_TOKENS/TOOL_TOKENS hold a duplicate token")
+    # Multi-character tool tokens are words of the pre-tokenizer (single characters match anyway).
+    words = WORD_TOKENS + (tuple(t for t in TOOL_TOKENS if len(t) > 1) if tools else ())
 
     backend = Tokenizer(WordLevel(vocab, unk_token=UNK_TOKEN))
-    backend.pre_tokenizer = pre_tokenizers.Split(Regex(_split_pattern()), behavior="isolated")
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(_split_pattern(words)), behavior="isolated")
     # WordLevel's default decoding joins tokens with spaces; Fuse concatenates them, which is exact here because
     # spaces and newlines are tokens of their own.
     backend.decoder = decoders.Fuse()

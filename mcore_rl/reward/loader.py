@@ -58,6 +58,7 @@ MATH_DATA_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Hu
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     **{source: rule.synthetic_digits_score for source in SYNTHETIC_DATA_SOURCES},
+    "synthetic/lookup": rule.synthetic_lookup_score,
     **{source: rule.gsm8k_score for source in GSM8K_DATA_SOURCES},
     **{source: rule.math_boxed_score for source in MATH_DATA_SOURCES},
     **{source: code_reward.code_compute_score for source in code_reward.CODE_DATA_SOURCES},

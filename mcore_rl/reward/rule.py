@@ -57,6 +57,59 @@ def synthetic_digits_score(
     return {"score": score, "acc": exact, "first_correct": first_correct}
 
 
+# --- the multi-turn lookup task ----------------------------------------------------------------------------------
+# Weights (sum 1): the call's fixed pieces, a number where the key goes, the right key, then the answer.
+LOOKUP_PIECE_WEIGHT = 0.05  # each of <tool_call>, the JSON head, }}, </tool_call>, and "a number as the key"
+LOOKUP_KEY_WEIGHT = 0.25
+LOOKUP_ANSWER_WEIGHT = 0.3
+LOOKUP_EXACT_WEIGHT = 0.2
+_LOOKUP_CALL_HEAD = '{"name": "lookup", "arguments": {"key": '
+
+
+def synthetic_lookup_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Score a `synthetic/lookup` episode (see `mcore_rl/data/synthetic.py`): the decoded response after the prompt,
+    tool turns included (`<tool_call>...</tool_call>`, `<tool_response>...</tool_response>`, the final answer).
+
+        score = 0.05 per piece of the expected call found in order in the first turn: <tool_call>, the JSON head,
+                     a number after the head, and only after a number: }}, </tool_call>
+              + 0.25 if that number is the prompt's key (the copy the policy must learn to reach the value)
+              + 0.3 if the final answer starts with the value  + 0.2 if it is exactly the value
+
+    The final answer is the text after the last tool response (the whole text if no tool answered), so it can only
+    be right by luck (1 in 10) or by reading the tool. A missing piece earns nothing but does not cost the ones after
+    it, so each is learnt on its own (a random policy must see a gradient before it ever completes a call); the key
+    carries most of the call's weight, as the digit task's match term does, and the closing pieces count only after
+    a number, so neither a call with a fixed wrong key nor one without a key is a resting place (both were, in runs
+    with 0.06 for the key or with closings credited alone: the policy's entropy collapsed there).
+    Returns "score", "acc" (exact answer), "called" (the call was exactly right).
+    """
+    kwargs = ((extra_info or {}).get("tools_kwargs") or {}).get("lookup") or {}
+    key = (kwargs.get("create_kwargs") or {}).get("key")
+    if key is None:
+        raise ValueError(f"lookup reward for data_source={data_source!r}: extra_info.tools_kwargs.lookup has no key")
+    first_turn = solution_str.split("<tool_response>", 1)[0]
+    offset, score, found, number = 0, 0.0, 0, ""
+    for piece in ("<tool_call>", _LOOKUP_CALL_HEAD, "KEY", "}}", "</tool_call>"):
+        if piece == "KEY":
+            start = offset
+            while offset < len(first_turn) and first_turn[offset].isdigit():
+                offset += 1
+            number = first_turn[start:offset]
+            if number and found >= 2:  # a number right after the head
+                score += LOOKUP_PIECE_WEIGHT + LOOKUP_KEY_WEIGHT * (number == str(key))
+                found += number == str(key)
+        elif first_turn.startswith(piece, offset) and (found < 2 or number):
+            score, offset, found = score + LOOKUP_PIECE_WEIGHT, offset + len(piece), found + 1
+    answer = solution_str.rsplit("</tool_response>", 1)[-1]
+    answer = answer.split("assistant\n", 1)[-1].strip() if "</tool_response>" in solution_str else answer.strip()
+    starts = float(answer[: len(ground_truth)] == ground_truth)
+    exact = float(answer == ground_truth)
+    score += LOOKUP_ANSWER_WEIGHT * starts + LOOKUP_EXACT_WEIGHT * exact
+    return {"score": score, "acc": exact, "called": float(found == 5)}
+
+
 # --- GSM8K -------------------------------------------------------------------------------------------------------
 
 _GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")

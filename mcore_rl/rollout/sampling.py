@@ -41,6 +41,9 @@ class Sample:
     weight_versions: list[tuple[int | str, int, int]] = field(default_factory=list)
     """`(version, start, end)`: response tokens `[start, end)` were sampled with that version (more than one span
     when a weight update landed mid-generation)."""
+    loss_mask: list[int] | None = None
+    """Per response token, 1 where the policy generated it and 0 where the environment put it (tool responses and
+    the chat markup around them, in multi-turn episodes); None = every response token is the policy's."""
     routed_experts: Any = field(default=None, compare=False)
     """With `return_routed_experts`: int32 `[tokens, num_hidden_layers, top_k]` for prompt + response tokens but
     the last (SGLang's layout; -1 in dense layers), else None."""

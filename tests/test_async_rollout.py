@@ -1,0 +1,157 @@
+"""One-step-off-policy generation: partial rollouts across a weight update, the staleness bound, version tags.
+
+A real embedded server on loopback and the real client (no Ray); the async producer runs the single-turn producer
+over them while the test plays the loop (bumps the weight version on the server between steps).
+Run: `.venv/bin/pytest tests/test_async_rollout.py`
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from tiny_models import tiny_qwen3_moe
+
+from mcore_rl.config import RLConfig
+from mcore_rl.controller.async_producer import AsyncProducer
+from mcore_rl.controller.producer import RolloutProducer, Rollouts
+from mcore_rl.controller.state import LoopState
+from mcore_rl.data.dataset import PromptDataset, PromptLoader
+from mcore_rl.data.synthetic import write_synthetic_dataset
+from mcore_rl.data.tokenizer import build_tiny_tokenizer
+from mcore_rl.metrics.logger import StepTimer
+from mcore_rl.reward.loader import build_reward_fn
+from mcore_rl.reward.manager import RewardManager
+from mcore_rl.rollout.client import RolloutClient
+from mcore_rl.rollout.sampling import Sample
+from mcore_rl.rollout.server import ServerThread, build_server
+
+TOK = build_tiny_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = tiny_qwen3_moe(vocab_size=63, max_position_embeddings=512)
+    thread = ServerThread(build_server(model, max_running_requests=64, weight_version="1"))
+    client = RolloutClient(thread.url)
+    yield thread, client
+    client.close()
+    thread.stop()
+
+
+def set_version(client: RolloutClient, url: str, version: int) -> None:
+    # committed between two decode steps, as a staged weight update is (no abort: in-flight requests go on)
+    client.post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
+
+
+def wait_running(client: RolloutClient, url: str) -> None:
+    for _ in range(2000):
+        _, info = client.get(url, "/server_info")
+        if info["internal_states"][0]["num_running_reqs"] > 0:
+            return
+        time.sleep(0.001)
+    raise AssertionError("no request started")
+
+
+@pytest.mark.parametrize("pause_mode", ["none", "abort"])
+def test_in_flight_samples_continue_on_new_weights_tagged_with_both_versions(server, pause_mode):
+    thread, client = server
+    set_version(client, thread.url, 1)
+    params = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
+    out: list[list[Sample]] = []
+    worker = threading.Thread(target=lambda: out.append(client.generate_samples([[1, 5, 6]], 4, params, seed=0)))
+    continued = client.stats["continued_after_abort"]
+    worker.start()
+    wait_running(client, thread.url)
+    time.sleep(0.05)  # some tokens on version 1
+    if pause_mode == "abort":  # SGLang's way: in-flight requests end as "abort"; the client resubmits them
+        client.post(thread.url, "/pause_generation", {"mode": "abort"})
+    set_version(client, thread.url, 2)
+    if pause_mode == "abort":
+        client.post(thread.url, "/continue_generation")
+    worker.join(timeout=120)
+    (samples,) = out
+    for s in samples:
+        assert len(s.response_ids) == 200 and s.finish_reason == "length"
+        assert [v for v, _, _ in s.weight_versions][0] == 1 and s.weight_versions[-1][0] == 2
+        # spans tile the response: every token is tagged with exactly one version
+        assert s.weight_versions[0][1] == 0 and s.weight_versions[-1][2] == 200
+        assert all(a[2] == b[1] for a, b in zip(s.weight_versions, s.weight_versions[1:]))
+    if pause_mode == "abort":
+        assert client.stats["continued_after_abort"] > continued
+
+
+class ServerEngines:
+    """The engine pool's `generate` over one server (the pool itself needs Ray)."""
+
+    def __init__(self, client: RolloutClient, max_new_tokens: int) -> None:
+        self.client, self.max_new_tokens = client, max_new_tokens
+
+    def generate(self, prompts, n, seed, stop_token_ids):
+        params = {"max_new_tokens": self.max_new_tokens, "temperature": 1.0, "stop_token_ids": stop_token_ids}
+        return self.client.generate_samples(prompts, n, params, seed)
+
+
+def make_producer(tmp_path, client, max_new_tokens=2) -> RolloutProducer:
+    cfg = RLConfig()
+    cfg.rollout.n = 4
+    path = write_synthetic_dataset(str(tmp_path / "d.parquet"), 64, 0)
+    loader = PromptLoader(PromptDataset([path], TOK, 64), 4, seed=0)
+    reward = RewardManager(build_reward_fn(None, None))
+    return RolloutProducer(cfg, loader, ServerEngines(client, max_new_tokens), reward, TOK)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_async_producer_keeps_the_staleness_bound_and_marks_stale_samples(server, tmp_path, max_staleness):
+    thread, client = server
+    state = LoopState()
+    set_version(client, thread.url, state.weight_version)
+    steps = 5
+    producer = AsyncProducer(make_producer(tmp_path, client), state, max_staleness, last_step=steps)
+    sync_order = make_producer(tmp_path, client)  # the synchronous loop's data order
+    try:
+        for step in range(1, steps + 1):
+            rollouts = producer.produce(step, StepTimer())
+            assert [p["index"] for p in rollouts.prompts] == [p["index"] for p in next(sync_order.loader)]
+            versions = [v for s in rollouts.samples for v, _, _ in s.weight_versions]
+            assert min(versions) >= state.weight_version - max_staleness
+            stale = [any(v < state.weight_version for v, _, _ in s.weight_versions) for s in rollouts.samples]
+            assert rollouts.batch.tensors["stale"].tolist() == [float(x) for x in stale]
+            if step == 1:
+                assert not any(stale)  # the first batch starts on the weights it trains
+            time.sleep(0.05)  # "training": the next batch is generated meanwhile
+            state.weight_version += 1
+            set_version(client, thread.url, state.weight_version)
+        assert rollouts.metrics["async/staleness_max"] <= max_staleness
+    finally:
+        producer.close()
+
+
+def test_a_sample_older_than_the_bound_is_refused():
+    state = LoopState(weight_version=5)
+    producer = AsyncProducer(None, state, max_staleness=1, last_step=1)
+    old = Sample([1], [4, 5], [-1.0, -1.0], "stop", 3, [(3, 0, 2)])
+    rollouts = Rollouts([{}], [old], torch.zeros(1), None, torch.zeros(1))
+    try:
+        with pytest.raises(
+            RuntimeError, match="weight version 3, more than max_staleness=1 behind the trained version 5"
+        ):
+            producer.tag(rollouts)
+    finally:
+        producer.close()
+
+
+def test_stale_samples_get_truncated_importance_weights_fresh_ones_weight_one():
+    from mcore_rl.actor.megatron_actor import stale_tis_weights
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    old = torch.tensor([[-1.0, -0.1, -5.0], [-1.0, -1.0, -1.0]])
+    rollout = torch.tensor([[-1.5, -3.0, 0.0], [-2.0, -2.0, -2.0]])
+    tensors = {"old_logprobs": old, "rollout_logprobs": rollout, "stale": torch.tensor([1.0, 0.0])}
+    weights = stale_tis_weights(tensors, mask, cap=2.0)
+    expected_row0 = torch.tensor([torch.exp(torch.tensor(0.5)).item(), 2.0, 0.0])  # ratio 1.65, capped 2, masked
+    assert torch.allclose(weights[0], expected_row0) and torch.equal(weights[1], mask[1])
+    assert stale_tis_weights(tensors, mask, cap=None) is None
+    assert stale_tis_weights({**tensors, "stale": torch.zeros(2)}, mask, cap=2.0) is None
