@@ -89,9 +89,10 @@ class ServerEngines:
     def __init__(self, client: RolloutClient, max_new_tokens: int) -> None:
         self.client, self.max_new_tokens = client, max_new_tokens
 
-    def generate(self, prompts, n, seed, stop_token_ids):
+    def generate(self, prompts, n, seed, stop_token_ids, overrides=None, return_routed_experts=False):
+        assert not return_routed_experts  # R3 requests go to the engines directly (EnginePool._generate_direct)
         params = {"max_new_tokens": self.max_new_tokens, "temperature": 1.0, "stop_token_ids": stop_token_ids}
-        return self.client.generate_samples(prompts, n, params, seed)
+        return self.client.generate_samples(prompts, n, {**params, **(overrides or {})}, seed)
 
 
 def make_producer(tmp_path, client, max_new_tokens=2) -> RolloutProducer:
