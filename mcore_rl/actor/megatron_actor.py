@@ -85,6 +85,8 @@ class MegatronActor:
         runtime, actor_cfg, model_cfg = self.runtime, self.cfg, self.model_cfg
         init_distributed(runtime, self.rank, self.world_size, master_addr, master_port)
         self.layout = actor_cfg.layout.to_layout()
+        # routing replay is the policy's (actor.router_replay_mode); a critic routes by its own logits
+        self.routing_mode = getattr(actor_cfg, "router_replay_mode", "disabled")
         hf = HFConfig(_hf_config_dict(model_cfg))
         self.spec = ModelSpec(
             hf,
@@ -93,7 +95,7 @@ class MegatronActor:
             dtype=DTYPES[model_cfg.dtype],
             make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
             max_sequence_length=model_cfg.max_sequence_length,
-            config_overrides={"moe_enable_routing_replay": True} if actor_cfg.router_replay_mode != "disabled" else {},
+            config_overrides={"moe_enable_routing_replay": True} if self.routing_mode != "disabled" else {},
         )
         self.pg = initialize_model_parallel(self.layout, seed=model_cfg.init_seed)
         self.vocab_size = hf.req("vocab_size")
@@ -111,11 +113,11 @@ class MegatronActor:
             attach_value_heads(self.chunks, self.pg, seed=model_cfg.init_seed + 7)
         self._wrap_ddp_and_optimizer()
         self.routing = None  # actor/router_replay.py: R2 / R3 routing replay of the policy's forwards
-        if actor_cfg.router_replay_mode != "disabled":
+        if self.routing_mode != "disabled":
             from mcore_rl.actor.router_replay import ActorRouting, RouterReplayDriver
 
             driver = RouterReplayDriver(self.ddp_chunks, self.pg.tp, self.layout.sequence_parallel)
-            self.routing = ActorRouting(actor_cfg.router_replay_mode, driver, hf.req("num_hidden_layers"), self.pg.dp)
+            self.routing = ActorRouting(self.routing_mode, driver, hf.req("num_hidden_layers"), self.pg.dp)
         self.ref_chunks: list[torch.nn.Module] = []
         if self.role == "actor" and actor_cfg.use_ref:
             self.ref_chunks, _ = build_gpt_chunks(self.spec, self.pg)
