@@ -321,10 +321,25 @@ class TrainerConfig:
     seed: int = 0
     ray_address: str | None = None  #: null = start a local Ray
     ray_num_cpus: int | None = None  #: logical CPUs for a local Ray (null = enough for the actors)
+    #: save a training checkpoint into <run_dir>/checkpoints every this many steps and after the last; 0 = never
+    save_every: int = 0
+    keep_last: int | None = 2  #: checkpoints kept (older ones deleted after each save); null = keep all
+    #: auto (the latest checkpoint in <run_dir>/checkpoints, else a new run) | a checkpoint dir | null (a new run)
+    resume: str | None = None
 
     def validate(self) -> None:
         _positive("trainer.steps", self.steps)
         _check(self.runtime in ("cpu", "cuda"), "trainer.runtime", self.runtime, "cpu or cuda")
+        _check(
+            isinstance(self.save_every, int) and not isinstance(self.save_every, bool) and self.save_every >= 0,
+            "trainer.save_every",
+            self.save_every,
+            "an integer >= 0 (0 = no checkpoints)",
+        )
+        if self.keep_last is not None:
+            _positive("trainer.keep_last", self.keep_last)
+        _check(self.resume is None or bool(str(self.resume).strip()), "trainer.resume", self.resume,
+               "auto, a checkpoint directory, or null")  # fmt: skip
 
 
 @dataclass
@@ -344,6 +359,10 @@ class RLConfig:
         for group in (self.model, self.actor, self.rollout, self.sync, self.algorithm, self.data, self.trainer):
             group.validate()
         self.check_model()
+        if self.trainer.resume is not None or self.trainer.save_every:
+            from mcore_rl.checkpoint.manager import check_resume
+
+            check_resume(self)  # a resume target that is not a compatible checkpoint: refused before anything starts
         if self.sync.transport == "tensor" and self.rollout.engine == "sglang" and self.rollout.sglang.nnodes > 1:
             raise ConfigError(
                 "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1: the tensor transport shares memory "

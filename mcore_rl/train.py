@@ -54,6 +54,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     import ray
 
     from mcore_rl.algorithms import kl_penalty, masked_mean
+    from mcore_rl.checkpoint.manager import Checkpointer
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.engine_pool import EnginePool
     from mcore_rl.controller.producer import RolloutProducer
@@ -101,8 +102,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
         sync = WeightSync(
             actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, _hf_config(cfg)
         )
-        state = LoopState()
-        sync.push(state.weight_version)  # the engines start from the actor's weights
+        ckpt = Checkpointer(cfg)  # trainer.resume: actor ranks, data position and metric history restored
+        state = ckpt.resume(actor, loader, LoopState())
+        sync.push(state.weight_version)  # the engines start from the actor's (restored) weights
         producer = RolloutProducer(cfg, loader, engines, reward, tokenizer)
         log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), history=state.rewards)
         start = time.time() - state.seconds
@@ -153,6 +155,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
                 },
             )
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
+            ckpt.after_step(actor, state)  # every trainer.save_every steps and after the last
         return log.summary(seconds=time.time() - start)
     finally:  # also on errors: no engine, router or rank outlives the run
         actor.shutdown()

@@ -18,7 +18,6 @@ saved with; under another layout the ranks keep their fresh seeds and the contro
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,6 @@ MODEL_DIR, OPTIMIZER_DIR, REFERENCE_DIR, RNG_DIR = "model", "optimizer", "refere
 #: metadata Megatron's sharded_state_dict implementations read; `fully_reshardable` keeps the distributed
 #: optimizer's state loadable under another layout (Megatron-LM's --dist-ckpt-optim-fully-reshardable)
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
-#: test hook: seconds each rank sleeps between its model and optimizer saves, so a test can kill the trainer while a
-#: checkpoint is half-written (tests/test_checkpoint_resume.py); unset in real runs
-PAUSE_ENV = "MCORE_RL_TEST_CKPT_PAUSE_S"
 
 
 def _metadata(actor: Any) -> dict[str, Any]:
@@ -101,11 +97,6 @@ def save_rank(actor: Any, directory: str, with_reference: bool) -> dict[str, Any
     if scheduler is not None:
         optimizer["scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(model, str(root / MODEL_DIR))
-    pause = float(os.environ.get(PAUSE_ENV, "0") or 0)
-    if pause > 0:
-        import time
-
-        time.sleep(pause)
     dist_checkpointing.save(optimizer, str(root / OPTIMIZER_DIR))
     if with_reference:
         dist_checkpointing.save(_model_sharded(actor, actor.ref_chunks), str(root / REFERENCE_DIR))
