@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mcore_rl.checkpoint import store
-from mcore_rl.checkpoint.rank_io import REFERENCE_DIR
+from mcore_rl.checkpoint.rank_io import MODEL_DIR, REFERENCE_DIR
 from mcore_rl.config import RLConfig
 from mcore_rl.models.base import padded_vocab_size
 
@@ -151,6 +151,7 @@ class Checkpointer:
             if os.environ.get(PAUSE_ENV) == str(state.step):
                 print(f"checkpoint: test hook {PAUSE_ENV}: pausing inside the save of step {state.step}", flush=True)
                 time.sleep(3600)
+            self._write_export_files(tmp / MODEL_DIR, saved)
             store.write_json(tmp / store.LOOP_STATE, state.to_dict())
             meta = {
                 "format": store.FORMAT,
@@ -188,3 +189,29 @@ class Checkpointer:
         note = f", removed {', '.join(p.name for p in removed)}" if removed else ""
         print(f"checkpoint: saved {final} in {time.perf_counter() - start:.1f} s{note}", flush=True)
         return final
+
+    def _write_export_files(self, model_dir: Path, saved: dict[str, Any]) -> None:
+        """Beside model/'s torch_dist files: the HF config, tokenizer files and the dtype / vocabulary padding / layout
+        file, as hf-to-mcore writes them, so `convert_checkpoint.py mcore-to-hf` exports the checkpoint as it is."""
+        from dataclasses import asdict
+
+        from mcore_rl.resharding.dist_ckpt import CONVERT_META_NAME, HF_SUBDIR
+        from mcore_rl.resharding.hf_io import copy_side_files
+
+        hf_dir = model_dir / HF_SUBDIR
+        hf_dir.mkdir()
+        store.write_json(hf_dir / "config.json", dict(self.hf_config, dtype=self.cfg.model.dtype))
+        tokenizer = self.cfg.model.tokenizer or os.path.join(self.cfg.trainer.run_dir, "tokenizer")
+        for source in (self.cfg.model.path, tokenizer):  # generation config from the model, then the tokenizer
+            if source and os.path.isdir(source):
+                copy_side_files(source, hf_dir)
+        identity = run_model_identity(self.cfg, self.hf_config)
+        convert_meta = {
+            "model_type": self.hf_config.get("model_type"),
+            "dtype": self.cfg.model.dtype,
+            "make_vocab_size_divisible_by": self.cfg.model.make_vocab_size_divisible_by,
+            "layout": asdict(self.cfg.actor.layout),
+            "padded_vocab_size": identity["padded_vocab_size"],
+            "saved_under": saved["layout"],
+        }
+        store.write_json(model_dir / CONVERT_META_NAME, convert_meta)

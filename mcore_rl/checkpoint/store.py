@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mcore_rl.checkpoint.rank_io import MODEL_DIR, OPTIMIZER_DIR, REFERENCE_DIR, RNG_DIR
+from mcore_rl.resharding.hf_io import CheckpointError as _UnusableCheckpoint
 
 FORMAT, VERSION = "mcore_rl training checkpoint", 1
 ROOT_NAME, LATEST, META, LOOP_STATE, TMP_PREFIX = "checkpoints", "latest", "meta.json", "loop_state.json", ".tmp-"
@@ -34,8 +35,9 @@ ROOT_NAME, LATEST, META, LOOP_STATE, TMP_PREFIX = "checkpoints", "latest", "meta
 COSMETIC_KEYS = {"architectures", "transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype"}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from (or saved); the message names the file and field."""
+class CheckpointError(_UnusableCheckpoint):
+    """A training checkpoint that cannot be resumed from (or saved); the message names the file and field. (A
+    ValueError, like every checkpoint error: the CLIs report it as bad input.)"""
 
 
 def checkpoints_root(run_dir: str | Path) -> Path:
