@@ -74,6 +74,14 @@ def check_resume(cfg: RLConfig) -> Path | None:
     return path
 
 
+def _logged_step(line: str) -> int | None:
+    """The step of one metrics.jsonl line; None for a line cut short by the crash."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class Checkpointer:
     """Saves and restores a run's training checkpoints (controller side)."""
 
@@ -122,7 +130,7 @@ class Checkpointer:
         if not self.metrics_path.is_file():
             return
         lines = self.metrics_path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [line for line in lines if _logged_step(line) is not None and _logged_step(line) <= step]
         if len(kept) != len(lines):
             tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
             tmp.write_text("".join(kept))
