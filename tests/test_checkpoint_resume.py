@@ -48,12 +48,12 @@ def _metrics(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in lines]
 
 
-def _model_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a torch_dist model checkpoint, whole (read through the converter's chunk reader)."""
+def _model_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint directory, whole (read through the converter's chunk reader)."""
     from mcore_rl.resharding.dist_ckpt import ChunkReader, Piece
 
     out = {}
-    with ChunkReader(checkpoint / "model") as reader:
+    with ChunkReader(directory) as reader:
         for key, md in reader.tensors.items():
             piece = Piece(key, tuple(md.size), (0,) * len(md.size), tuple(md.size), view=((), (), 0))
             out[key] = reader.read_region(piece).clone()
@@ -129,8 +129,8 @@ def test_resume_after_the_kill_is_exact(reference: Path, crashed: tuple[Path, st
     assert [m["step"] for m in got] == [1, 2, 3, 4]  # the crashed run's step-4 line was replaced, not duplicated
     assert got == want
     a, b = (
-        _model_tensors(reference / "checkpoints/step_00000004"),
-        _model_tensors(run_dir / "checkpoints/step_00000004"),
+        _model_tensors(reference / "checkpoints/step_00000004/model"),
+        _model_tensors(run_dir / "checkpoints/step_00000004/model"),
     )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     root = run_dir / "checkpoints"
@@ -215,7 +215,7 @@ def test_convert_exports_a_training_checkpoint(reference: Path, tmp_path: Path):
     exported = {}
     for file in out.glob("*.safetensors"):
         exported.update(load_file(file))
-    trained = _model_tensors(reference / "checkpoints/step_00000004")
+    trained = _model_tensors(reference / "checkpoints/step_00000004/model")
     vocab = json.loads((out / "config.json").read_text())["vocab_size"]
     assert torch.equal(exported["model.embed_tokens.weight"], trained["embedding.word_embeddings.weight"][:vocab])
     assert torch.equal(exported["lm_head.weight"], trained["output_layer.weight"][:vocab])
