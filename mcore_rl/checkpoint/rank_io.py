@@ -70,6 +70,11 @@ def _set_rng_states(states: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
 
 
+def _scheduler(actor: Any) -> Any:
+    """The actor's Megatron OptimizerParamScheduler, if it has one."""
+    return getattr(actor, "lr_scheduler", None) or getattr(actor, "scheduler", None)
+
+
 def rng_file(directory: str | Path, rank: int) -> Path:
     return Path(directory) / RNG_DIR / f"rank_{rank:05d}.pt"
 
@@ -93,7 +98,7 @@ def save_rank(actor: Any, directory: str, with_reference: bool) -> dict[str, Any
         "optimizer": _sharded_leaves(actor.optimizer.sharded_state_dict(model, metadata=_metadata(actor))),
         "step": _optimizer_step(actor.optimizer),  # plain values: dist_checkpointing puts them in common.pt
     }
-    scheduler = getattr(actor, "scheduler", None)
+    scheduler = _scheduler(actor)
     if scheduler is not None:
         optimizer["scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(model, str(root / MODEL_DIR))
@@ -134,7 +139,7 @@ def load_rank(actor: Any, directory: str) -> dict[str, Any]:
     _put_common_step(current, loaded["step"])
     actor.optimizer.load_state_dict(current)
     _set_group_step(actor.optimizer, loaded["step"])
-    scheduler = getattr(actor, "scheduler", None)
+    scheduler = _scheduler(actor)
     if scheduler is not None:
         if "scheduler" not in loaded:
             raise ValueError(f"{root / OPTIMIZER_DIR}: no learning-rate scheduler state (saved without one)")
