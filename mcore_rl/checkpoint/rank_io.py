@@ -126,6 +126,7 @@ def load_rank(actor: Any, directory: str) -> dict[str, Any]:
     root = Path(directory)
     load_model_chunks(actor.chunks, actor.pg, root / MODEL_DIR)
     model = _model_sharded(actor, actor.chunks)
+    _allocate_state(actor.optimizer)
     current = actor.optimizer.sharded_state_dict(model, is_loading=True, metadata=_metadata(actor))
     leaves = _sharded_leaves(current)
     loaded = dist_checkpointing.load({"optimizer": leaves}, str(root / OPTIMIZER_DIR))
@@ -143,6 +144,7 @@ def load_rank(actor: Any, directory: str) -> dict[str, Any]:
     if scheduler is not None:
         if "scheduler" not in loaded:
             raise ValueError(f"{root / OPTIMIZER_DIR}: no learning-rate scheduler state (saved without one)")
+        scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved step count to the current one
         scheduler.load_state_dict(loaded["scheduler"])
     if actor.ref_chunks:
         load_model_chunks(actor.ref_chunks, actor.pg, root / REFERENCE_DIR)
@@ -204,16 +206,33 @@ def _optimizer_step(optimizer: Any) -> int:
     return max(steps, default=0)
 
 
+def _allocate_state(optimizer: Any) -> None:
+    """Give a never-stepped optimizer its (zero) Adam state before its loading state dict is built: Megatron
+    0.16.1's DistributedOptimizer.state_dict() asserts one common `step` over the states, which without Apex/TE
+    (the CPU runtime) fails on an empty state. The zeros are overwritten by the load."""
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner, init = getattr(sub, "optimizer", None), getattr(sub, "init_state_fn", None)
+        if inner is None or init is None or any(len(s) for s in inner.state.values()):
+            continue
+        init(inner, getattr(sub, "config", None))
+        for state in inner.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+
+
 def _put_common_step(state: Any, step: int) -> None:
-    """Megatron's own convention for Adam's step (`state["common_step"]`, restored into every parameter's state by
-    its load_state_dict), in every sub-optimizer's state dict of the current structure."""
-    if not step:
+    """Adam's step into the current structure, where each Megatron optimizer reads it on load: `state["common_step"]`
+    (FP32 / float16 optimizers: restored into every parameter's state) or each param group's `step` (the
+    distributed optimizer's common state)."""
+    if not step or not isinstance(state, dict):
         return
-    if isinstance(state, dict):
-        if isinstance(state.get("state"), dict) and "param_groups" in state:
-            state["state"]["common_step"] = torch.tensor(float(step))
-            return
-        for value in state.values():
+    if isinstance(state.get("state"), dict) and "param_groups" in state:
+        state["state"]["common_step"] = torch.tensor(float(step))
+    if isinstance(state.get("param_groups"), list):
+        for group in state["param_groups"]:
+            if isinstance(group, dict) and "step" in group:
+                group["step"] = step
+    for key, value in state.items():
+        if key not in ("state", "param_groups"):
             _put_common_step(value, step)
 
 
