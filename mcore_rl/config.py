@@ -675,6 +675,11 @@ class TrainerConfig:
     #: Named async_rollout: `async` is a Python keyword, which a dataclass field cannot be
     async_rollout: bool = False
     max_staleness: int = 1  #: async_rollout: a trained sample's tokens are at most this many weight versions old
+    #: save a training checkpoint into <run_dir>/checkpoints every this many steps and after the last; 0 = never
+    save_every: int = 0
+    keep_last: int | None = 2  #: checkpoints kept (older ones deleted after each save); null = keep all
+    #: auto (the latest checkpoint in <run_dir>/checkpoints, else a new run) | a checkpoint dir | null (a new run)
+    resume: str | None = None
 
     def validate(self) -> None:
         from mcore_rl.controller.placement import PLACEMENTS
@@ -708,6 +713,16 @@ class TrainerConfig:
             self.async_rollout,
             "false with trainer.placement=colocated (engines and actor take turns on the same devices)",
         )
+        _check(
+            isinstance(self.save_every, int) and not isinstance(self.save_every, bool) and self.save_every >= 0,
+            "trainer.save_every",
+            self.save_every,
+            "an integer >= 0 (0 = no checkpoints)",
+        )
+        if self.keep_last is not None:
+            _positive("trainer.keep_last", self.keep_last)
+        _check(self.resume is None or bool(str(self.resume).strip()), "trainer.resume", self.resume,
+               "auto, a checkpoint directory, or null")  # fmt: skip
 
     @property
     def validates(self) -> bool:
@@ -761,6 +776,10 @@ class RLConfig:
         if self.trainer.mode == "dpo":
             self.check_dpo()
         self.check_algorithm()
+        if self.trainer.resume is not None or self.trainer.save_every:
+            from mcore_rl.checkpoint.manager import check_resume
+
+            check_resume(self)  # a resume target that is not a compatible checkpoint: refused before anything starts
         if self.sync.transport == "tensor" and self.rollout.engine == "sglang" and self.rollout.sglang.nnodes > 1:
             raise ConfigError(
                 "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1: the tensor transport shares memory "

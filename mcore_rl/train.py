@@ -60,6 +60,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     check(cfg)  # inputs that would fail later (files, run dir, checkpoint, Ray CPUs): refused before anything starts
 
     from mcore_rl._quiet import quiet_process, ray_init_kwargs
+    from mcore_rl.checkpoint.manager import Checkpointer
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.advantage_stage import AdvantageStage
     from mcore_rl.controller.async_producer import make_producer
@@ -122,8 +123,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
         sync = WeightSync(
             actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, _hf_config(cfg)
         )
-        state = LoopState()
-        placement.sync_weights(sync, state.weight_version)  # the engines start from the actor's weights
+        ckpt = Checkpointer(cfg)  # trainer.resume: actor ranks, data position and metric history restored
+        state = ckpt.resume(actor, loader, LoopState())
+        placement.sync_weights(sync, state.weight_version)  # the engines start from the actor's (restored) weights
         producer = make_producer(cfg, loader, engines, reward, tokenizer, state)  # single-turn | agent, sync | async
         advantages = AdvantageStage(cfg.algorithm, state.controllers)
         log = MetricsLogger(
@@ -178,6 +180,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             )  # fmt: skip
             log.write(step, {**metrics, "weight_version": state.weight_version, **rollouts.metrics, **adv_metrics})
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
+            ckpt.after_step(actor, state)  # every trainer.save_every steps and after the last
         return log.summary(seconds=time.time() - start)
     finally:  # also on errors: no engine, router or rank outlives the run
         if hasattr(producer, "close"):

@@ -56,6 +56,9 @@ BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
            "common_backend_version": 1}  # fmt: skip
 #: Megatron model keys; other keys (optimizer state, RNG) in a training checkpoint are not part of the model
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+#: what hf-to-mcore and training checkpoints write beside a model's torch_dist files (the dtype, vocabulary padding
+#: and layout; the HF config and tokenizer under hf/), so that mcore-to-hf needs no --hf-config
+CONVERT_META_NAME, HF_SUBDIR = "mcore_rl_convert.json", "hf"
 
 
 @dataclass(frozen=True)

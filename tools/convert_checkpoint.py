@@ -3,6 +3,7 @@
     python tools/convert_checkpoint.py hf-to-mcore --hf DeepSeek-V3 --out ds-mcore --tp 8 --ep 64 --nproc 16
     python tools/convert_checkpoint.py mcore-to-hf --mcore ds-mcore --out ds-hf --max-shard-size 5GB [--fp8]
     python tools/convert_checkpoint.py mcore-to-hf --mcore runs/save --hf-config DeepSeek-V3 --out ds-rl-hf
+    python tools/convert_checkpoint.py mcore-to-hf --mcore runs/default/checkpoints --out rl-hf   # training checkpoint
 
 No Megatron model is built or filled. Each worker builds the model on the meta device (shapes only, seconds even for
 671B) to learn the chunks Megatron's torch_dist format holds, then streams its share of the parameters
@@ -60,6 +61,8 @@ from mcore_rl.parallel.cpu_runtime import mode_suspended
 from mcore_rl.parallel.harness import RankFailed, run_on_ranks
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout
 from mcore_rl.resharding.dist_ckpt import (
+    CONVERT_META_NAME,
+    HF_SUBDIR,
     METADATA_NAME,
     CheckpointPlan,
     ChunkReader,
@@ -82,8 +85,7 @@ from mcore_rl.resharding.hf_io import (
 )
 from mcore_rl.resharding.weight_map import ShardContext, WeightMapError, hf_to_megatron, megatron_to_hf
 
-LAYOUT_FILE = "mcore_rl_convert.json"
-HF_SUBDIR = "hf"
+LAYOUT_FILE = CONVERT_META_NAME
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 #: the tensors FP8 releases quantise (the families' shared definition, mcore_rl/models/base.py)
@@ -382,6 +384,21 @@ def resolve_iteration(mcore: Path) -> Path:
     return mcore / f"iter_{int(text):07d}"
 
 
+def resolve_training_checkpoint(path: Path) -> Path:
+    """A training checkpoint (trainer.save_every) holds its model under model/, with the HF config, tokenizer and
+    layout file beside it: given its step directory, or the checkpoints directory (whose `latest` names the step),
+    the model directory is converted."""
+    from mcore_rl.checkpoint import store
+
+    if (path / METADATA_NAME).is_file():
+        return path
+    if (path / store.LATEST).is_file() and not (path / store.META).is_file():
+        path = store.latest(path)
+    if (path / store.META).is_file() and (path / "model").is_dir():
+        return path / "model"
+    return path
+
+
 def _source_from_hf_config(mcore: Path, hf_config: Path) -> tuple[dict[str, Any], Path, str, int]:
     """(config, side-file directory, dtype, vocab multiple) for a checkpoint that carries no HF config (one saved by
     Megatron-LM or a trainer): the model from `hf_config`, the dtype and the padded vocabulary from the checkpoint's
@@ -415,7 +432,7 @@ def mcore_to_hf(args: argparse.Namespace) -> dict[str, Any]:
 
     The model is described by the hf/ config and layout file hf-to-mcore writes, or by --hf-config for any other
     torch_dist checkpoint (Megatron-LM's iter_XXXXXXX, given directly or through its save directory)."""
-    mcore = resolve_iteration(Path(args.mcore))
+    mcore = resolve_iteration(resolve_training_checkpoint(Path(args.mcore)))
     if not (mcore / "metadata.json").is_file():
         raise CheckpointError(f"{mcore / 'metadata.json'}: missing (not a Megatron dist_checkpointing directory)")
     if not (mcore / METADATA_NAME).is_file():  # refused before anything is spawned (workers read it, ~1 s)
@@ -431,7 +448,7 @@ def mcore_to_hf(args: argparse.Namespace) -> dict[str, Any]:
                 )
         meta = json.loads(meta_path.read_text())
         config = json.loads(config_path.read_text())
-        side_dir, dtype = mcore / HF_SUBDIR, meta["dtype"]
+        side_dir, dtype = mcore / HF_SUBDIR, HF_DTYPE_NAMES.get(meta["dtype"], meta["dtype"])
         vocab_multiple = meta["make_vocab_size_divisible_by"] * meta["layout"]["tp"]
     family = get_family(HFConfig(config).model_type)
     out = Path(args.out)
@@ -496,7 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--make-vocab-size-divisible-by", type=_positive, default=128, help="Megatron vocab padding multiple"
     )
     b = sub.add_parser("mcore-to-hf", help="Megatron torch_dist directory -> HF directory")
-    b.add_argument("--mcore", required=True, help="torch_dist directory (hf-to-mcore's, or Megatron-LM's save dir)")
+    b.add_argument(
+        "--mcore",
+        required=True,
+        help="torch_dist directory (hf-to-mcore's, or Megatron-LM's save dir), or a training checkpoint (its step_* "
+        "directory, or the checkpoints directory: its latest)",
+    )
     b.add_argument(
         "--hf-config",
         default=None,

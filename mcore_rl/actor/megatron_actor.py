@@ -466,6 +466,20 @@ class MegatronActor:
         metrics["_tokens"] = weight
         return loss * scale, metrics
 
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, directory: str, with_reference: bool = False) -> dict[str, Any]:
+        """Write this rank's model, optimizer, [reference] and RNG states into `directory` (collective; see
+        mcore_rl/checkpoint/rank_io.py). The controller publishes the directory once every rank has returned."""
+        from mcore_rl.checkpoint.rank_io import save_rank
+
+        return save_rank(self, directory, with_reference)
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Restore a training checkpoint saved under any layout (collective); RNG states only under the same one."""
+        from mcore_rl.checkpoint.rank_io import load_rank
+
+        return load_rank(self, directory)
+
     # ------------------------------------------------------------------------------------------- weight sync
     def _sender(self):  # noqa: ANN202
         from mcore_rl.actor.sync_sender import SyncSender

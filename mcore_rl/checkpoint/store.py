@@ -1,0 +1,213 @@
+"""Training checkpoints on disk: the directory layout, atomic publication, retention, and the checks a resume runs
+before anything starts.
+
+    <run_dir>/checkpoints/
+        latest                        "step_00000040": the newest complete checkpoint (replaced atomically, last)
+        step_00000040/
+            meta.json                 format, step, weight version, the model (HF config, dtype, padded vocabulary),
+                                      the layout it was saved under
+            loop_state.json           controller/state.py's LoopState (data position, history, controller states)
+            model/                    Megatron torch_dist checkpoint of the policy (loads under any TP/PP/EP layout;
+                                      `tools/convert_checkpoint.py mcore-to-hf` exports it)
+            optimizer/                torch_dist: optimizer tensors by global parameter key, Adam step, LR scheduler
+            reference/                torch_dist: the frozen reference (hard links to the first checkpoint's files)
+            rng/rank_00000.pt ...     per-rank RNG states
+        .tmp-step_00000042-<id>/      a save in progress; renamed to step_00000042/ when complete
+
+A crash at any point leaves either the old `latest` and a `.tmp-` directory (ignored, with a message, and removed by
+the next successful save) or the new checkpoint published; never a half-written `step_*` directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from mcore_rl.checkpoint.rank_io import MODEL_DIR, OPTIMIZER_DIR, REFERENCE_DIR, RNG_DIR
+from mcore_rl.resharding.hf_io import CheckpointError as _UnusableCheckpoint
+
+FORMAT, VERSION = "mcore_rl training checkpoint", 1
+ROOT_NAME, LATEST, META, LOOP_STATE, TMP_PREFIX = "checkpoints", "latest", "meta.json", "loop_state.json", ".tmp-"
+#: HF config keys that do not change the model (names, versions, the dtype is checked as model.dtype)
+COSMETIC_KEYS = {"architectures", "transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype"}
+
+
+class CheckpointError(_UnusableCheckpoint):
+    """A training checkpoint that cannot be resumed from (or saved); the message names the file and field. (A
+    ValueError, like every checkpoint error: the CLIs report it as bad input.)"""
+
+
+def checkpoints_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / ROOT_NAME
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def step_of(path: Path) -> int | None:
+    """The step of a `step_<n>` directory name, else None."""
+    name = path.name
+    return int(name[5:]) if name.startswith("step_") and name[5:].isdigit() else None
+
+
+def half_written(root: Path) -> list[Path]:
+    """Temporary directories of saves that did not finish."""
+    return sorted(p for p in root.glob(TMP_PREFIX + "*") if p.is_dir()) if root.is_dir() else []
+
+
+def latest(root: Path) -> Path | None:
+    """The checkpoint `root/latest` names, or None when there is no `latest` (no checkpoint published yet)."""
+    pointer = root / LATEST
+    if not pointer.is_file():
+        return None
+    name = pointer.read_text().strip()
+    if step_of(Path(name)) is None:
+        raise CheckpointError(f"{pointer}: expected a checkpoint name such as step_00000040, found {name!r}")
+    target = root / name
+    if not target.is_dir():
+        raise CheckpointError(f"{pointer}: names {name}, which does not exist in {root}")
+    return target
+
+
+def resolve(resume: str, root: Path) -> Path | None:
+    """The checkpoint `trainer.resume` designates: `auto` = root's latest (None if there is none); a directory =
+    that checkpoint, or the latest of a checkpoints root."""
+    if resume == "auto":
+        return latest(root)
+    path = Path(resume)
+    if path.name.startswith(TMP_PREFIX):
+        raise CheckpointError(
+            f"trainer.resume={resume!r} is a half-written checkpoint (a save that did not finish; its name starts with "
+            f"{TMP_PREFIX!r}): resume from the checkpoint {path.parent / LATEST} names instead"
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"trainer.resume={resume!r}: no such directory")
+    if not (path / META).is_file() and (path / LATEST).is_file():
+        return latest(path)
+    return path
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """meta.json of a complete checkpoint, after checking every part is there (names the missing file)."""
+    meta_path = path / META
+    if not meta_path.is_file():
+        raise CheckpointError(
+            f"{meta_path}: missing; {path} is not a training checkpoint (expected a step_* directory written by "
+            f"trainer.save_every, or a checkpoints directory holding a `{LATEST}` file)"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{meta_path}: not valid JSON ({err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{meta_path}: field 'format' is not {FORMAT!r} (not a training checkpoint)")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{meta_path}: field 'version' is {meta.get('version')!r}, this code reads {VERSION}")
+    needed = [LOOP_STATE, f"{MODEL_DIR}/.metadata", f"{OPTIMIZER_DIR}/.metadata", RNG_DIR]
+    if meta.get("reference"):
+        needed.append(f"{REFERENCE_DIR}/.metadata")
+    for name in needed:
+        if not (path / name).exists():
+            raise CheckpointError(f"{path / name}: missing (the checkpoint is incomplete)")
+    return meta
+
+
+def model_identity(hf_config: dict[str, Any], dtype: str, divisible_by: int, padded_vocab: int) -> dict[str, Any]:
+    """What must agree between a checkpoint and the run that resumes it."""
+    return {
+        "hf_config": hf_config,
+        "dtype": dtype,
+        "make_vocab_size_divisible_by": divisible_by,
+        "padded_vocab_size": padded_vocab,
+    }
+
+
+def check_compatible(path: Path, meta: dict[str, Any], model: dict[str, Any], use_ref: bool) -> None:
+    """Refuse a checkpoint of another model, vocabulary, shape, dtype or padded vocabulary, naming the field."""
+    where = path / META
+    saved = meta.get("model", {})
+    saved_hf, ours = saved.get("hf_config", {}), model["hf_config"]
+    for key in sorted((set(saved_hf) | set(ours)) - COSMETIC_KEYS):
+        if saved_hf.get(key) != ours.get(key):
+            what = "another vocabulary" if key == "vocab_size" else "another model"
+            raise CheckpointError(
+                f"{where}: model.hf_config.{key} is {saved_hf.get(key)!r} in the checkpoint, {ours.get(key)!r} in this "
+                f"run's model config ({what}); resume with the model the checkpoint was trained with"
+            )
+    if saved.get("dtype") != model["dtype"]:
+        raise CheckpointError(
+            f"{where}: model.dtype is {saved.get('dtype')!r} in the checkpoint, {model['dtype']!r} here"
+        )
+    if saved.get("padded_vocab_size") != model["padded_vocab_size"]:
+        raise CheckpointError(
+            f"{where}: padded_vocab_size is {saved.get('padded_vocab_size')} in the checkpoint (saved under "
+            f"{meta.get('layout')}), this layout pads the vocabulary to {model['padded_vocab_size']} (Megatron pads "
+            f"to a multiple of model.make_vocab_size_divisible_by x tp): choose model.make_vocab_size_divisible_by so "
+            f"that both pad to the same size"
+        )
+    if use_ref and not meta.get("reference"):
+        raise CheckpointError(f"{where}: the checkpoint holds no reference model, and actor.use_ref=true needs one")
+
+
+# ------------------------------------------------------------------------------------------------- writing
+def write_json(path: Path, data: Any) -> None:
+    """Write and fsync (the directory is renamed into place only after its files are durable)."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """Hard-link every file of `src` into `dst` (copy where the filesystem cannot link): no extra bytes."""
+    for file in src.rglob("*"):
+        target = dst / file.relative_to(src)
+        if file.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(file, target)
+        except OSError:
+            shutil.copy2(file, target)
+
+
+def publish(tmp: Path, root: Path, step: int) -> Path:
+    """Rename the complete `tmp` to root/step_<n>, then point `latest` at it (atomically, last)."""
+    final = root / step_name(step)
+    if final.exists():  # published by an earlier attempt that crashed before `latest` moved on: superseded
+        stale = root / f"{TMP_PREFIX}stale-{final.name}-{os.getpid()}"
+        os.rename(final, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    os.rename(tmp, final)
+    pointer = root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"
+    with open(pointer, "w") as f:
+        f.write(final.name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, root / LATEST)
+    _fsync_dir(root)
+    return final
+
+
+def prune(root: Path, keep_last: int | None, keep: Path) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints (never `keep`) and leftover temporary directories."""
+    removed = half_written(root)
+    if keep_last is not None:
+        published = sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+        removed += [p for p in published[: max(0, len(published) - keep_last)] if p != keep]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
