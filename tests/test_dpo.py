@@ -140,7 +140,7 @@ def test_dpo_data_without_rejected_is_a_clear_error(tmp_path: Path):
         text=True,
         timeout=120,
     )
-    assert out.returncode == 1, out.stderr[-2000:]
+    assert out.returncode == 2, out.stderr[-2000:]
     assert f"{path}: missing column 'rejected'" in out.stderr
 
 

@@ -47,6 +47,10 @@ class AsyncProducer:
         self._thread = threading.Thread(target=self._work, name="async-rollout", daemon=True)
         self._thread.start()
 
+    def score(self, prompts: list[Any], samples: list[Any], n: int) -> Any:
+        """The inner producer's scoring (validation scores its samples the way training does)."""
+        return self.inner.score(prompts, samples, n)
+
     def _work(self) -> None:
         while (job := self._jobs.get()) is not None:
             step, future = job
