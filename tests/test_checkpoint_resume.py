@@ -190,7 +190,7 @@ def test_resume_under_another_layout(reference: Path, other_layout):
     want = {m["step"]: m for m in _metrics(reference)}
     assert sorted(got) == [3, 4]
     assert got[3]["critic/score/mean"] == want[3]["critic/score/mean"]
-    assert got[3]["response/length"] == want[3]["response/length"]
+    assert got[3]["response_length/mean"] == want[3]["response_length/mean"]
     assert got[3]["weight_version"] == want[3]["weight_version"] == 4
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl_ref", "actor/grad_norm"):
         assert got[3][key] == pytest.approx(want[3][key], rel=1e-4, abs=1e-5), key
