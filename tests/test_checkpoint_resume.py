@@ -210,6 +210,23 @@ def test_full_disk_save_fails_loudly_and_keeps_the_previous_checkpoint(other_lay
     assert not store.half_written(root)  # the failed save's temporary directory is gone
 
 
+# ---------------------------------------------------------------------------------------- distributed optimizer
+def test_the_distributed_optimizer_resumes_exactly(tmp_path: Path):
+    """Megatron's distributed optimizer (fully reshardable state), under the CPU runtime's torch Adam, whose restored
+    step count Megatron 0.16.1 shares between parameters (checkpoint/rank_io.py restores one per parameter):
+    2 steps straight vs 1 step + resume from its checkpoint (in another run dir) + 1 step: step 2's metrics equal."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    distributed = ["actor.optim.distributed=true", "trainer.steps=2"]
+    out = _train(straight, *distributed, "trainer.save_every=1", "trainer.keep_last=null")
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = _train(resumed, *distributed, f"trainer.resume={straight / 'checkpoints/step_00000001'}")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed" in out.stdout and "at step 1, weight version" in out.stdout and "RNG states restored" in out.stdout
+    got, want = _metrics(resumed), [m for m in _metrics(straight) if m["step"] == 2]
+    assert [m["step"] for m in got] == [2]
+    assert got == want
+
+
 # ----------------------------------------------------------------------------------------------------- export
 def test_convert_exports_a_training_checkpoint(reference: Path, tmp_path: Path):
     """mcore-to-hf takes the checkpoints directory (its latest) and writes an HF model holding the trained weights,
