@@ -1,7 +1,7 @@
 """Train: Hydra entry point and the RL loop, read top to bottom.
 
     python -m mcore_rl.train                                  # the default tiny CPU job (configs/default.yaml)
-    python -m mcore_rl.train trainer.steps=3 rollout.n=4      # any field of mcore_rl/config.py, by dotted name
+    python -m mcore_rl.train trainer.steps=3 rollout.n=4      # any field of mcore_rl/config/, by dotted name
 
 One step:  prompts -> rollout engines behind sglang-router (SGLang's HTTP API) -> reward (controller/producer.py)
            -> actor logprobs (old, and the reference's in the same call when a KL term uses it) -> advantages

@@ -6,5 +6,5 @@
                  and the checks a resume runs before anything starts
     manager.py   the controller's side: Checkpointer.resume before the loop, Checkpointer.after_step after each step
 
-Config: trainer.save_every, trainer.keep_last, trainer.resume=auto|<dir>|null (mcore_rl/config.py).
+Config: trainer.save_every, trainer.keep_last, trainer.resume=auto|<dir>|null (mcore_rl/config/trainer.py).
 """

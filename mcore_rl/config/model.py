@@ -1,0 +1,259 @@
+"""The Megatron side of a run: the policy model, its parallel layout and optimizer, the actor that trains it and the
+PPO critic beside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mcore_rl.config.checks import ConfigError, _check, _positive
+from mcore_rl.parallel.layout import ParallelLayout
+
+
+@dataclass
+class LayoutConfig:
+    """Parallel layout of a Megatron model (dp is derived from the world size)."""
+
+    tp: int = 1  #: tensor-parallel size
+    pp: int = 1  #: pipeline-parallel size
+    cp: int = 1  #: context-parallel size (GPU only)
+    ep: int = 1  #: expert-parallel size
+    etp: int | None = None  #: expert tensor-parallel size (null = tp)
+    vpp: int | None = None  #: virtual pipeline stages per pipeline rank (null = off)
+    sequence_parallel: bool = False  #: shard activations along the sequence in TP regions (MoE + tp>1 needs it)
+    #: decoder layers on the first pipeline stage (null = even split); e.g. DeepSeek-V3's 61 layers at pp=4: 16
+    first_stage_layers: int | None = None
+    #: decoder layers on the last pipeline stage (null = even split); MTP layers sit there on top of these
+    last_stage_layers: int | None = None
+
+    def to_layout(self) -> ParallelLayout:
+        return ParallelLayout(
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+            etp=self.etp,
+            vpp=self.vpp,
+            sequence_parallel=self.sequence_parallel,
+            first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers,
+        )
+
+    def validate(self) -> None:
+        self.to_layout()  # ParallelLayout validates sizes and names the field
+
+
+@dataclass
+class ModelConfig:
+    """The policy model."""
+
+    path: str | None = None  #: HF checkpoint dir (config.json + safetensors); null = random init from hf_config
+    hf_config: dict[str, Any] = field(default_factory=dict)  #: HF config used when path is null
+    tokenizer: str | None = None  #: tokenizer dir; null = the tiny offline tokenizer, written into the run dir
+    dtype: str = "float32"  #: parameter dtype: float32 | bfloat16
+    make_vocab_size_divisible_by: int = 64  #: Megatron pads the vocab to a multiple of this x tp
+    max_sequence_length: int = 512  #: longest prompt + response
+    init_seed: int = 1234  #: seed of the random initialisation when path is null
+    #: multi-token-prediction layers of a checkpoint whose config asks for them (DeepSeek-V3): auto = on when the
+    #: checkpoint holds their weights, off when it holds none (transformers' save_pretrained drops them) | on | off
+    mtp: str = "auto"
+
+    def validate(self) -> None:
+        _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32 or bfloat16")
+        _check(bool(self.path) or bool(self.hf_config), "model.path", self.path, "a checkpoint dir or model.hf_config")
+        _positive("model.max_sequence_length", self.max_sequence_length)
+        _positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        _check(self.mtp in ("on", "off", "auto"), "model.mtp", self.mtp, "on, off or auto")
+
+
+@dataclass
+class OptimConfig:
+    """Megatron's Adam, its distributed optimizer and its learning-rate schedule (mcore_rl/actor/optimizer.py decides
+    what the ranks build from these, and `launch/submit.py --dry-run` counts the same)."""
+
+    lr: float = 1e-3  #: peak learning rate (after warmup)
+    weight_decay: float = 0.0  #: decoupled weight decay
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  #: global gradient-norm clip
+    #: Megatron's distributed optimizer: fp32 masters and Adam state sharded over data-parallel ranks; null = on for
+    #: trainer.runtime=cuda, off for cpu (it runs on CPU/gloo too)
+    distributed: bool | None = None
+    #: share of the optimizer state (and its step) held on the host, 0..1 (Megatron's HybridDeviceOptimizer); needs
+    #: distributed=true, trainer.runtime=cuda and Transformer Engine
+    offload_fraction: float = 0.0
+    lr_warmup_steps: int = 0  #: optimizer steps of linear warmup from 0 to lr
+    lr_warmup_ratio: float | None = None  #: warmup as a share of lr_decay_steps (replaces lr_warmup_steps when set)
+    #: after warmup: constant | linear | cosine | inverse-square-root (Megatron's OptimizerParamScheduler styles)
+    lr_decay_style: str = "constant"
+    #: optimizer steps over which lr decays to min_lr; null = the whole run (trainer.steps x mini_batches x ppo_epochs)
+    lr_decay_steps: int | None = None
+    min_lr: float = 0.0  #: learning rate at the end of the decay
+
+    def warmup_steps(self, decay_steps: int) -> int:
+        """Warmup in optimizer steps: lr_warmup_ratio x decay_steps when the ratio is set, else lr_warmup_steps."""
+        if self.lr_warmup_ratio is not None:
+            return int(self.lr_warmup_ratio * decay_steps)
+        return self.lr_warmup_steps
+
+    def validate(self, prefix: str = "actor.optim") -> None:
+        _check(self.lr > 0, f"{prefix}.lr", self.lr, "> 0")
+        _check(self.clip_grad >= 0, f"{prefix}.clip_grad", self.clip_grad, ">= 0")
+        _check(0 <= self.offload_fraction <= 1, f"{prefix}.offload_fraction", self.offload_fraction, "in [0, 1]")
+        _check(
+            self.offload_fraction == 0 or self.distributed is not False,
+            f"{prefix}.offload_fraction",
+            self.offload_fraction,
+            f"0 unless {prefix}.distributed is true (Megatron offloads the distributed optimizer's shards)",
+        )
+        _check(0 <= self.min_lr <= self.lr, f"{prefix}.min_lr", self.min_lr, f"in [0, {prefix}.lr={self.lr}]")
+        _check(
+            isinstance(self.lr_warmup_steps, int) and self.lr_warmup_steps >= 0,
+            f"{prefix}.lr_warmup_steps",
+            self.lr_warmup_steps,
+            "an integer >= 0",
+        )
+        if self.lr_warmup_ratio is not None:
+            _check(0 <= self.lr_warmup_ratio < 1, f"{prefix}.lr_warmup_ratio", self.lr_warmup_ratio, "in [0, 1)")
+        if self.lr_decay_steps is not None:
+            _positive(f"{prefix}.lr_decay_steps", self.lr_decay_steps)
+            warmup = self.warmup_steps(self.lr_decay_steps)
+            _check(
+                warmup < self.lr_decay_steps,
+                f"{prefix}.lr_warmup_steps",
+                warmup,
+                f"fewer than {prefix}.lr_decay_steps={self.lr_decay_steps} (the schedule's length)",
+            )
+        self._check_decay_style(prefix)
+
+    def _check_decay_style(self, prefix: str) -> None:
+        """Ask Megatron's scheduler itself whether it implements `lr_decay_style` (its branches are the registry).
+
+        "constant" is its first branch, always there: skipping the probe for it keeps Megatron's import (seconds) out
+        of the validation of the default config.
+        """
+        if self.lr_decay_style == "constant":
+            return
+        from types import SimpleNamespace
+
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        probe = SimpleNamespace(param_groups=[{}])
+        try:
+            sched = OptimizerParamScheduler(probe, 0.0, 1.0, 0.0, 0, 4, self.lr_decay_style, 0.0, 0.0, 4, "constant")
+            sched.num_steps = 2
+            sched.get_lr(probe.param_groups[0])
+        except Exception:  # noqa: BLE001 - Megatron raises a bare Exception (or asserts) for what it lacks
+            raise ConfigError(
+                f"{prefix}.lr_decay_style={self.lr_decay_style!r} is invalid: expected a style Megatron's "
+                "OptimizerParamScheduler implements without further settings: constant | linear | cosine | "
+                "inverse-square-root"
+            ) from None
+
+
+@dataclass
+class ActorConfig:
+    """The Megatron actor (and its colocated frozen reference)."""
+
+    world_size: int = 2  #: number of Megatron ranks (Ray actors)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    micro_batch_size: int = 16  #: samples per micro-batch on one data-parallel rank (at most)
+    #: samples per micro-batch of the forward-only logprob passes (old and reference logprobs), which keep no
+    #: activations for a backward and so can take more (verl: log_prob_micro_batch_size_per_gpu); null =
+    #: micro_batch_size. Fewer micro-batches mean fewer schedule calls and collectives: on the CPU path each costs
+    #: more than the tiny model's arithmetic
+    logprob_micro_batch_size: int | None = None
+    max_tokens_per_microbatch: int | None = None  #: token budget per micro-batch (padded length x samples); null = off
+    mini_batches: int = 2  #: optimizer steps per RL step (the batch is split into this many mini-batches)
+    ppo_epochs: int = 1  #: passes over the batch per RL step
+    clip_ratio_low: float = 0.2  #: PPO clip epsilon below 1
+    clip_ratio_high: float = 0.28  #: PPO clip epsilon above 1 (DAPO clip-higher)
+    clip_ratio_c: float = 3.0  #: dual-clip bound for negative advantages
+    policy_loss: str = "ppo"  #: ppo (token ratio, clip-higher, dual-clip) | gspo (sequence ratio: clips ~3e-4/4e-4)
+    #: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_mode: str = "token-mean"
+    kl_loss_coef: float = 0.0  #: weight of the KL(policy || ref) loss term (GRPO's kl_loss)
+    kl_loss_type: str = "low_var_kl"  #: k1 | k2 | low_var_kl (k3) | abs
+    entropy_coef: float = 0.0  #: entropy bonus weight: loss -= entropy_coef * aggregated token entropy
+    #: frozen reference model: null = exactly when something uses it (RLConfig.uses_reference: a KL loss, KL in the
+    #: reward, DPO); true = always (its KL to the policy is then logged as actor/kl_ref although no loss uses it);
+    #: false = never (refused when something needs it). Resolved to true/false by RLConfig.validate
+    use_ref: bool | None = None
+    #: MoE routing replay (verl's router_replay.mode): disabled | R2 (the update replays the routing of the step's
+    #: old-logprob forward) | R3 (every policy forward replays the experts the rollout engine routed each token to)
+    router_replay_mode: str = "disabled"
+    num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
+    #: truncated importance sampling (TIS) cap for samples generated with an older weight version than the one
+    #: trained (trainer.async_rollout): w = min(pi_old / pi_rollout, cap) per token; null = no correction
+    stale_tis_cap: float | None = 2.0
+
+    def validate(self) -> None:
+        for name in ("world_size", "micro_batch_size", "mini_batches", "ppo_epochs"):
+            _positive(f"actor.{name}", getattr(self, name))
+        if self.logprob_micro_batch_size is not None:
+            _positive("actor.logprob_micro_batch_size", self.logprob_micro_batch_size)
+        _check(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", self.clip_ratio_low, "in [0, 1)")
+        _check(self.clip_ratio_high >= 0, "actor.clip_ratio_high", self.clip_ratio_high, ">= 0")
+        from mcore_rl.algorithms import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+
+        self.optim.validate()
+        _check(
+            self.loss_agg_mode in LOSS_AGG_MODES, "actor.loss_agg_mode", self.loss_agg_mode, f"one of {LOSS_AGG_MODES}"
+        )
+        _check(
+            self.policy_loss in POLICY_LOSSES, "actor.policy_loss", self.policy_loss, f"one of {tuple(POLICY_LOSSES)}"
+        )
+        _check(self.kl_loss_type in KL_ESTIMATORS, "actor.kl_loss_type", self.kl_loss_type, f"one of {KL_ESTIMATORS}")
+        _check(self.entropy_coef >= 0, "actor.entropy_coef", self.entropy_coef, ">= 0")
+        from mcore_rl.actor.router_replay import ROUTER_REPLAY_MODES
+
+        _check(
+            self.router_replay_mode in ROUTER_REPLAY_MODES,
+            "actor.router_replay_mode",
+            self.router_replay_mode,
+            f"one of {ROUTER_REPLAY_MODES}",
+        )
+        self.layout.validate()
+        self.layout.to_layout().check_world_size(self.world_size)
+        _check(self.stale_tis_cap is None or self.stale_tis_cap > 0, "actor.stale_tis_cap", self.stale_tis_cap, "> 0")
+
+
+@dataclass
+class CriticConfig:
+    """The PPO critic (algorithm.adv_estimator=gae): a Megatron model of the policy's family whose output layer is a
+    scalar value head, in its own worker group with its own layout, optimizer and learning rate."""
+
+    enable: bool = False  #: start the critic group (required by, and only allowed with, adv_estimator=gae)
+    path: str | None = None  #: HF checkpoint dir of the trunk; null = the policy's (model.path, or its random init)
+    world_size: int = 1  #: number of Megatron ranks of the critic (its own torch.distributed world)
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-2))
+    micro_batch_size: int = 16  #: samples per micro-batch on one data-parallel rank (at most)
+    max_tokens_per_microbatch: int | None = None  #: token budget per micro-batch; null = off
+    mini_batches: int = 2  #: optimizer steps per RL step
+    ppo_epochs: int = 1  #: passes over the batch per RL step
+    loss_agg_mode: str = "token-mean"  #: aggregation of the value loss (algorithms/masked.py's LOSS_AGG_MODES)
+    cliprange_value: float | None = 0.5  #: value clipping around the old values (null = no clipping)
+    warmup_steps: int = 0  #: the first steps train only the critic (the policy and the engines stay as they are)
+    num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
+
+    def validate(self) -> None:
+        from mcore_rl.algorithms import LOSS_AGG_MODES
+
+        for name in ("world_size", "micro_batch_size", "mini_batches", "ppo_epochs"):
+            _positive(f"critic.{name}", getattr(self, name))
+        _check(self.warmup_steps >= 0, "critic.warmup_steps", self.warmup_steps, ">= 0")
+        _check(
+            self.cliprange_value is None or self.cliprange_value > 0,
+            "critic.cliprange_value",
+            self.cliprange_value,
+            "null or > 0",
+        )
+        _check(
+            self.loss_agg_mode in LOSS_AGG_MODES, "critic.loss_agg_mode", self.loss_agg_mode, f"one of {LOSS_AGG_MODES}"
+        )
+        self.optim.validate("critic.optim")
+        self.layout.validate()
+        self.layout.to_layout().check_world_size(self.world_size)

@@ -1,0 +1,176 @@
+"""Generation and what feeds it: the rollout engines (embedded or real SGLang), weight sync from the actor to
+them, and multi-turn tool-use episodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mcore_rl.config.checks import _check, _positive
+
+
+@dataclass
+class SGLangConfig:
+    """Real SGLang servers (GPU only): what `mcore_rl/rollout/sglang_launcher.py` passes to
+    `python -m sglang.launch_server`. An engine uses `tp` GPUs in all, spread over `nnodes` nodes; `ep` and `dp`
+    divide `tp` (SGLang's rule)."""
+
+    tp: int = 1  #: --tp-size: GPUs per engine (all nodes of the engine together)
+    ep: int = 1  #: --ep-size: expert-parallel size inside the engine (1 = experts sharded by TP)
+    dp: int = 1  #: --dp-size: data-parallel attention replicas inside the engine (with enable_dp_attention)
+    enable_dp_attention: bool = False  #: --enable-dp-attention (DeepSeek-V3 / Qwen3-MoE large-EP serving)
+    moe_a2a_backend: str | None = None  #: --moe-a2a-backend (e.g. deepep); null = SGLang's default
+    mem_fraction_static: float = 0.7  #: --mem-fraction-static: weights + KV cache share of each GPU
+    enable_memory_saver: bool = True  #: --enable-memory-saver: lets colocated engines release weights and KV cache
+    nnodes: int = 1  #: nodes per engine (multi-node engines get --nnodes/--node-rank/--dist-init-addr)
+    load_format: str = "dummy"  #: --load-format: dummy (random; the actor syncs real weights before use) | auto
+    skip_tokenizer_init: bool = True  #: --skip-tokenizer-init: token ids in and out, as the RL loop needs
+    startup_timeout_s: float = 1200.0  #: seconds to wait for /health after launch (weights load, CUDA graphs)
+    extra_args: list[str] = field(default_factory=list)  #: further launch_server flags, passed as they are
+
+    def validate(self) -> None:
+        for name in ("tp", "ep", "dp", "nnodes"):
+            _positive(f"rollout.sglang.{name}", getattr(self, name))
+        _check(self.tp % self.ep == 0, "rollout.sglang.ep", self.ep, f"a divisor of rollout.sglang.tp={self.tp}")
+        _check(self.tp % self.dp == 0, "rollout.sglang.dp", self.dp, f"a divisor of rollout.sglang.tp={self.tp}")
+        _check(
+            self.dp == 1 or self.enable_dp_attention,
+            "rollout.sglang.dp",
+            self.dp,
+            "1 unless rollout.sglang.enable_dp_attention=true",
+        )
+        _check(
+            0 < self.mem_fraction_static < 1,
+            "rollout.sglang.mem_fraction_static",
+            self.mem_fraction_static,
+            "in (0, 1)",
+        )
+        _check(self.load_format in ("dummy", "auto"), "rollout.sglang.load_format", self.load_format, "dummy or auto")
+        _check(self.startup_timeout_s > 0, "rollout.sglang.startup_timeout_s", self.startup_timeout_s, "> 0")
+
+
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+"""sglang-router's --policy choices (sglang_router.launch_router, 0.3.x)."""
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: `num_engines` SGLang-API servers behind sglang-router, driven by one HTTP client."""
+
+    #: hf: our embedded SGLang-compatible server over transformers (CPU or GPU) | sglang: real SGLang servers (GPU)
+    engine: str = "hf"
+    num_engines: int = 1  #: rollout engines (each one HTTP server) behind the router
+    router_policy: str = "cache_aware"  #: sglang-router --policy: cache_aware | round_robin | power_of_two | random
+    n: int = 8  #: samples per prompt (sent as one request with sampling_params.n, so one engine prefills it once)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    max_running_requests: int = 256  #: embedded server: sequences decoded together (continuous batching)
+    request_timeout_s: float = 600.0  #: client: seconds before one /generate attempt is given up and retried
+    max_retries: int = 3  #: client: retries of a failed /generate (engine died, timeout) before the step fails
+    health_check_interval_s: float = 2.0  #: seconds between the pool's /health probes of every engine
+    num_cpus: float = 1.0  #: Ray CPUs reserved per embedded engine
+    seed: int = 0  #: sampling seed (step number is added; sample i of a request uses seed + i)
+    #: validation: samples per prompt of the sampled pass (rollout temperature/top_p) for mean@k and pass@k
+    #: (verl: val_kwargs.n); 0 = the greedy pass only. The greedy pass (temperature 0, one sample) always runs
+    val_n: int = 4
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+    def validate(self) -> None:
+        _check(self.engine in ("hf", "sglang"), "rollout.engine", self.engine, "hf or sglang")
+        _positive("rollout.n", self.n)
+        _positive("rollout.num_engines", self.num_engines)
+        _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.max_running_requests", self.max_running_requests)
+        _check(
+            self.router_policy in ROUTER_POLICIES,
+            "rollout.router_policy",
+            self.router_policy,
+            f"one of {ROUTER_POLICIES}",
+        )
+        _check(self.request_timeout_s > 0, "rollout.request_timeout_s", self.request_timeout_s, "> 0")
+        _check(
+            self.health_check_interval_s > 0,
+            "rollout.health_check_interval_s",
+            self.health_check_interval_s,
+            "> 0",
+        )
+        _check(
+            isinstance(self.max_retries, int) and self.max_retries >= 0,
+            "rollout.max_retries",
+            self.max_retries,
+            "an integer >= 0",
+        )
+        _check(
+            isinstance(self.val_n, int) and (self.val_n == 0 or self.val_n >= 2),
+            "rollout.val_n",
+            self.val_n,
+            "0 (greedy validation only) or an integer >= 2 (the greedy pass is the n=1 case)",
+        )
+        _check(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
+        _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
+        self.sglang.validate()
+
+
+@dataclass
+class SyncConfig:
+    """Weight sync, actor -> engines (resharding/sync/): plan -> bucketed execution -> transport -> version fence."""
+
+    #: distributed (broadcast groups: gloo on CPU, NCCL on GPU) | tensor (shared memory / CUDA IPC, same node) | disk
+    transport: str = "distributed"
+    mode: str = "full"  #: full (engines get whole HF tensors) | shard_aware (each engine rank only what it keeps)
+    bucket_bytes: int = 256 << 20  #: bytes per bucket; at least the largest exported tensor
+    #: generation during a sync: none (the embedded server stages the update and commits it atomically between two
+    #: decode steps) | in_place | retract | abort (SGLang's /pause_generation modes)
+    pause_mode: str = "none"
+    timeout_s: float = 300.0  #: seconds a broadcast or an engine's answer may take before the sync fails
+    #: send the family's FP8 targets (attention and MLP projections) as 128x128-blockwise e4m3 + weight_scale_inv,
+    #: for engines serving FP8 (the rollout then runs the quantised model; tools/fp8_parity.py gates its accuracy)
+    fp8: bool = False
+    #: keep each sending rank's sync buffers (two buckets + the largest tensor at most) resident between syncs, so
+    #: no sync faults in fresh pages; false frees them after every sync (a colocated run short of memory)
+    keep_buffers: bool = True
+
+    def validate(self) -> None:
+        from mcore_rl.resharding.sync.plan import MODES
+        from mcore_rl.resharding.sync.transports import TRANSPORTS
+
+        _check(self.transport in TRANSPORTS, "sync.transport", self.transport, f"one of {TRANSPORTS}")
+        _check(self.mode in MODES, "sync.mode", self.mode, f"one of {MODES}")
+        _positive("sync.bucket_bytes", self.bucket_bytes)
+        pauses = ("none", "in_place", "retract", "abort")
+        _check(self.pause_mode in pauses, "sync.pause_mode", self.pause_mode, f"one of {pauses}")
+        _check(self.timeout_s > 0, "sync.timeout_s", self.timeout_s, "> 0")
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn tool-use episodes (mcore_rl/rollout/agent/): the model calls tools, their answers come back as
+    tokens (loss mask 0), until it answers, `max_turns`, or `max_response_tokens`."""
+
+    enabled: bool = False  #: run agent episodes instead of single-turn samples
+    chat_format: str = "hermes"  #: tool-call markup: hermes (Qwen2.5/Qwen3 <tool_call>{json}</tool_call>)
+    #: tools of a sample whose extra_info has no tools_kwargs (verl's tools_kwargs, when present, select them)
+    tools: list[str] = field(default_factory=list)
+    max_turns: int = 4  #: model turns per episode (a tool call in the last one is not run)
+    max_response_tokens: int = 256  #: tokens after the prompt (model and tool tokens together)
+    tool_timeout_s: float = 10.0  #: wall-clock limit of one tool call (an error observation after it)
+    max_tool_errors: int | None = None  #: end an episode after this many error observations; null = never
+    max_concurrency: int = 256  #: episodes in flight at once (each has at most one request at the engines)
+
+    def validate(self) -> None:
+        from mcore_rl.rollout.agent.parser import CHAT_FORMATS
+        from mcore_rl.rollout.agent.tools import TOOLS
+
+        formats = tuple(CHAT_FORMATS)
+        _check(self.chat_format in CHAT_FORMATS, "agent.chat_format", self.chat_format, f"one of {formats}")
+        for name in self.tools:
+            _check(name in TOOLS, "agent.tools", name, f"registered tools {tuple(TOOLS)}")
+        for name in ("max_turns", "max_response_tokens", "max_concurrency"):
+            _positive(f"agent.{name}", getattr(self, name))
+        _check(self.tool_timeout_s > 0, "agent.tool_timeout_s", self.tool_timeout_s, "> 0")
+        _check(
+            self.max_tool_errors is None or self.max_tool_errors > 0,
+            "agent.max_tool_errors",
+            self.max_tool_errors,
+            "a positive integer or null",
+        )

@@ -1,0 +1,118 @@
+"""The run itself: the prompts it trains on (data) and the trainer group (steps, runtime, placement, loggers,
+validation, checkpoints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mcore_rl.config.checks import ConfigError, _check, _positive
+
+
+@dataclass
+class DataConfig:
+    """Prompts."""
+
+    train_files: list[str] = field(default_factory=list)  #: parquet files in verl's schema; empty = synthetic task
+    #: validation parquet files (verl's schema); empty with a synthetic task and validation on (trainer.val_every or
+    #: trainer.val_before_train) = a held-out synthetic set, written into the run dir with another seed
+    val_files: list[str] = field(default_factory=list)
+    val_batch_size: int | None = None  #: prompts per validation request batch; null = the whole set at once
+    synthetic_task: str = "copy_digit"  #: task written into the run dir when train_files is empty
+    synthetic_num_prompts: int = 512
+    batch_size: int = 8  #: prompts per RL step
+    max_prompt_length: int = 64  #: longer prompts are refused (overlong=error) or dropped
+    overlong: str = "error"  #: error | drop
+    shuffle: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        _positive("data.batch_size", self.batch_size)
+        if self.val_batch_size is not None:
+            _positive("data.val_batch_size", self.val_batch_size)
+        _positive("data.max_prompt_length", self.max_prompt_length)
+        _positive("data.synthetic_num_prompts", self.synthetic_num_prompts)
+        _check(self.overlong in ("error", "drop"), "data.overlong", self.overlong, "error or drop")
+
+
+TRAINER_MODES = ("rl", "dpo")
+"""What train.py's main dispatches to: the RL loop (train.run) or the DPO loop (controller/dpo_loop.py)."""
+
+
+@dataclass
+class TrainerConfig:
+    """The run."""
+
+    steps: int = 40  #: RL steps
+    runtime: str = "cpu"  #: cpu (gloo, opt-in) | cuda (NCCL)
+    run_dir: str = "runs/latest"  #: metrics.jsonl and artifacts go here
+    seed: int = 0
+    ray_address: str | None = None  #: null = start a local Ray
+    ray_num_cpus: int | None = None  #: logical CPUs for a local Ray (null = enough for the actors)
+    #: where metrics go (metrics/backends.py): console (lines + progress bar), jsonl, tensorboard, wandb
+    loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "mcore_rl"  #: wandb project
+    experiment_name: str | None = None  #: wandb run name (null = wandb's)
+    wandb_mode: str = "offline"  #: offline (no network; `wandb sync` later) | online | disabled
+    val_every: int = 0  #: validate every this many steps and after the last (verl: test_freq); 0 = never
+    val_before_train: bool = False  #: validate the initial weights (logged as step 0)
+    mode: str = "rl"  #: rl (the RL loop) | dpo (offline DPO on preference pairs, see the dpo group)
+    #: split: actor ranks and rollout engines in separate pools (Ray placement groups) | colocated: they share
+    #: devices; engines release weights and KV cache while the actor trains, the actor offloads while they generate
+    placement: str = "split"
+    #: generate the next batch while the actor trains on this one (one step off policy; needs placement=split).
+    #: Named async_rollout: `async` is a Python keyword, which a dataclass field cannot be
+    async_rollout: bool = False
+    max_staleness: int = 1  #: async_rollout: a trained sample's tokens are at most this many weight versions old
+    #: save a training checkpoint into <run_dir>/checkpoints every this many steps and after the last; 0 = never
+    save_every: int = 0
+    keep_last: int | None = 2  #: checkpoints kept (older ones deleted after each save); null = keep all
+    #: auto (the latest checkpoint in <run_dir>/checkpoints, else a new run) | a checkpoint dir | null (a new run)
+    resume: str | None = None
+
+    def validate(self) -> None:
+        from mcore_rl.controller.placement import PLACEMENTS
+        from mcore_rl.metrics.backends import BACKENDS, missing_packages
+
+        _positive("trainer.steps", self.steps)
+        if self.ray_num_cpus is not None:
+            _positive("trainer.ray_num_cpus", self.ray_num_cpus)
+        _check(self.runtime in ("cpu", "cuda"), "trainer.runtime", self.runtime, "cpu or cuda")
+        for name in self.loggers:
+            _check(name in BACKENDS, "trainer.loggers", list(self.loggers), f"a list of {tuple(BACKENDS)}")
+        for name, package in missing_packages(list(self.loggers)).items():
+            raise ConfigError(
+                f"trainer.loggers={list(self.loggers)!r} is invalid here: the {name} logger needs the {package!r} "
+                f"package, which is not installed (pip install {package}); expected it installed or {name!r} removed"
+            )
+        modes = ("offline", "online", "disabled")
+        _check(self.wandb_mode in modes, "trainer.wandb_mode", self.wandb_mode, f"one of {modes}")
+        _check(
+            isinstance(self.val_every, int) and self.val_every >= 0,
+            "trainer.val_every",
+            self.val_every,
+            "an integer >= 0",
+        )
+        _check(self.mode in TRAINER_MODES, "trainer.mode", self.mode, f"one of {TRAINER_MODES}")
+        _check(self.placement in PLACEMENTS, "trainer.placement", self.placement, f"one of {tuple(PLACEMENTS)}")
+        _positive("trainer.max_staleness", self.max_staleness)
+        _check(
+            not self.async_rollout or self.placement == "split",
+            "trainer.async_rollout",
+            self.async_rollout,
+            "false with trainer.placement=colocated (engines and actor take turns on the same devices)",
+        )
+        _check(
+            isinstance(self.save_every, int) and not isinstance(self.save_every, bool) and self.save_every >= 0,
+            "trainer.save_every",
+            self.save_every,
+            "an integer >= 0 (0 = no checkpoints)",
+        )
+        if self.keep_last is not None:
+            _positive("trainer.keep_last", self.keep_last)
+        _check(self.resume is None or bool(str(self.resume).strip()), "trainer.resume", self.resume,
+               "auto, a checkpoint directory, or null")  # fmt: skip
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run validates at all."""
+        return self.val_every > 0 or self.val_before_train
