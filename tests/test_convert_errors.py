@@ -148,7 +148,8 @@ def test_checkpoint_disagreeing_with_config_named(llama_mcore: Path, tmp_path: P
     config_path.write_text(json.dumps(config))
     # Megatron stacks the layers of a homogeneous decoder along a leading axis: 2 layers saved, 1 expected
     out = tmp_path / "o"
-    _fails(capsys, "mcore-to-hf", "--mcore", llama_mcore, "--out", out, match="(2, 16, 32) in the checkpoint")
+    # (which stacked tensor is named first is not fixed: any of them shows the 2-vs-1 layer axis)
+    _fails(capsys, "mcore-to-hf", "--mcore", llama_mcore, "--out", out, match="has shape (2, 16")
 
 
 def test_killed_conversion_leaves_no_output_directory(llama: Path, tmp_path: Path) -> None:
