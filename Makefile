@@ -28,7 +28,7 @@ run: $(STAMP)
 	$(PY) -m mcore_rl.train $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q --durations=40 tests $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -253,12 +253,25 @@ def test_lookup_rows_and_reward(tmp_path):
     def score(text: str) -> float:
         return default_compute_score("synthetic/lookup", text, value, row["extra_info"])["score"]
 
+    store = row["extra_info"]["tools_kwargs"]["lookup"]["create_kwargs"]["store"]
+    assert sorted(store) == [str(d) for d in range(10)] and store[key] == value  # another key, another value
+    wrong_key = (key + 1) % 10
+    other = store[wrong_key]
+    assert asyncio.run(toolset.tools["lookup"].execute({"key": wrong_key}, toolset.states["lookup"])) == other
+
     call = CALL.replace("7", str(key))
-    reply = f"\nuser\n<tool_response>\n{value}\n</tool_response>\nassistant\n"
-    assert score(call + reply + value) == 1.0
-    assert score(call + reply + value + "1") == pytest.approx(0.8)  # did not stop after the answer
-    assert score(call.replace(f" {key}}}", f" {(key + 1) % 10}}}")) == pytest.approx(0.25)  # wrong key: format only
+    wrong = CALL.replace("7", str(wrong_key))
+
+    def reply(v: str) -> str:
+        return f"\nuser\n<tool_response>\n{v}\n</tool_response>\nassistant\n"
+
+    assert score(call + reply(value) + value) == 1.0
+    assert score(call + reply(value) + value + "1") == pytest.approx(0.65)  # did not stop after the answer
+    assert score(call) == pytest.approx(0.4)  # the whole call with the prompt's key, no answer yet
+    assert score(wrong) == pytest.approx(0.25)  # another key: the call's pieces only
+    assert score(wrong + reply(other) + other) == pytest.approx(0.6)  # ... relaying what the tool said
+    assert score(wrong + reply(other) + value) == pytest.approx(0.25)  # ... the right digit it could not have read
     head = '<tool_call>{"name": "lookup", "arguments": {"key": '
-    assert score(head + "}}</tool_call>") == pytest.approx(0.1)  # no key: closing pieces earn nothing
-    assert score(value) == pytest.approx(0.5)  # a lucky guess without the tool
+    assert score(head + "}}</tool_call>") == pytest.approx(0.1)  # no key: the closings earn nothing
+    assert score(value) == 0.0  # a guess without the tool
     assert score("") == 0.0

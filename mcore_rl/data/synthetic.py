@@ -106,7 +106,18 @@ LOOKUP_SCHEMA = pa.schema(
                                 (
                                     "lookup",
                                     pa.struct(
-                                        [("create_kwargs", pa.struct([("key", pa.int64()), ("value", pa.string())]))]
+                                        [
+                                            (
+                                                "create_kwargs",
+                                                pa.struct(
+                                                    [
+                                                        ("key", pa.int64()),
+                                                        ("value", pa.string()),
+                                                        ("store", pa.list_(pa.string())),
+                                                    ]
+                                                ),
+                                            )
+                                        ]
                                     ),
                                 )
                             ]
@@ -128,7 +139,9 @@ def get_task(task: str) -> SyntheticTask:
 
 def lookup_rows(num_prompts: int, seed: int, split: str = "train") -> list[dict[str, Any]]:
     """Rows of the lookup task: key and value digits drawn independently, each balanced over 0-9 (shuffled rounds),
-    so neither the prompt nor the value's frequency gives the answer away."""
+    so neither the prompt nor the value's frequency gives the answer away. The row's store holds a value under every
+    key 0-9 (a permutation of the digits with the answer under the prompt's key): a call with another key gets
+    another value, never the answer."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     rng = random.Random(seed)
@@ -137,6 +150,10 @@ def lookup_rows(num_prompts: int, seed: int, split: str = "train") -> list[dict[
     while len(keys) < num_prompts:
         keys.extend(rng.sample(range(10), k=10))
         values.extend(rng.sample(range(10), k=10))
+    stores = []
+    for key, value in zip(keys[:num_prompts], values[:num_prompts]):
+        others = [str(d) for d in rng.sample([d for d in range(10) if d != value], k=9)]
+        stores.append(others[:key] + [str(value)] + others[key:])
     return [
         {
             "data_source": DATA_SOURCE_PREFIX + LOOKUP_TASK,
@@ -147,10 +164,10 @@ def lookup_rows(num_prompts: int, seed: int, split: str = "train") -> list[dict[
                 "split": split,
                 "index": index,
                 "task": LOOKUP_TASK,
-                "tools_kwargs": {"lookup": {"create_kwargs": {"key": key, "value": str(value)}}},
+                "tools_kwargs": {"lookup": {"create_kwargs": {"key": key, "value": str(value), "store": store}}},
             },
         }
-        for index, (key, value) in enumerate(zip(keys[:num_prompts], values[:num_prompts]))
+        for index, (key, value, store) in enumerate(zip(keys, values, stores))
     ]
 
 

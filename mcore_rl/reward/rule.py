@@ -58,11 +58,12 @@ def synthetic_digits_score(
 
 
 # --- the multi-turn lookup task ----------------------------------------------------------------------------------
-# Weights (sum 1): the call's fixed pieces, a number where the key goes, the right key, then the answer.
-LOOKUP_PIECE_WEIGHT = 0.05  # each of <tool_call>, the JSON head, }}, </tool_call>, and "a number as the key"
-LOOKUP_KEY_WEIGHT = 0.25
-LOOKUP_ANSWER_WEIGHT = 0.3
-LOOKUP_EXACT_WEIGHT = 0.2
+# Weights (sum 1): the call's pieces, the right key, relaying what the tool answered, and the right answer.
+LOOKUP_PIECE_WEIGHT = 0.05  # each of <tool_call>, the JSON head, a number as the key, }}, </tool_call>
+LOOKUP_KEY_WEIGHT = 0.15
+LOOKUP_RELAY_WEIGHT = 0.25  # the final answer starts with the value the call returned
+LOOKUP_RELAY_EXACT_WEIGHT = 0.1  # ... and is exactly it
+LOOKUP_ANSWER_WEIGHT = 0.25  # the final answer is the prompt's value (only the right key returns it)
 _LOOKUP_CALL_HEAD = '{"name": "lookup", "arguments": {"key": '
 
 
@@ -74,40 +75,49 @@ def synthetic_lookup_score(
 
         score = 0.05 per piece of the expected call found in order in the first turn: <tool_call>, the JSON head,
                      a number after the head, and only after a number: }}, </tool_call>
-              + 0.25 if that number is the prompt's key (the copy the policy must learn to reach the value)
-              + 0.3 if the final answer starts with the value  + 0.2 if it is exactly the value
+              + 0.15 if that number is the prompt's key
+              + after a whole call: 0.25 if the final answer starts with the value the tool returned for the called
+                key (the row's store), + 0.1 if it is exactly that value
+              + 0.25 if the final answer is exactly the prompt's value (`ground_truth`) after a call with its key
 
-    The final answer is the text after the last tool response (the whole text if no tool answered), so it can only
-    be right by luck (1 in 10) or by reading the tool. A missing piece earns nothing but does not cost the ones after
-    it, so each is learnt on its own (a random policy must see a gradient before it ever completes a call); the key
-    carries most of the call's weight, as the digit task's match term does, and the closing pieces count only after
-    a number, so neither a call with a fixed wrong key nor one without a key is a resting place (both were, in runs
-    with 0.06 for the key or with closings credited alone: the policy's entropy collapsed there).
-    Returns "score", "acc" (exact answer), "called" (the call was exactly right).
+    The final answer is the text after the last tool response. A missing piece earns nothing but does not cost the
+    ones after it, so each is learnt on its own (a random policy must see a gradient before it ever completes a
+    call); the closings count only after a number, so a call without a key is no resting place. Relaying the tool's
+    value is learnt with any key (reading a tool response is the multi-turn skill); copying the prompt's key into the
+    call then pays for the key and the right answer. Under earlier weights the answer needed the right key first and
+    was never learnt: the key collapsed to one digit before the copy was found (the digits after the head ride on
+    the head's advantage), and a guess without a call paid as much as the right call.
+    Returns "score", "acc" (exact answer), "called" (the call was exactly right), "relayed" (the answer is exactly
+    the tool's value).
     """
-    kwargs = ((extra_info or {}).get("tools_kwargs") or {}).get("lookup") or {}
-    key = (kwargs.get("create_kwargs") or {}).get("key")
+    create = ((extra_info or {}).get("tools_kwargs") or {}).get("lookup", {}).get("create_kwargs") or {}
+    key, store = create.get("key"), create.get("store")
     if key is None:
         raise ValueError(f"lookup reward for data_source={data_source!r}: extra_info.tools_kwargs.lookup has no key")
+    store = {str(k): str(v) for k, v in enumerate(store)} if store is not None else {str(key): ground_truth}
     first_turn = solution_str.split("<tool_response>", 1)[0]
     offset, score, found, number = 0, 0.0, 0, ""
     for piece in ("<tool_call>", _LOOKUP_CALL_HEAD, "KEY", "}}", "</tool_call>"):
         if piece == "KEY":
-            start = offset
-            while offset < len(first_turn) and first_turn[offset].isdigit():
-                offset += 1
-            number = first_turn[start:offset]
+            number = re.match(r"\d*", first_turn[offset:]).group()
+            offset += len(number)
             if number and found >= 2:  # a number right after the head
                 score += LOOKUP_PIECE_WEIGHT + LOOKUP_KEY_WEIGHT * (number == str(key))
-                found += number == str(key)
+                found += 1
         elif first_turn.startswith(piece, offset) and (found < 2 or number):
             score, offset, found = score + LOOKUP_PIECE_WEIGHT, offset + len(piece), found + 1
-    answer = solution_str.rsplit("</tool_response>", 1)[-1]
-    answer = answer.split("assistant\n", 1)[-1].strip() if "</tool_response>" in solution_str else answer.strip()
-    starts = float(answer[: len(ground_truth)] == ground_truth)
-    exact = float(answer == ground_truth)
-    score += LOOKUP_ANSWER_WEIGHT * starts + LOOKUP_EXACT_WEIGHT * exact
-    return {"score": score, "acc": exact, "called": float(found == 5)}
+    returned, answer = store.get(number) if found == 5 else None, None
+    if returned is not None and "</tool_response>" in solution_str:
+        answer = solution_str.rsplit("</tool_response>", 1)[-1].split("assistant\n", 1)[-1].strip()
+        score += LOOKUP_RELAY_WEIGHT * (answer[: len(returned)] == returned)
+        score += LOOKUP_RELAY_EXACT_WEIGHT * (answer == returned)
+        score += LOOKUP_ANSWER_WEIGHT * (answer == ground_truth and number == str(key))
+    return {
+        "score": score,
+        "acc": float(answer == ground_truth and number == str(key)),
+        "called": float(found == 5 and number == str(key)),
+        "relayed": float(answer is not None and answer == returned),
+    }
 
 
 # --- GSM8K -------------------------------------------------------------------------------------------------------

@@ -167,7 +167,8 @@ class PythonTool(Tool):
 
 # -------------------------------------------------------------------------------------------------------- lookup
 class Lookup(Tool):
-    """The synthetic task's store: one key -> value pair per episode (create_kwargs key, value)."""
+    """The synthetic task's store, one per episode: create_kwargs key and value (the answer), and optionally the
+    whole store, a list whose item i is the value under key i (it must hold the value under the key)."""
 
     def __init__(self) -> None:
         super().__init__(
@@ -183,10 +184,18 @@ class Lookup(Tool):
         )
 
     def create(self, **create_kwargs: Any) -> dict[str, Any]:
-        unknown = set(create_kwargs) - {"key", "value"}
+        unknown = set(create_kwargs) - {"key", "value", "store"}
         if unknown or "key" not in create_kwargs or "value" not in create_kwargs:
-            raise ToolFailure(f"lookup needs create_kwargs key and value, got {sorted(create_kwargs)}")
-        return {str(create_kwargs["key"]): str(create_kwargs["value"])}
+            raise ToolFailure(
+                f"lookup needs create_kwargs key and value (and optionally store), got {sorted(create_kwargs)}"
+            )
+        key, value, store = str(create_kwargs["key"]), str(create_kwargs["value"]), create_kwargs.get("store")
+        if store is None:
+            return {key: value}
+        state = {str(i): str(v) for i, v in enumerate(store)}
+        if state.get(key) != value:
+            raise ToolFailure(f"lookup create_kwargs: store[{key}] is {state.get(key)!r}, expected the value {value!r}")
+        return state
 
     async def execute(self, arguments: dict[str, Any], state: dict[str, Any], **execute_kwargs: Any) -> str:
         key = str(arguments["key"])
