@@ -273,5 +273,6 @@ def test_lookup_rows_and_reward(tmp_path):
     assert score(wrong + reply(other) + value) == pytest.approx(0.25)  # ... the right digit it could not have read
     head = '<tool_call>{"name": "lookup", "arguments": {"key": '
     assert score(head + "}}</tool_call>") == pytest.approx(0.1)  # no key: the closings earn nothing
+    assert score("<tool_call>}}</tool_call>") == pytest.approx(0.05)  # pieces count only in the call's order
     assert score(value) == 0.0  # a guess without the tool
     assert score("") == 0.0

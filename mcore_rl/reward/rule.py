@@ -73,20 +73,20 @@ def synthetic_lookup_score(
     """Score a `synthetic/lookup` episode (see `mcore_rl/data/synthetic.py`): the decoded response after the prompt,
     tool turns included (`<tool_call>...</tool_call>`, `<tool_response>...</tool_response>`, the final answer).
 
-        score = 0.05 per piece of the expected call found in order in the first turn: <tool_call>, the JSON head,
-                     a number after the head, and only after a number: }}, </tool_call>
+        score = 0.05 per piece of the expected call, each counted only right after the one before it (the call's
+                     prefix): <tool_call>, the JSON head, a number, }}, </tool_call>
               + 0.15 if that number is the prompt's key
               + after a whole call: 0.25 if the final answer starts with the value the tool returned for the called
                 key (the row's store), + 0.1 if it is exactly that value
               + 0.25 if the final answer is exactly the prompt's value (`ground_truth`) after a call with its key
 
-    The final answer is the text after the last tool response. A missing piece earns nothing but does not cost the
-    ones after it, so each is learnt on its own (a random policy must see a gradient before it ever completes a
-    call); the closings count only after a number, so a call without a key is no resting place. Relaying the tool's
-    value is learnt with any key (reading a tool response is the multi-turn skill); copying the prompt's key into the
-    call then pays for the key and the right answer. Under earlier weights the answer needed the right key first and
-    was never learnt: the key collapsed to one digit before the copy was found (the digits after the head ride on
-    the head's advantage), and a guess without a call paid as much as the right call.
+    The final answer is the text after the last tool response. The prefix gives a random policy a gradient long
+    before it completes a call, one piece at a time. Relaying the tool's value is learnt with any key (reading a
+    tool response is the multi-turn skill); copying the prompt's key into the call then pays for the key and the
+    right answer. Resting places under earlier weights, seen in decoded episodes: pieces credited out of order
+    (`<tool_call>}}` scored as much as `<tool_call>` + head, and the policy never learnt the head); an answer that
+    needed the right key first (never learnt: the key collapsed to one digit before the copy was found, the digits
+    after the head riding on the head's advantage); a guess without a call that paid as much as the right call.
     Returns "score", "acc" (exact answer), "called" (the call was exactly right), "relayed" (the answer is exactly
     the tool's value).
     """
@@ -96,16 +96,19 @@ def synthetic_lookup_score(
         raise ValueError(f"lookup reward for data_source={data_source!r}: extra_info.tools_kwargs.lookup has no key")
     store = {str(k): str(v) for k, v in enumerate(store)} if store is not None else {str(key): ground_truth}
     first_turn = solution_str.split("<tool_response>", 1)[0]
-    offset, score, found, number = 0, 0.0, 0, ""
+    score, found, number = 0.0, 0, ""
     for piece in ("<tool_call>", _LOOKUP_CALL_HEAD, "KEY", "}}", "</tool_call>"):
         if piece == "KEY":
-            number = re.match(r"\d*", first_turn[offset:]).group()
-            offset += len(number)
-            if number and found >= 2:  # a number right after the head
-                score += LOOKUP_PIECE_WEIGHT + LOOKUP_KEY_WEIGHT * (number == str(key))
-                found += 1
-        elif first_turn.startswith(piece, offset) and (found < 2 or number):
-            score, offset, found = score + LOOKUP_PIECE_WEIGHT, offset + len(piece), found + 1
+            number = re.match(r"\d*", first_turn).group()
+            if not number:
+                break
+            score += LOOKUP_PIECE_WEIGHT + LOOKUP_KEY_WEIGHT * (number == str(key))
+        elif first_turn.startswith(piece):
+            score += LOOKUP_PIECE_WEIGHT
+        else:
+            break
+        first_turn = first_turn[len(number if piece == "KEY" else piece) :]
+        found += 1
     returned, answer = store.get(number) if found == 5 else None, None
     if returned is not None and "</tool_response>" in solution_str:
         answer = solution_str.rsplit("</tool_response>", 1)[-1].split("assistant\n", 1)[-1].strip()
