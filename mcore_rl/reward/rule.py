@@ -90,7 +90,7 @@ def synthetic_lookup_score(
     Returns "score", "acc" (exact answer), "called" (the call was exactly right), "relayed" (the answer is exactly
     the tool's value).
     """
-    create = ((extra_info or {}).get("tools_kwargs") or {}).get("lookup", {}).get("create_kwargs") or {}
+    create = (((extra_info or {}).get("tools_kwargs") or {}).get("lookup") or {}).get("create_kwargs") or {}
     key, store = create.get("key"), create.get("store")
     if key is None:
         raise ValueError(f"lookup reward for data_source={data_source!r}: extra_info.tools_kwargs.lookup has no key")
@@ -109,16 +109,17 @@ def synthetic_lookup_score(
             break
         first_turn = first_turn[len(number if piece == "KEY" else piece) :]
         found += 1
+    right_key = number == str(key)
     returned, answer = store.get(number) if found == 5 else None, None
     if returned is not None and "</tool_response>" in solution_str:
         answer = solution_str.rsplit("</tool_response>", 1)[-1].split("assistant\n", 1)[-1].strip()
         score += LOOKUP_RELAY_WEIGHT * (answer[: len(returned)] == returned)
         score += LOOKUP_RELAY_EXACT_WEIGHT * (answer == returned)
-        score += LOOKUP_ANSWER_WEIGHT * (answer == ground_truth and number == str(key))
+        score += LOOKUP_ANSWER_WEIGHT * (answer == ground_truth and right_key)
     return {
         "score": score,
-        "acc": float(answer == ground_truth and number == str(key)),
-        "called": float(found == 5 and number == str(key)),
+        "acc": float(answer == ground_truth and right_key),
+        "called": float(found == 5 and right_key),
         "relayed": float(answer is not None and answer == returned),
     }
 
