@@ -124,7 +124,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, _hf_config(cfg)
         )
         ckpt = Checkpointer(cfg)  # trainer.resume: actor ranks, data position and metric history restored
-        state = ckpt.resume(actor, loader, LoopState())
+        state = ckpt.resume(actor, loader, LoopState(), critic)
         placement.sync_weights(sync, state.weight_version)  # the engines start from the actor's (restored) weights
         producer = make_producer(cfg, loader, engines, reward, tokenizer, state)  # single-turn | agent, sync | async
         advantages = AdvantageStage(cfg.algorithm, state.controllers)
@@ -180,7 +180,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             )  # fmt: skip
             log.write(step, {**metrics, "weight_version": state.weight_version, **rollouts.metrics, **adv_metrics})
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
-            ckpt.after_step(actor, state)  # every trainer.save_every steps and after the last
+            ckpt.after_step(actor, state, critic)  # every trainer.save_every steps and after the last
         return log.summary(seconds=time.time() - start)
     finally:  # also on errors: no engine, router or rank outlives the run
         if hasattr(producer, "close"):

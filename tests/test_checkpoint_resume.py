@@ -210,20 +210,26 @@ def test_full_disk_save_fails_loudly_and_keeps_the_previous_checkpoint(other_lay
     assert not store.half_written(root)  # the failed save's temporary directory is gone
 
 
-# ---------------------------------------------------------------------------------------- distributed optimizer
-def test_the_distributed_optimizer_resumes_exactly(tmp_path: Path):
-    """Megatron's distributed optimizer (fully reshardable state), under the CPU runtime's torch Adam, whose restored
-    step count Megatron 0.16.1 shares between parameters (checkpoint/rank_io.py restores one per parameter):
-    2 steps straight vs 1 step + resume from its checkpoint (in another run dir) + 1 step: step 2's metrics equal."""
+# ------------------------------------------------------------------------------- distributed optimizer, critic
+def test_the_distributed_optimizer_and_the_critic_resume_exactly(tmp_path: Path):
+    """PPO (algorithm.adv_estimator=gae) with a critic group, the actor on Megatron's distributed optimizer (fully
+    reshardable state, under the CPU runtime's torch Adam, whose restored step count Megatron 0.16.1 shares between
+    parameters: checkpoint/rank_io.py restores one per parameter). The critic's ranks save their model, optimizer and
+    RNG under critic/. 2 steps straight vs 1 step + resume from its checkpoint (in another run dir) + 1 step: step 2's
+    metrics (critic values, value loss, the actor's losses) equal; a critic restarted from its initial weights would
+    give other values at step 2."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    distributed = ["actor.optim.distributed=true", "trainer.steps=2"]
-    out = _train(straight, *distributed, "trainer.save_every=1", "trainer.keep_last=null")
+    ppo = ["actor.optim.distributed=true", "algorithm.adv_estimator=gae", "critic.enable=true", "trainer.steps=2"]
+    out = _train(straight, *ppo, "trainer.save_every=1", "trainer.keep_last=null")
     assert out.returncode == 0, out.stderr[-3000:]
-    out = _train(resumed, *distributed, f"trainer.resume={straight / 'checkpoints/step_00000001'}")
+    saved = store.read_meta(straight / "checkpoints/step_00000001")
+    assert saved["critic"] == {"layout": "tp1 pp1 cp1 ep1 etp1", "world_size": 1}
+    out = _train(resumed, *ppo, f"trainer.resume={straight / 'checkpoints/step_00000001'}")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed" in out.stdout and "at step 1, weight version" in out.stdout and "RNG states restored" in out.stdout
     got, want = _metrics(resumed), [m for m in _metrics(straight) if m["step"] == 2]
     assert [m["step"] for m in got] == [2]
+    assert "critic/vf_loss" in got[0] and "critic/values/mean" in got[0]
     assert got == want
 
 
@@ -282,6 +288,10 @@ def _half_written(reference: Path) -> Path:
             "meta.json: padded_vocab_size is 64 in the checkpoint (saved under tp1 pp1 cp1 ep2 etp1), this layout "
             "pads the vocabulary to 128",
         ),
+        (
+            ["trainer.resume={ckpt}", "algorithm.adv_estimator=gae", "critic.enable=true"],
+            "step_00000002/meta.json: the checkpoint holds no critic (saved by a run without critic.enable)",
+        ),
         (["trainer.save_every=2"], "holds checkpoints of an earlier run, which this new run"),
         (["trainer.save_every=-1"], "trainer.save_every=-1 is invalid: expected an integer >= 0"),
         (["trainer.keep_last=0"], "trainer.keep_last=0 is invalid: expected a positive integer"),
@@ -293,6 +303,7 @@ def _half_written(reference: Path) -> Path:
         "vocabulary",
         "dtype",
         "vocab-padding",
+        "no-critic",
         "overwrite",
         "save-every",
         "keep-last",

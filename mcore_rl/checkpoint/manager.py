@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mcore_rl.checkpoint import store
-from mcore_rl.checkpoint.rank_io import MODEL_DIR, REFERENCE_DIR
+from mcore_rl.checkpoint.rank_io import CRITIC_DIR, MODEL_DIR, REFERENCE_DIR
 from mcore_rl.config import RLConfig
 from mcore_rl.models.base import padded_vocab_size
 
@@ -70,7 +70,9 @@ def check_resume(cfg: RLConfig) -> Path | None:
     if path is None:
         return None
     meta = store.read_meta(path)
-    store.check_compatible(path, meta, run_model_identity(cfg, hf_config_of(cfg)), cfg.actor.use_ref)
+    store.check_compatible(
+        path, meta, run_model_identity(cfg, hf_config_of(cfg)), cfg.actor.use_ref, critic=cfg.critic.enable
+    )
     return path
 
 
@@ -93,9 +95,10 @@ class Checkpointer:
         self._reference: Path | None = None
 
     # ------------------------------------------------------------------------------------------------ resume
-    def resume(self, actor: Any, loader: Any, new: Any) -> Any:
-        """Restore the checkpoint trainer.resume designates into the actor ranks and the loader, and return its loop
-        state (of `new`'s type: controller/state.py's LoopState); `new` itself when there is nothing to resume."""
+    def resume(self, actor: Any, loader: Any, new: Any, critic: Any = None) -> Any:
+        """Restore the checkpoint trainer.resume designates into the actor ranks, the critic's (a CriticGroup, with
+        critic.enable) and the loader, and return its loop state (of `new`'s type: controller/state.py's LoopState);
+        `new` itself when there is nothing to resume."""
         for tmp in store.half_written(self.root):
             print(f"checkpoint: ignoring {tmp} (a save that did not finish; removed by the next save)", flush=True)
         path = check_resume(self.cfg)
@@ -106,6 +109,8 @@ class Checkpointer:
         start = time.perf_counter()
         meta = store.read_meta(path)
         results = actor.call("load_checkpoint", str(path))
+        if critic is not None:  # its own world and layout; check_resume made sure the checkpoint holds one
+            results += critic.group.call("load_checkpoint", str(path / CRITIC_DIR))
         try:
             state = type(new).from_dict(json.loads((path / store.LOOP_STATE).read_text()))
         except (ValueError, TypeError) as err:
@@ -137,15 +142,16 @@ class Checkpointer:
             os.replace(tmp, self.metrics_path)
 
     # -------------------------------------------------------------------------------------------------- save
-    def after_step(self, actor: Any, state: Any) -> Path | None:
+    def after_step(self, actor: Any, state: Any, critic: Any = None) -> Path | None:
         """Save if the step is a multiple of trainer.save_every, or the last step (with saving on)."""
         every = self.cfg.trainer.save_every
         if every and (state.step % every == 0 or state.step == self.cfg.trainer.steps):
-            return self.save(actor, state)
+            return self.save(actor, state, critic)
         return None
 
-    def save(self, actor: Any, state: Any) -> Path:
-        """Write a complete checkpoint of `state` and the actor ranks; publish it atomically; prune."""
+    def save(self, actor: Any, state: Any, critic: Any = None) -> Path:
+        """Write a complete checkpoint of `state`, the actor ranks and the critic's (if any, under critic/); publish
+        it atomically; prune."""
         start = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{store.TMP_PREFIX}{store.step_name(state.step)}-{uuid.uuid4().hex[:8]}"
@@ -156,6 +162,7 @@ class Checkpointer:
             if linked:
                 store.link_tree(self._reference, tmp / REFERENCE_DIR)
             saved = actor.call("save_checkpoint", str(tmp), use_ref and not linked)[0]
+            critic_saved = critic.group.call("save_checkpoint", str(tmp / CRITIC_DIR))[0] if critic else None
             if os.environ.get(PAUSE_ENV) == str(state.step):
                 print(f"checkpoint: test hook {PAUSE_ENV}: pausing inside the save of step {state.step}", flush=True)
                 time.sleep(3600)
@@ -170,6 +177,9 @@ class Checkpointer:
                 "layout": saved["layout"],
                 "world_size": saved["world_size"],
                 "reference": use_ref,
+                "critic": None if critic_saved is None else {
+                    "layout": critic_saved["layout"], "world_size": critic_saved["world_size"]
+                },  # fmt: skip
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             if saved["padded_vocab_size"] != meta["model"]["padded_vocab_size"]:

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 MODEL_DIR, OPTIMIZER_DIR, REFERENCE_DIR, RNG_DIR = "model", "optimizer", "reference", "rng"
+#: the PPO critic's ranks save their own model/, optimizer/ and rng/ under critic/ (its own world and layout)
+CRITIC_DIR = "critic"
 #: metadata Megatron's sharded_state_dict implementations read; `fully_reshardable` keeps the distributed
 #: optimizer's state loadable under another layout (Megatron-LM's --dist-ckpt-optim-fully-reshardable)
 SHARDING = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}

@@ -26,7 +26,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from mcore_rl.checkpoint.rank_io import MODEL_DIR, OPTIMIZER_DIR, REFERENCE_DIR, RNG_DIR
+from mcore_rl.checkpoint.rank_io import CRITIC_DIR, MODEL_DIR, OPTIMIZER_DIR, REFERENCE_DIR, RNG_DIR
 from mcore_rl.resharding.hf_io import CheckpointError as _UnusableCheckpoint
 
 FORMAT, VERSION = "mcore_rl training checkpoint", 1
@@ -110,6 +110,8 @@ def read_meta(path: Path) -> dict[str, Any]:
     needed = [LOOP_STATE, f"{MODEL_DIR}/.metadata", f"{OPTIMIZER_DIR}/.metadata", RNG_DIR]
     if meta.get("reference"):
         needed.append(f"{REFERENCE_DIR}/.metadata")
+    if meta.get("critic"):
+        needed += [f"{CRITIC_DIR}/{MODEL_DIR}/.metadata", f"{CRITIC_DIR}/{OPTIMIZER_DIR}/.metadata"]
     for name in needed:
         if not (path / name).exists():
             raise CheckpointError(f"{path / name}: missing (the checkpoint is incomplete)")
@@ -126,8 +128,11 @@ def model_identity(hf_config: dict[str, Any], dtype: str, divisible_by: int, pad
     }
 
 
-def check_compatible(path: Path, meta: dict[str, Any], model: dict[str, Any], use_ref: bool) -> None:
-    """Refuse a checkpoint of another model, vocabulary, shape, dtype or padded vocabulary, naming the field."""
+def check_compatible(
+    path: Path, meta: dict[str, Any], model: dict[str, Any], use_ref: bool, critic: bool = False
+) -> None:
+    """Refuse a checkpoint of another model, vocabulary, shape, dtype or padded vocabulary, naming the field; and one
+    without the reference or critic this run needs."""
     where = path / META
     saved = meta.get("model", {})
     saved_hf, ours = saved.get("hf_config", {}), model["hf_config"]
@@ -151,6 +156,11 @@ def check_compatible(path: Path, meta: dict[str, Any], model: dict[str, Any], us
         )
     if use_ref and not meta.get("reference"):
         raise CheckpointError(f"{where}: the checkpoint holds no reference model, and actor.use_ref=true needs one")
+    if critic and not meta.get("critic"):
+        raise CheckpointError(
+            f"{where}: the checkpoint holds no critic (saved by a run without critic.enable), and this run's "
+            f"algorithm.adv_estimator=gae needs one; resume it with the algorithm it was trained with"
+        )
 
 
 # ------------------------------------------------------------------------------------------------- writing
