@@ -12,6 +12,9 @@ A save: the ranks write model, optimizer, RNG (and, once per run, the reference)
 trainer.keep_last (store.py). A failed save (a full disk) raises, naming the step and the cause; the previous
 checkpoint stays in place.
 
+PPO's critic (a CriticGroup: its own ranks, world and layout) saves into critic/ of the same checkpoint, through the
+same rank_io.py code, and is restored from there; a gae run refuses a checkpoint without one (check_resume).
+
 The reference model is the initial policy in GRPO. It is saved once, in the run's first checkpoint, and hard-linked
 into every later one: each checkpoint stays self-contained and prunable at no extra disk. It is not rebuilt from the
 initial weights on resume, because a randomly initialised model (model.path=null) depends on the layout's RNG streams,
