@@ -146,8 +146,8 @@ def plan_checkpoint(
     everything (tests compare the two).
     """
     config = spec.transformer_config()
-    kinds = _layer_kinds(config)
-    keep = _representatives(kinds)
+    kinds = layer_kinds(config)
+    keep = representative_layers(kinds)
     if not fold_layers or len(keep) == len(kinds) or not _keys_carry_layer_index(config):
         return _plan_built(spec, pg_collection, build_chunks)
     overrides = dict(spec.config_overrides, num_layers=len(keep), moe_layer_freq=[kinds[i] for i in keep])
@@ -155,7 +155,7 @@ def plan_checkpoint(
     return _unfold(small, kinds, keep)
 
 
-def _layer_kinds(config: Any) -> list[int]:
+def layer_kinds(config: Any) -> list[int]:
     """1 for an MoE decoder layer, 0 for a dense one (Megatron's reading of moe_layer_freq)."""
     if not config.num_moe_experts:
         return [0] * config.num_layers
@@ -182,7 +182,7 @@ def _keys_carry_layer_index(config: Any) -> bool:
     )
 
 
-def _representatives(kinds: list[int]) -> list[int]:
+def representative_layers(kinds: list[int]) -> list[int]:
     """Layers to build: the first of each kind, in order, and the last layer's kind last (MTP layers copy the spec
     of the decoder's last layer)."""
     keep = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())

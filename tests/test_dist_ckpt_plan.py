@@ -36,7 +36,7 @@ def plans_rank(rank: int, world: int, configs: dict[str, dict]) -> dict[str, tup
     from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
     from mcore_rl.parallel.groups import initialize_model_parallel
     from mcore_rl.parallel.layout import ParallelLayout
-    from mcore_rl.resharding.dist_ckpt import _layer_kinds, plan_checkpoint
+    from mcore_rl.resharding.dist_ckpt import layer_kinds, plan_checkpoint
 
     pg = initialize_model_parallel(ParallelLayout())
     out = {}
@@ -44,7 +44,7 @@ def plans_rank(rank: int, world: int, configs: dict[str, dict]) -> dict[str, tup
         spec = ModelSpec(HFConfig(config), ParallelLayout(), dtype=torch.bfloat16)
         folded = plan_checkpoint(spec, pg, build_gpt_chunks)
         full = plan_checkpoint(spec, pg, build_gpt_chunks, fold_layers=False)
-        kinds = _layer_kinds(spec.transformer_config())
+        kinds = layer_kinds(spec.transformer_config())
         out[name] = (folded.entries, full.entries, folded.objects, full.objects, kinds)
     return out
 
@@ -60,3 +60,34 @@ def test_folded_plan_equals_whole_model_plan() -> None:
     assert results["deepseek_v3 3 dense + 4 MoE + MTP"][4] == [0, 0, 0, 1, 1, 1, 1]
     assert results["qwen3_moe dense layers 1 and 5 of 6"][4] == [1, 0, 1, 1, 1, 0]
     assert results["qwen3_moe every 2nd layer MoE"][4] == [0, 1, 0, 1, 0]
+
+
+#: (config, layout) pairs for the dry run's parameter count: pipeline stages that split the kinds unevenly, virtual
+#: stages, expert and tensor parallelism, the MTP layer on the last stage
+ESTIMATE_CASES = [
+    ("deepseek_v3 3 dense + 4 MoE + MTP", dict(pp=2, ep=4, tp=2)),
+    ("deepseek_v3 3 dense + 4 MoE + MTP", dict(pp=2, ep=2, first_stage_layers=2)),
+    ("qwen3_moe dense layers 1 and 5 of 6", dict(pp=3, ep=2)),
+    ("qwen3_moe every 2nd layer MoE", dict(pp=1, ep=2, tp=2, etp=2)),
+    ("qwen3_moe dense layers 1 and 5 of 6", dict(pp=3, vpp=2, ep=1)),
+]
+
+
+def rank_params_rank(rank: int, world: int, cases: list[tuple[str, dict]]) -> list[tuple]:
+    from mcore_rl.models.estimate import rank_params
+    from mcore_rl.parallel.layout import ParallelLayout
+
+    out = []
+    for name, layout in cases:
+        lay = ParallelLayout(**layout)
+        out.append((rank_params(CONFIGS[name], lay, 8, "bfloat16"), rank_params(CONFIGS[name], lay, 8, "bfloat16", False)))
+    return out
+
+
+def test_folded_rank_params_equal_the_whole_model_count() -> None:
+    """launch/submit.py --dry-run counts the fullest rank's parameters from one layer of each kind
+    (models/estimate.py: rank_params); the count equals the one from the whole model built layer by layer."""
+    results = run_on_ranks(rank_params_rank, 1, (ESTIMATE_CASES,))[0]
+    for (name, layout), (folded, full) in zip(ESTIMATE_CASES, results):
+        assert full.dense > 0 and folded == full, (name, layout, folded, full)
+    assert any(full.expert > 0 for _, full in results)
