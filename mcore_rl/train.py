@@ -107,7 +107,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
     placement = make_placement(cfg)  # split pools, or colocated taking turns (controller/placement.py)
     actor = ActorGroup(
         cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed, options=placement.actor_options
-    )
+    )  # the ranks start (build, load) while the engines start below, unless they share a GPU
+    if not placement.overlap_startup:
+        actor.ready()
     engines = critic = producer = None
     try:
         critic = CriticGroup(cfg) if cfg.critic.enable else None
@@ -120,6 +122,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
             engine_options=placement.engine_options,
         )
+        actor.ready()
         sync = WeightSync(
             actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, _hf_config(cfg)
         )

@@ -106,8 +106,8 @@ def time_calls(calls: int) -> None:
         world = cfg.actor.world_size
         remote = ray.remote(_timed_actor_cls()).options(num_cpus=1)
         handles = [remote.remote(r, world, cfg.model, cfg.actor, "cpu", 0) for r in range(world)]
-        addr, port = ray.get(handles[0].rendezvous_address.remote())
-        ray.get([h.initialize.remote(addr, port) for h in handles])
+        address = ray.get(handles[0].rendezvous_address.remote())
+        ray.get([h.initialize.remote(address) for h in handles])
         n = cfg.data.batch_size * cfg.rollout.n
         gen = torch.Generator().manual_seed(0)
         batch = TrainBatch(

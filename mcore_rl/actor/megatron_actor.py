@@ -80,8 +80,10 @@ class MegatronActor:
 
         return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1", free_port()
 
-    def initialize(self, master_addr: str, master_port: int) -> None:
-        """Join the process group at rank 0's address, build the model(s) and the optimizer (all ranks together)."""
+    def initialize(self, address: tuple[str, int]) -> None:
+        """Join the process group at rank 0's address (host, port), build the model(s) and the optimizer (all ranks
+        together)."""
+        master_addr, master_port = address
         runtime, actor_cfg, model_cfg = self.runtime, self.cfg, self.model_cfg
         init_distributed(runtime, self.rank, self.world_size, master_addr, master_port)
         self.layout = actor_cfg.layout.to_layout()

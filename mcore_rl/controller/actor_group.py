@@ -1,6 +1,7 @@
 """A Megatron worker group: N ranks as Ray actors that form their own torch.distributed world.
 
-    group = ActorGroup(cfg.model, cfg.actor, runtime="cpu")                  # the policy (+ frozen reference)
+    group = ActorGroup(cfg.model, cfg.actor, runtime="cpu")                  # the policy (+ frozen reference); starts
+    group.ready()                                    # waits for the ranks' start-up (the first call also does)
     critic = ActorGroup(cfg.model, cfg.critic, runtime="cpu", role="critic")  # the same worker as a critic
     results = group.call("logprobs", batch)          # every rank, in step
     logp = group.gather_dp(results)                   # outputs concatenated in data-parallel order
@@ -46,14 +47,26 @@ class ActorGroup:
             for rank in range(world)
         ]
         # Rank 0 hosts torch.distributed's TCP store, so the address must be its own node's, asked of rank 0 itself
-        # (Ray places actors on any node with room).
-        addr, port = ray.get(self.handles[0].rendezvous_address.remote())
-        ray.get([h.initialize.remote(addr, port) for h in self.handles])
+        # (Ray places actors on any node with room). Nothing waits here: every rank's `initialize` (Megatron's
+        # groups, the model build, the checkpoint load) is queued behind rank 0's answer (Ray resolves the reference
+        # before running it), so the ranks start while the controller starts the engines; `ready()` (and the first
+        # `call`) waits for them.
+        address = self.handles[0].rendezvous_address.remote()
+        self._starting: list[Any] | None = [h.initialize.remote(address) for h in self.handles]
         self.world_size = world
-        self.ranks = self.call("ping")
+        self.ranks: list[dict[str, Any]] = []
+
+    def ready(self) -> ActorGroup:
+        """Wait until every rank has initialised (raises a rank's start-up error); idempotent."""
+        if self._starting is not None:
+            starting, self._starting = self._starting, None
+            ray.get(starting)
+            self.ranks = self.call("ping")
+        return self
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call `method` on every rank with the same arguments (put once in the object store) and wait for all."""
+        self.ready()
         refs = [ray.put(a) for a in args]
         kw_refs = {k: ray.put(v) for k, v in kwargs.items()}
         return ray.get([getattr(h, method).remote(*refs, **kw_refs) for h in self.handles])

@@ -36,6 +36,8 @@ class SplitPlacement:
     """Separate pools for the actor and the engines (see the module docstring)."""
 
     name = "split"
+    #: whether the actor ranks may start while the engines start (train.py): yes on separate devices
+    overlap_startup = True
 
     def __init__(self, cfg: RLConfig) -> None:
         from ray.util.placement_group import placement_group
@@ -112,6 +114,9 @@ class ColocatedPlacement(SplitPlacement):
 
         self.cfg = cfg
         self.cuda = cfg.trainer.runtime == "cuda"
+        # On a shared GPU the engine sizes its KV cache from the memory free when it starts, so the actor ranks
+        # build first (verl's order); on CPU nothing is shared that a start-up measures.
+        self.overlap_startup = not self.cuda
         gpu = {"GPU": 1} if self.cuda else {}
         cpus = cfg.actor.num_cpus_per_rank
         self.actor_pg = placement_group([{"CPU": cpus, **gpu} for _ in range(cfg.actor.world_size)], strategy="PACK")
