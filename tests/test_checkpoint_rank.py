@@ -36,7 +36,7 @@ def _rank(rank: int, world: int, layout: dict, init_seed: int, load: str | None,
     sp = layout.get("tp", 1) > 1
     actor = MegatronActor(rank, world, model, ActorConfig(world_size=world, layout=LayoutConfig(**layout,
                           sequence_parallel=sp), mini_batches=1, use_ref=True))  # fmt: skip
-    actor.initialize("127.0.0.1", 0)
+    actor.initialize(("127.0.0.1", 0))
     out = {"load": actor.load_checkpoint(load) if load else None}
     out["updates"] = [actor.update(_batch(seed)).payload for seed in batches]
     out["logprobs"] = actor.logprobs(_batch(99)).payload

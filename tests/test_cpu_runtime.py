@@ -62,7 +62,7 @@ def _step_rank(rank, world):
         ModelConfig(hf_config=hf),
         ActorConfig(world_size=2, layout=LayoutConfig(ep=2), use_ref=False, mini_batches=1),
     )
-    actor.initialize("127.0.0.1", 0)  # the harness already started torch.distributed
+    actor.initialize(("127.0.0.1", 0))  # the harness already started torch.distributed
     return {n: p.detach().clone() for n, p in actor.chunks[0].named_parameters() if "experts" not in n}
 
 

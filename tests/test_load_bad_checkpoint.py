@@ -81,7 +81,7 @@ def _fp8_rank(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     from mcore_rl.config import ActorConfig, ModelConfig
 
     actor = MegatronActor(rank, world, ModelConfig(path=path), ActorConfig(world_size=1, use_ref=False))
-    actor.initialize("127.0.0.1", 0)  # the harness already started torch.distributed
+    actor.initialize(("127.0.0.1", 0))  # the harness already started torch.distributed
     from mcore_rl.resharding.weight_map import export_hf_weights
 
     exported = export_hf_weights(actor.chunks, actor.contexts, actor.weight_map, actor.pg.tp, actor.pg.expt_tp)

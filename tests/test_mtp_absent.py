@@ -96,7 +96,7 @@ def _actor_export(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     from mcore_rl.resharding.weight_map import export_hf_weights
 
     actor = MegatronActor(rank, world, ModelConfig(path=path), ActorConfig(world_size=1, use_ref=False))
-    actor.initialize("127.0.0.1", 0)  # the harness already started torch.distributed
+    actor.initialize(("127.0.0.1", 0))  # the harness already started torch.distributed
     exported = export_hf_weights(actor.chunks, actor.contexts, actor.weight_map, actor.pg.tp, actor.pg.expt_tp)
     return {name: t.clone() for name, t in exported}
 

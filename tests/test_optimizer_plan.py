@@ -40,7 +40,7 @@ def _rank(rank: int, world: int, distributed: bool) -> dict:
         world_size=world, layout=LayoutConfig(ep=2), optim=_optim(distributed), mini_batches=1, use_ref=True
     )
     actor = MegatronActor(rank, world, ModelConfig(hf_config=HF, dtype="bfloat16"), cfg)
-    actor.initialize("127.0.0.1", 0)  # the harness already started torch.distributed
+    actor.initialize(("127.0.0.1", 0))  # the harness already started torch.distributed
     gen = torch.Generator().manual_seed(0)
     lrs, grad_norms = [], []
     for _ in range(4):  # 4 optimizer steps (one mini-batch per update)

@@ -139,7 +139,7 @@ def _actor(rank: int, world: int, hf: dict, layout: dict):  # noqa: ANN202 (Mega
         ModelConfig(hf_config=hf),
         ActorConfig(world_size=world, layout=LayoutConfig(**layout), use_ref=False),
     )
-    actor.initialize("127.0.0.1", 0)  # the harness already started torch.distributed
+    actor.initialize(("127.0.0.1", 0))  # the harness already started torch.distributed
     return actor
 
 
