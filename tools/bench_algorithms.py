@@ -11,7 +11,7 @@ the run took (start-up included). DAPO's row reads `critic/score/unfiltered_mean
 its training batch keeps only groups with mixed rewards, whose own mean says little about the policy. Its overlong
 shaping stays off here: the default task's answer ("7" + end token) is all of rollout.max_new_tokens=2, so any buffer
 would punish correct answers (tests/test_algorithms_e2e.py runs it with 3 tokens). DPO runs its own
-config (`--config-name dpo`, built on another branch); its row is skipped with a note while that config is absent.
+config (`--config-name dpo`: offline pairs; its reward is the rule reward of the policy's samples, scored each step).
 
 Step budgets and learning rates are per algorithm and written below, so the table says what each needed.
 """
@@ -120,10 +120,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_algorithms_") as tmp:
         for name in names:
             algo = ALGORITHMS[name]
-            if algo.config_name and not os.path.isfile(os.path.join(ROOT, "configs", f"{algo.config_name}.yaml")):
-                rows.append({"name": name, "skipped": f"configs/{algo.config_name}.yaml does not exist on this branch"})
-                print(f"{name}: skipped (configs/{algo.config_name}.yaml does not exist on this branch)", flush=True)
-                continue
             steps = max(3, round(algo.steps * args.steps_scale))
             row = run_one(name, algo, os.path.join(tmp, name), steps, args.timeout)
             rows.append(row)
@@ -131,9 +127,7 @@ def main() -> None:
     print()
     print(f"{'algorithm':<20} {'steps':>5} {'first-3':>8} {'last-3':>8} {'delta':>7} {'learns':>6} {'seconds':>8}")
     for row in rows:
-        if "skipped" in row:
-            print(f"{row['name']:<20} skipped: {row['skipped']}")
-        elif "error" in row:
+        if "error" in row:
             print(f"{row['name']:<20} {row['steps']:>5} failed: {row['error']}")
         else:
             learns = "yes" if row["delta"] >= 0.3 else "NO"
@@ -143,8 +137,7 @@ def main() -> None:
             )
     print()
     for row in rows:
-        if "command" in row:
-            print(f"{row['name']}: {row['command']}")
+        print(f"{row['name']}: {row['command']}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
