@@ -80,7 +80,9 @@ def rank_params_rank(rank: int, world: int, cases: list[tuple[str, dict]]) -> li
     out = []
     for name, layout in cases:
         lay = ParallelLayout(**layout)
-        out.append((rank_params(CONFIGS[name], lay, 8, "bfloat16"), rank_params(CONFIGS[name], lay, 8, "bfloat16", False)))
+        out.append(
+            (rank_params(CONFIGS[name], lay, 8, "bfloat16"), rank_params(CONFIGS[name], lay, 8, "bfloat16", False))
+        )
     return out
 
 

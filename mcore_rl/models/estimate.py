@@ -252,7 +252,9 @@ def rank_params(
     vpp = layout.virtual_stages
     ranks = []
     for pp in range(layout.pp):
-        layers = [built_of[kinds[layer]] if fold_layers else layer for v in range(vpp) for layer in stages[pp * vpp + v]]
+        layers = [
+            built_of[kinds[layer]] if fold_layers else layer for v in range(vpp) for layer in stages[pp * vpp + v]
+        ]
         ends = (["head"] if pp == 0 else []) + (["tail"] if pp == layout.pp - 1 else [])
         d = sum(dense.get(w, 0) for w in layers + ends)
         for ep in range(layout.ep):
