@@ -53,20 +53,19 @@ def setup_data(cfg: RLConfig) -> tuple[Any, Any, str]:
 
 def run(cfg: RLConfig) -> dict[str, float]:
     """Run the whole job; returns the summary figures."""
-    import ray
 
     from mcore_rl.preflight import check
 
     check(cfg)  # inputs that would fail later (files, run dir, checkpoint, Ray CPUs): refused before anything starts
 
-    from mcore_rl._quiet import quiet_process, ray_init_kwargs
+    from mcore_rl._quiet import quiet_process
     from mcore_rl.checkpoint.manager import Checkpointer
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.advantage_stage import AdvantageStage
     from mcore_rl.controller.async_producer import make_producer
     from mcore_rl.controller.critic_group import CriticGroup
     from mcore_rl.controller.engine_pool import EnginePool
-    from mcore_rl.controller.placement import make_placement
+    from mcore_rl.controller.placement import init_ray, make_placement
     from mcore_rl.controller.samples import reduce_rank_metrics
     from mcore_rl.controller.state import LoopState
     from mcore_rl.controller.validation import Validator
@@ -90,20 +89,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
         timeout_s=cfg.reward.timeout_s,
     )
     quiet_process()
-    if not ray.is_initialized():
-        cpus = cfg.trainer.ray_num_cpus or int(
-            cfg.actor.world_size * cfg.actor.num_cpus_per_rank
-            + cfg.rollout.num_cpus * cfg.rollout.num_engines
-            + cfg.critic.enable * cfg.critic.world_size * cfg.critic.num_cpus_per_rank
-            + 1
-        )
-        ray.init(
-            address=cfg.trainer.ray_address,
-            num_cpus=None if cfg.trainer.ray_address else cpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            **ray_init_kwargs(),
-        )
+    init_ray(cfg)  # trainer.ray_address, or a local Ray sized by what the run's actors reserve
     placement = make_placement(cfg)  # split pools, or colocated taking turns (controller/placement.py)
     actor = ActorGroup(
         cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed, options=placement.actor_options

@@ -75,6 +75,23 @@ def test_values_that_used_to_fail_late_exit_2(override: str, field: str, tmp_pat
     assert_user_error(train(override, f"trainer.run_dir={tmp_path}"), field)
 
 
+def test_ray_cpus_count_every_group_the_run_starts(tmp_path) -> None:
+    """The critic's ranks count (a gae run with ray_num_cpus covering only actor + engine would wait forever), and
+    colocated engines reserve nothing of their own (they run in their rank's bundle)."""
+    from mcore_rl.config import RLConfig
+    from mcore_rl.controller.placement import ray_cpus_needed
+
+    res = train(
+        "algorithm.adv_estimator=gae", "critic.enable=true", "trainer.ray_num_cpus=3", f"trainer.run_dir={tmp_path}"
+    )
+    assert_user_error(res, "the run reserves 4 CPUs (actor.world_size=2 x actor.num_cpus_per_rank=1 + ")
+    assert "critic.world_size=1 x critic.num_cpus_per_rank=1" in res.stderr
+    cfg = RLConfig()
+    assert ray_cpus_needed(cfg) == cfg.actor.world_size + cfg.rollout.num_engines
+    cfg.trainer.placement = "colocated"
+    assert ray_cpus_needed(cfg) == cfg.actor.world_size
+
+
 # ------------------------------------------------------------------------------------------------ files
 def test_missing_data_file(tmp_path) -> None:
     missing = tmp_path / "nope.parquet"

@@ -65,10 +65,10 @@ def setup_pairs(cfg: RLConfig) -> tuple[Any, Any, str]:
 
 def run_dpo(cfg: RLConfig) -> dict[str, float]:
     """Run the whole DPO job; returns the summary figures."""
-    import ray
-
+    from mcore_rl._quiet import quiet_process
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.engine_pool import EnginePool
+    from mcore_rl.controller.placement import init_ray
     from mcore_rl.controller.samples import reduce_rank_metrics
     from mcore_rl.controller.weight_sync import WeightSync
     from mcore_rl.metrics.logger import MetricsLogger
@@ -82,16 +82,8 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
         num_threads=cfg.reward.num_threads,
         timeout_s=cfg.reward.timeout_s,
     )
-    if not ray.is_initialized():
-        cpus = cfg.trainer.ray_num_cpus or int(
-            cfg.actor.world_size * cfg.actor.num_cpus_per_rank + cfg.rollout.num_cpus * cfg.rollout.num_engines + 1
-        )
-        ray.init(
-            address=cfg.trainer.ray_address,
-            num_cpus=None if cfg.trainer.ray_address else cpus,
-            include_dashboard=False,
-            log_to_driver=True,
-        )
+    quiet_process()
+    init_ray(cfg)
     actor = ActorGroup(cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed)
     engines = None
     try:

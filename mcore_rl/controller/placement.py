@@ -164,6 +164,44 @@ PLACEMENTS: dict[str, type[SplitPlacement]] = {"split": SplitPlacement, "colocat
 """trainer.placement choices."""
 
 
+def ray_cpus_needed(cfg: RLConfig) -> float:
+    """Logical CPUs the run's Ray actors reserve: the actor's and the critic's Megatron ranks, the embedded engines
+    with split placement (colocated, they use their rank's bundle), one per node actor of a real SGLang engine, and
+    the reward-model worker. The one figure behind the local Ray's size and pre-flight's check of
+    trainer.ray_num_cpus."""
+    need = cfg.actor.world_size * cfg.actor.num_cpus_per_rank
+    if cfg.critic.enable:
+        need += cfg.critic.world_size * cfg.critic.num_cpus_per_rank
+    if cfg.rollout.engine == "hf":
+        need += cfg.rollout.num_cpus * cfg.rollout.num_engines if cfg.trainer.placement == "split" else 0.0
+    else:
+        need += cfg.rollout.sglang.nnodes * cfg.rollout.num_engines  # SGLangServerActor: num_cpus=1 per node
+    if cfg.reward.model_path:
+        need += cfg.reward.model_num_cpus
+    return need
+
+
+def init_ray(cfg: RLConfig) -> None:
+    """Connect to trainer.ray_address, or start a local Ray of trainer.ray_num_cpus logical CPUs (default: what the
+    actors reserve, plus one spare for Ray's own work); quiet (mcore_rl/_quiet.py). No-op if Ray is up."""
+    import math
+
+    import ray
+
+    from mcore_rl._quiet import ray_init_kwargs
+
+    if ray.is_initialized():
+        return
+    cpus = cfg.trainer.ray_num_cpus or math.ceil(ray_cpus_needed(cfg)) + 1
+    ray.init(
+        address=cfg.trainer.ray_address,
+        num_cpus=None if cfg.trainer.ray_address else cpus,
+        include_dashboard=False,
+        log_to_driver=True,
+        **ray_init_kwargs(),
+    )
+
+
 def make_placement(cfg: RLConfig) -> SplitPlacement:
     """The run's placement (Ray must be initialised: the pools are reserved now)."""
     return PLACEMENTS[cfg.trainer.placement](cfg)
