@@ -112,8 +112,9 @@ class Checkpointer:
         start = time.perf_counter()
         meta = store.read_meta(path)
         results = actor.call("load_checkpoint", str(path))
+        critic_results = []
         if critic is not None:  # its own world and layout; check_resume made sure the checkpoint holds one
-            results += critic.group.call("load_checkpoint", str(path / CRITIC_DIR))
+            critic_results = critic.group.call("load_checkpoint", str(path / CRITIC_DIR))
         try:
             state = type(new).from_dict(json.loads((path / store.LOOP_STATE).read_text()))
         except (ValueError, TypeError) as err:
@@ -126,6 +127,12 @@ class Checkpointer:
             f"not restored: saved under {meta['layout']} x{meta['world_size']}, running under "
             f"{self.cfg.actor.layout.to_layout().describe()} x{self.cfg.actor.world_size} (per-rank streams differ)"
         )  # fmt: skip
+        if critic_results and not all(r["rng_restored"] for r in critic_results):
+            saved = meta.get("critic") or {}
+            rng += (
+                f"; the critic's not restored: saved under {saved.get('layout')} x{saved.get('world_size')}, running "
+                f"under {self.cfg.critic.layout.to_layout().describe()} x{self.cfg.critic.world_size}"
+            )
         print(
             f"checkpoint: resumed {path} at step {state.step}, weight version {state.weight_version} "
             f"in {time.perf_counter() - start:.1f} s; RNG states {rng}",
