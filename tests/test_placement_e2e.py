@@ -79,9 +79,9 @@ def test_bad_placement_and_agent_settings_exit_2(overrides, message):
 def test_multiturn_tool_job_learns_to_open_the_call(tmp_path: Path):
     # The multi-turn job's first 40 steps: from random tokens (about 1 episode in 16 starts a tool call) to an episode
     # that opens every call with <tool_call> and the lookup JSON head (2 of the call's 5 pieces: reward 0.1 of 1).
-    # Measured in 11 runs of reward/config variants: 0.093-0.111 at steps 38-40. The rest of the task (the key, the
-    # closing pieces, relaying the tool's value) is not learnt reliably within 150 steps at this scale (see README),
-    # so it is not asserted here. Fixed seeds.
+    # Measured in 11 runs of reward/config variants: 0.093-0.111 at steps 38-40. The whole job (300 steps, ~10 min
+    # here) reaches +0.33 by learning valid calls (README); that is too long for the suite, so the first 40 steps are
+    # what is asserted. Fixed seeds.
     rows = train(tmp_path / "run", "trainer.steps=40", config="multiturn_tool", timeout=1200)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["reward_first"] < 0.02
