@@ -38,6 +38,9 @@ from mcore_rl.models.base import padded_vocab_size
 #: test hook (tests/test_checkpoint_resume.py): the step whose save stops after the ranks have written their files and
 #: before the checkpoint is complete, so that a test can kill -9 the trainer there deterministically; unset in runs
 PAUSE_ENV = "MCORE_RL_TEST_CKPT_PAUSE_AT_STEP"
+#: a failed save with less than this free on the checkpoint file system is reported as a full disk (no checkpoint of
+#: a model worth training fits in it), whatever error the writer raised
+FULL_DISK_BYTES = 64 * 2**20
 
 
 def hf_config_of(cfg: RLConfig) -> dict[str, Any]:
@@ -202,11 +205,16 @@ class Checkpointer:
         except BaseException as err:
             import shutil
 
+            free = shutil.disk_usage(self.root).free  # before the partial save is removed
             shutil.rmtree(tmp, ignore_errors=True)
             if not isinstance(err, Exception):
                 raise
             previous = store.latest(self.root)
             cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            if free < FULL_DISK_BYTES and "No space left on device" not in cause:
+                # torch.save's zip writer reports a full disk as "[enforce fail at inline_container.cc] unexpected
+                # pos ..." (seen with torch 2.13), which names nothing a user can act on
+                cause = f"No space left on device ({free} bytes were free on the file system of {self.root}; {cause})"
             raise store.CheckpointError(
                 f"saving the checkpoint of step {state.step} into {self.root} failed: {cause}; "
                 f"{'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no checkpoint exists'}"
