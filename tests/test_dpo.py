@@ -131,6 +131,13 @@ def test_dpo_config_refusals(overrides: list[str], message: str):
     assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
 
 
+def test_dpo_refuses_a_reward_model_it_would_not_use(tmp_path: Path):
+    (tmp_path / "config.json").write_text("{}")
+    out = subprocess.run([*TRAIN, f"reward.model_path={tmp_path}"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"reward.model_path='{tmp_path}' is invalid: expected null for trainer.mode=dpo" in out.stderr
+
+
 def test_dpo_data_without_rejected_is_a_clear_error(tmp_path: Path):
     path = tmp_path / "pairs.parquet"
     pq.write_table(pa.table({"prompt": ["repeat: 1"], "chosen": ["1"]}), path)

@@ -81,6 +81,13 @@ def validate_run(cfg: RLConfig) -> None:
 def check_dpo(cfg: RLConfig) -> None:
     """DPO trains on pairs: each mini-batch's dp shard and each micro-batch must hold whole pairs."""
     cfg.dpo.validate()
+    _check(
+        cfg.reward.model_path is None,
+        "reward.model_path",
+        cfg.reward.model_path,
+        "null for trainer.mode=dpo (DPO learns from the pairs; its per-step score of the policy's samples is the rule "
+        "reward reward.path/reward.name)",
+    )
     _check(cfg.actor.use_ref, "actor.use_ref", cfg.actor.use_ref, "true for DPO (the frozen reference)")
     _check(cfg.actor.micro_batch_size % 2 == 0, "actor.micro_batch_size", cfg.actor.micro_batch_size, "even")
     dp = cfg.actor.layout.to_layout().dp(cfg.actor.world_size)
