@@ -76,27 +76,14 @@ def check_ray_cpus(cfg: RLConfig) -> None:
     have = cfg.trainer.ray_num_cpus
     if cfg.trainer.ray_address is not None or have is None:
         return
-    from mcore_rl.controller.placement import ray_cpus_needed
+    from mcore_rl.controller.placement import ray_cpu_reservations
 
-    need = ray_cpus_needed(cfg)
+    terms = ray_cpu_reservations(cfg)
+    need = sum(cpus for _, cpus in terms)
     if have < need:
-        parts = [f"actor.world_size={cfg.actor.world_size} x actor.num_cpus_per_rank={cfg.actor.num_cpus_per_rank:g}"]
-        if cfg.critic.enable:
-            parts.append(
-                f"critic.world_size={cfg.critic.world_size} x critic.num_cpus_per_rank={cfg.critic.num_cpus_per_rank:g}"
-            )
-        if cfg.rollout.engine == "hf" and cfg.trainer.placement == "split":
-            parts.append(f"rollout.num_engines={cfg.rollout.num_engines} x rollout.num_cpus={cfg.rollout.num_cpus:g}")
-        elif cfg.rollout.engine != "hf":
-            sglang = (
-                f"rollout.num_engines={cfg.rollout.num_engines} x rollout.sglang.nnodes={cfg.rollout.sglang.nnodes}"
-            )
-            parts.append(sglang)
-        if cfg.reward.model_path and cfg.reward.model_num_cpus:
-            parts.append(f"reward.model_num_cpus={cfg.reward.model_num_cpus:g}")
         raise ConfigError(
-            f"trainer.ray_num_cpus={have} is too small: the run reserves {need:g} CPUs ({' + '.join(parts)}); "
-            f"expected >= {need:g}, or lower those reservations"
+            f"trainer.ray_num_cpus={have} is too small: the run reserves {need:g} CPUs "
+            f"({' + '.join(what for what, _ in terms)}); expected >= {need:g}, or lower those reservations"
         )
 
 

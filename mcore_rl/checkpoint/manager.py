@@ -190,9 +190,7 @@ class Checkpointer:
                 "layout": saved["layout"],
                 "world_size": saved["world_size"],
                 "reference": use_ref,
-                "critic": None
-                if critic_saved is None
-                else {"layout": critic_saved["layout"], "world_size": critic_saved["world_size"]},  # fmt: skip
+                "critic": critic_saved and {"layout": critic_saved["layout"], "world_size": critic_saved["world_size"]},
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             }
             if saved["padded_vocab_size"] != meta["model"]["padded_vocab_size"]:

@@ -164,21 +164,39 @@ PLACEMENTS: dict[str, type[SplitPlacement]] = {"split": SplitPlacement, "colocat
 """trainer.placement choices."""
 
 
+def ray_cpu_reservations(cfg: RLConfig) -> list[tuple[str, float]]:
+    """What the run's Ray actors reserve, term by term (the config keys behind each, its logical CPUs): the actor's and
+    the critic's Megatron ranks, the embedded engines with split placement (colocated, they use their rank's
+    bundle), one per node actor of a real SGLang engine, and the reward-model worker."""
+    actor, critic, rollout = cfg.actor, cfg.critic, cfg.rollout
+    terms = [
+        (f"actor.world_size={actor.world_size} x actor.num_cpus_per_rank={actor.num_cpus_per_rank:g}",
+         actor.world_size * actor.num_cpus_per_rank),
+    ]  # fmt: skip
+    if critic.enable:
+        terms.append((
+            f"critic.world_size={critic.world_size} x critic.num_cpus_per_rank={critic.num_cpus_per_rank:g}",
+            critic.world_size * critic.num_cpus_per_rank,
+        ))  # fmt: skip
+    if rollout.engine == "hf" and cfg.trainer.placement == "split":
+        terms.append((
+            f"rollout.num_engines={rollout.num_engines} x rollout.num_cpus={rollout.num_cpus:g}",
+            rollout.num_engines * rollout.num_cpus,
+        ))  # fmt: skip
+    elif rollout.engine != "hf":  # SGLangServerActor: num_cpus=1 per node
+        terms.append((
+            f"rollout.num_engines={rollout.num_engines} x rollout.sglang.nnodes={rollout.sglang.nnodes}",
+            float(rollout.num_engines * rollout.sglang.nnodes),
+        ))  # fmt: skip
+    if cfg.reward.model_path and cfg.reward.model_num_cpus:
+        terms.append((f"reward.model_num_cpus={cfg.reward.model_num_cpus:g}", cfg.reward.model_num_cpus))
+    return terms
+
+
 def ray_cpus_needed(cfg: RLConfig) -> float:
-    """Logical CPUs the run's Ray actors reserve: the actor's and the critic's Megatron ranks, the embedded engines
-    with split placement (colocated, they use their rank's bundle), one per node actor of a real SGLang engine, and
-    the reward-model worker. The one figure behind the local Ray's size and pre-flight's check of
-    trainer.ray_num_cpus."""
-    need = cfg.actor.world_size * cfg.actor.num_cpus_per_rank
-    if cfg.critic.enable:
-        need += cfg.critic.world_size * cfg.critic.num_cpus_per_rank
-    if cfg.rollout.engine == "hf":
-        need += cfg.rollout.num_cpus * cfg.rollout.num_engines if cfg.trainer.placement == "split" else 0.0
-    else:
-        need += cfg.rollout.sglang.nnodes * cfg.rollout.num_engines  # SGLangServerActor: num_cpus=1 per node
-    if cfg.reward.model_path:
-        need += cfg.reward.model_num_cpus
-    return need
+    """Logical CPUs the run's Ray actors reserve (ray_cpu_reservations summed): the one figure behind the local Ray's
+    size and pre-flight's check of trainer.ray_num_cpus."""
+    return sum(cpus for _, cpus in ray_cpu_reservations(cfg))
 
 
 def init_ray(cfg: RLConfig) -> None:

@@ -197,7 +197,7 @@ def rank_params(
     it) and count every other layer as its kind's representative, as resharding/dist_ckpt.py's checkpoint plan does:
     layers of one kind hold the same parameters. Megatron builds ~0.5 ms per expert, so DeepSeek-V3's 58 x 256 experts
     took ~26 s of a 37 s dry run; folded, a few. `fold_layers=False` builds every layer
-    (tests/test_optimizer_plan.py compares the two)."""
+    (tests/test_dist_ckpt_plan.py compares the two)."""
     import dataclasses
     import math
 
@@ -234,10 +234,11 @@ def rank_params(
     )
     # Per built layer (its index in `keep`) or "head" (embedding: first stage) / "tail" (final norm, output layer,
     # MTP layers: last stage): dense parameters and expert parameters per EP rank.
+    weight_map = spec.weight_map()
     dense: dict[Any, int] = {}
     expert: dict[tuple[Any, int], int] = {}
     for source in sources:
-        _, local = spec.weight_map().match(source.mcore)
+        _, local = weight_map.match(source.mcore)
         if "layer" in local and source.mcore.startswith("decoder."):
             where: Any = local["layer"]
         else:
@@ -247,14 +248,13 @@ def rank_params(
             dense[where] = dense.get(where, 0) + n
         else:
             expert[(where, source.ep_rank)] = expert.get((where, source.ep_rank), 0) + n
-    built_of = {kind: i for i, kind in enumerate(kinds[j] for j in keep)}  # kind -> a built layer of that kind
+    built_of = {kinds[j]: i for i, j in enumerate(keep)}  # kind -> a built layer of that kind
+    built_layer = [built_of[kind] for kind in kinds] if len(keep) < len(kinds) else list(range(len(kinds)))
     stages = layout.pp_stage_layers(len(kinds))
     vpp = layout.virtual_stages
     ranks = []
     for pp in range(layout.pp):
-        layers = [
-            built_of[kinds[layer]] if fold_layers else layer for v in range(vpp) for layer in stages[pp * vpp + v]
-        ]
+        layers = [built_layer[layer] for v in range(vpp) for layer in stages[pp * vpp + v]]
         ends = (["head"] if pp == 0 else []) + (["tail"] if pp == layout.pp - 1 else [])
         d = sum(dense.get(w, 0) for w in layers + ends)
         for ep in range(layout.ep):
