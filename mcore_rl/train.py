@@ -82,7 +82,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
         if reason is not None:
             raise ValueError(f"rollout.engine=sglang cannot run here: {reason}")
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
-    tokenizer, loader, tokenizer_dir = setup_data(cfg)
+    tokenizer, loader, tokenizer_dir = setup_data(cfg)  # before Ray: a bad dataset is refused before anything starts
     reward = RewardManager(
         build_reward(cfg.reward, tokenizer_dir),
         num_threads=cfg.reward.num_threads,
@@ -94,10 +94,10 @@ def run(cfg: RLConfig) -> dict[str, float]:
     actor = ActorGroup(
         cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed, options=placement.actor_options
     )  # the ranks start (build, load) while the engines start below, unless they share a GPU
-    if not placement.overlap_startup:
-        actor.ready()
     engines = critic = producer = None
     try:
+        if not placement.overlap_startup:
+            actor.ready()
         critic = CriticGroup(cfg) if cfg.critic.enable else None
         engines = EnginePool(
             cfg.rollout,

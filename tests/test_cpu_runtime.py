@@ -73,3 +73,18 @@ def test_dense_weights_identical_across_dp_after_init():
     assert a.keys() == b.keys() and a
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def test_megatron_imports_without_torch_compile_where_there_is_no_cuda():
+    """Importing mcore_rl first makes Megatron's jit_fuser the identity (no CUDA here): its fused functions are the
+    plain Python ones and torch._dynamo / torch._inductor are never imported (3 s per rank)."""
+    code = (
+        "import sys, torch; assert not torch.cuda.is_available()\n"
+        "import mcore_rl, megatron.core, megatron.core.jit as jit\n"
+        "from megatron.core.fusions.fused_bias_geglu import bias_geglu\n"
+        "from megatron.core.transformer.moe.router import TopKRouter\n"
+        "print(jit.jit_fuser is jit.noop_decorator, type(bias_geglu).__name__,\n"
+        "      type(TopKRouter._apply_expert_bias).__name__, 'torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "function", "function", "False"], out

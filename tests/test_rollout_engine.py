@@ -14,7 +14,8 @@ from safetensors import safe_open
 from tiny_models import tiny_qwen3_moe_transformers
 from transformers import AutoModelForCausalLM, GPT2Config, PretrainedConfig, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig
 
-from mcore_rl.rollout import HFRolloutEngine, top_p_filter
+from mcore_rl.rollout.engine import HFRolloutEngine
+from mcore_rl.rollout.sampling import top_p_filter
 
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10]]
 

@@ -18,7 +18,7 @@ from tiny_models import tiny_qwen3_moe
 
 from mcore_rl.config import RolloutConfig
 from mcore_rl.controller.engine_pool import EnginePool
-from mcore_rl.rollout import HFRolloutEngine
+from mcore_rl.rollout.engine import HFRolloutEngine
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import torch
 from tiny_models import tiny_qwen3_moe
 
 from mcore_rl.parallel.groups import free_port
-from mcore_rl.rollout import HFRolloutEngine
+from mcore_rl.rollout.engine import HFRolloutEngine
 from mcore_rl.rollout.server import ServerThread, build_server
 from mcore_rl.rollout.weight_receiver import encode_payload
 

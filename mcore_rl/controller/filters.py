@@ -25,7 +25,7 @@ from mcore_rl.config import RLConfig
 from mcore_rl.controller.producer import RolloutProducer, Rollouts
 from mcore_rl.controller.samples import samples_to_batch
 from mcore_rl.metrics.logger import StepTimer
-from mcore_rl.rollout import Sample
+from mcore_rl.rollout.sampling import Sample
 
 log = logging.getLogger(__name__)
 

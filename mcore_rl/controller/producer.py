@@ -19,7 +19,7 @@ from mcore_rl.actor.batch import TrainBatch
 from mcore_rl.config import RLConfig
 from mcore_rl.controller.samples import samples_to_batch
 from mcore_rl.metrics.logger import StepTimer
-from mcore_rl.rollout import Sample
+from mcore_rl.rollout.sampling import Sample
 
 PROMPT_FIELDS = ("data_source", "ground_truth", "extra_info")
 """Per-prompt columns (verl's schema) handed to the reward function with each response."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from mcore_rl.actor.batch import TrainBatch
-from mcore_rl.rollout import Sample
+from mcore_rl.rollout.sampling import Sample
 
 
 def samples_to_batch(samples: Sequence[Sample], n: int) -> tuple[TrainBatch, torch.Tensor]:

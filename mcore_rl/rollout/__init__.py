@@ -1,8 +1,8 @@
-"""Rollout: the embedded transformers engine, its SGLang-compatible HTTP server, the one client for it and real
-SGLang, sglang-router, and the launcher of real SGLang servers on GPUs."""
+"""Rollout: the embedded transformers engine (`engine.py`), its SGLang-compatible HTTP server (`server.py`), the one
+client for it and real SGLang (`client.py`), sglang-router, and the launcher of real SGLang servers on GPUs.
 
-from mcore_rl.rollout.engine import HFRolloutEngine
-from mcore_rl.rollout.hf_names import HF_NAME_RULES, FusedExpertRule, HFNameMap
-from mcore_rl.rollout.sampling import Sample, sample_rows, top_p_filter
-
-__all__ = ["HF_NAME_RULES", "FusedExpertRule", "HFNameMap", "HFRolloutEngine", "Sample", "sample_rows", "top_p_filter"]
+Import what you use from its module (`from mcore_rl.rollout.engine import HFRolloutEngine`). The package itself
+imports nothing: config checks and the agent's tools import `mcore_rl.rollout.agent`, and must not pay for
+transformers' model code (seconds, in every CLI call that only checks a config). No name is imported lazily either:
+each import happens where its module is imported, at the top of a module, never first from a thread.
+"""
