@@ -1,6 +1,8 @@
 """The algorithms of issue 13 through the real loop (Ray, Megatron ranks, an engine behind sglang-router), a few steps
 each: PPO with a critic group, ReMax's greedy baselines with the entropy bonus, adaptive KL in the reward and
-rollout correction, DAPO's dynamic sampling with overlong shaping; and DAPO's refusal when no batch can be filled.
+rollout correction, DAPO's dynamic sampling with overlong shaping (with RLOO over two engines), REINFORCE++ with a
+baseline under GSPO's sequence-level loss and a KL loss (so the reference pass runs); and DAPO's refusal when no batch
+can be filled. The cases share runs: each run costs a Ray start, two Megatron ranks and the engines, the steps little.
 
 Run: `.venv/bin/pytest tests/test_algorithms_e2e.py` (the learning figures: tools/bench_algorithms.py)
 """
@@ -60,6 +62,8 @@ def _train(run_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProcess,
         ),
         (
             [
+                "algorithm.adv_estimator=rloo",
+                "rollout.num_engines=2",
                 "algorithm.filter_groups.enable=true",
                 "algorithm.filter_groups.max_num_gen_batches=3",
                 "algorithm.filter_groups.on_unfilled=shrink",
@@ -70,8 +74,20 @@ def _train(run_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProcess,
             ],
             ["filter/gen_rounds", "filter/kept_groups", "critic/score/unfiltered_mean"],
         ),
+        (
+            [
+                "algorithm.adv_estimator=reinforce_plus_plus_baseline",
+                "actor.policy_loss=gspo",
+                "actor.clip_ratio_low=3e-4",
+                "actor.clip_ratio_high=4e-4",
+                "actor.loss_agg_mode=seq-mean-token-mean",
+                "actor.kl_loss_coef=0.01",  # a KL term: the reference model is built and its pass runs
+                "trainer.steps=2",
+            ],
+            ["actor/kl_ref", "actor/kl_loss"],
+        ),
     ],
-    ids=["gae", "remax_kl_entropy_correction", "dapo"],
+    ids=["gae", "remax_kl_entropy_correction", "dapo_rloo_two_engines", "reinforce_pp_baseline_gspo_kl"],
 )
 def test_algorithm_runs_through_the_loop(tmp_path: Path, overrides: list[str], expected_keys: list[str]):
     out, lines = _train(tmp_path / "run", *overrides)
@@ -80,6 +96,8 @@ def test_algorithm_runs_through_the_loop(tmp_path: Path, overrides: list[str], e
     assert [r["step"] for r in lines] == list(range(1, steps + 1))
     for key in expected_keys:
         assert key in lines[-1], key
+    trained = [r for r in lines if "actor/pg_loss" in r]
+    assert trained and all(abs(r["actor/pg_loss"]) < 1e3 and r["actor/grad_norm"] >= 0 for r in trained)
     if "critic.warmup_steps=1" in overrides:  # step 1 trains only the critic: the engines keep version 1
         assert [r["weight_version"] for r in lines] == [1, 2, 3]
         assert "actor/pg_loss" not in lines[0] and "actor/pg_loss" in lines[1]
