@@ -41,6 +41,7 @@ def check(cfg: RLConfig) -> None:
     if cfg.model.tokenizer and not os.path.isdir(cfg.model.tokenizer):
         raise ConfigError(f"model.tokenizer={cfg.model.tokenizer!r}: no such directory")
     check_ray_cpus(cfg)
+    check_ray_address(cfg.trainer.ray_address)
     if cfg.model.path:
         check_checkpoint(cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
 
@@ -85,6 +86,25 @@ def check_ray_cpus(cfg: RLConfig) -> None:
             f"trainer.ray_num_cpus={have} is too small: the run reserves {need:g} CPUs "
             f"({' + '.join(what for what, _ in terms)}); expected >= {need:g}, or lower those reservations"
         )
+
+
+def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
+    """A `host:port` trainer.ray_address must accept a TCP connection: Ray's own connect retries an unreachable GCS
+    for minutes without a word. ("auto", "ray://..." and null are left to Ray.)"""
+    import socket
+
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"trainer.ray_address={address!r} is invalid: expected host:port, auto, ray://... or null")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as err:
+        raise ConfigError(
+            f"trainer.ray_address={address!r}: no Ray cluster answers there ({err.strerror or err}); expected the "
+            "address of a running cluster's head (`ray start --head` prints it), or null for a local Ray"
+        ) from None
 
 
 def check_checkpoint(path: str, divisible_by: int, mtp: str = "auto") -> None:

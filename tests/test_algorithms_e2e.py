@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ray_cluster import ray_address_override, train_env
 from tiny_models import tiny_qwen3_moe
 
 from mcore_rl.config import ModelConfig, RLConfig
@@ -27,7 +28,11 @@ TRAIN = [sys.executable, "-m", "mcore_rl.train", "data.batch_size=4", "rollout.n
 
 def _train(run_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     out = subprocess.run(
-        [*TRAIN, f"trainer.run_dir={run_dir}", *overrides], capture_output=True, text=True, timeout=600
+        [*TRAIN, f"trainer.run_dir={run_dir}", ray_address_override(), *overrides],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=train_env(),
     )
     path = run_dir / "metrics.jsonl"
     lines = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

@@ -69,6 +69,9 @@ def test_keys_under_free_form_dicts_may_be_added() -> None:
         ("data.max_prompt_length=0", "data.max_prompt_length=0"),
         ("data.synthetic_num_prompts=0", "data.synthetic_num_prompts=0"),
         ("trainer.ray_num_cpus=1", "trainer.ray_num_cpus=1 is too small: the run reserves 3 CPUs"),
+        # Ray's connect retried a closed port for minutes without a word
+        ("trainer.ray_address=127.0.0.1:1", "trainer.ray_address='127.0.0.1:1': no Ray cluster answers there"),
+        ("trainer.ray_address=banana", "trainer.ray_address='banana' is invalid: expected host:port"),
     ],
 )
 def test_values_that_used_to_fail_late_exit_2(override: str, field: str, tmp_path) -> None:
@@ -278,3 +281,17 @@ def test_kill_9_of_the_driver_leaves_no_ray_process(tmp_path) -> None:
     while alive() and time.time() < deadline:
         time.sleep(0.5)
     assert not alive(), json.dumps(alive(), indent=1)
+
+
+@pytest.mark.slow
+def test_a_cluster_that_refuses_the_token_is_a_user_error(tmp_path) -> None:
+    """A running cluster joined without its auth token: exit 2 naming the address and the token, not a traceback."""
+    from _ray_cluster import ray_address_override
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    out = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.train", ray_address_override(), f"trainer.run_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert_user_error(out, "trainer.ray_address='127.0.0.1:")
+    assert "RAY_AUTH_TOKEN" in out.stderr and "Traceback" not in out.stderr

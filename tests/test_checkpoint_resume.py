@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ray_cluster import ray_address_override, train_env
 
 from mcore_rl.checkpoint import store
 from mcore_rl.checkpoint.manager import PAUSE_ENV
@@ -45,8 +46,8 @@ pytestmark = pytest.mark.slow
 
 
 def _train(run_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    args = [*TRAIN, *TINY, f"trainer.run_dir={run_dir}", *overrides]
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    args = [*TRAIN, *TINY, f"trainer.run_dir={run_dir}", ray_address_override(), *overrides]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=train_env())
 
 
 _TIMED = ("timing_s/", "timing_per_token_ms/", "perf/")  # wall-clock figures, which differ between any two runs

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from _ray_cluster import ray_address_override, train_env
 
 from mcore_rl.algorithms.dpo import DPO_LOSSES, dpo_loss, sequence_logprobs
 from mcore_rl.controller.dpo_loop import pairs_to_batch
@@ -155,10 +156,11 @@ def test_dpo_data_without_rejected_is_a_clear_error(tmp_path: Path):
 def test_dpo_run_learns_to_prefer_chosen(tmp_path: Path):
     run_dir = tmp_path / "run"
     out = subprocess.run(
-        [*TRAIN, "trainer.steps=30", f"trainer.run_dir={run_dir}", "rollout.n=2"],
+        [*TRAIN, "trainer.steps=30", f"trainer.run_dir={run_dir}", "rollout.n=2", ray_address_override()],
         capture_output=True,
         text=True,
         timeout=600,
+        env=train_env(),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

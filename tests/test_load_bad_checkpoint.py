@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ray_cluster import ray_address_override, train_env
 from safetensors.torch import load_file, save_file
 from tiny_models import tiny_qwen3_moe_transformers
 
@@ -49,8 +50,9 @@ def _train(path: Path, run_dir: Path) -> subprocess.CompletedProcess:
         f"trainer.run_dir={run_dir}",
         "data.batch_size=2",
         "rollout.n=2",
+        ray_address_override(),
     ]
-    return subprocess.run(args, capture_output=True, text=True, timeout=300)
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, env=train_env())
 
 
 @pytest.mark.slow

@@ -16,14 +16,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ray_cluster import ray_address_override, train_env
 
 TRAIN = [sys.executable, "-m", "mcore_rl.train"]
 SMALL = ["data.batch_size=4", "rollout.n=4"]
 
 
 def train(run_dir: Path, *overrides: str, config: str = "default", timeout: int = 600) -> list[dict]:
-    cmd = [*TRAIN, "--config-name", config, f"trainer.run_dir={run_dir}", *overrides]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    cmd = [*TRAIN, "--config-name", config, f"trainer.run_dir={run_dir}", ray_address_override(), *overrides]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=train_env())
     assert out.returncode == 0, out.stderr[-3000:]
     assert any(line.startswith("summary:") for line in out.stdout.splitlines())
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

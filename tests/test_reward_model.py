@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from _ray_cluster import ray_address_override, train_env
 
 from mcore_rl.data.tokenizer import build_tiny_tokenizer
 from mcore_rl.reward.loader import RewardFunctionError, default_compute_score
@@ -93,9 +94,9 @@ def test_rl_loop_runs_with_the_reward_model(rm_dir: Path, tmp_path: Path):
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "mcore_rl.train", f"reward.model_path={rm_dir}", "reward.model_weight=0.5",
-        "trainer.steps=2", f"trainer.run_dir={run_dir}", "data.batch_size=4", "rollout.n=4",
+        "trainer.steps=2", f"trainer.run_dir={run_dir}", "data.batch_size=4", "rollout.n=4", ray_address_override(),
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=train_env())
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

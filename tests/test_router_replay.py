@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from _ray_cluster import ray_address_override, train_env
 from tiny_models import tiny_qwen3_moe
 
 from mcore_rl.actor.router_replay import fill_unrouted, fit_length, routing_tensor
@@ -144,7 +145,8 @@ def test_replay_modes_run_through_the_loop(tmp_path: Path, mode: str):
     overrides = [f"actor.router_replay_mode={mode}", "trainer.steps=2", f"trainer.run_dir={run_dir}"]
     # 8 x 8 samples: every dp shard almost surely holds a 2-token response, so the EP ranks pad to one length (the
     # CPU allgather dispatcher needs it; tiny batches can differ, a limitation of the actor noted in the report)
-    out = subprocess.run([*TRAIN, *overrides, "data.batch_size=8"], capture_output=True, text=True, timeout=600)
+    cmd = [*TRAIN, *overrides, "data.batch_size=8", ray_address_override()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=train_env())
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]

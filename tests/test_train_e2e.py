@@ -11,12 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from _ray_cluster import ray_address_override, train_env
 
 TRAIN = [sys.executable, "-m", "mcore_rl.train"]
 
 
-def _train(*overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([*TRAIN, *overrides], capture_output=True, text=True, timeout=timeout)
+def _train(*overrides: str, timeout: int = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*TRAIN, *overrides], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +144,7 @@ def test_bad_cli_input_names_the_problem_and_exits_nonzero(overrides, message):
 def test_default_job_learns(tmp_path: Path):
     # The default job, cut to 75 of its 150 steps: reward rises from ~0.03 (random tokens) as the policy learns to
     # copy the digit. Seeds are fixed, so the run is deterministic on a given torch build.
-    out = _train("trainer.steps=75", f"trainer.run_dir={tmp_path / 'run'}")
+    out = _train("trainer.steps=75", f"trainer.run_dir={tmp_path / 'run'}", ray_address_override(), env=train_env())
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["reward_first"] < 0.1

@@ -211,13 +211,23 @@ def init_ray(cfg: RLConfig) -> None:
     if ray.is_initialized():
         return
     cpus = cfg.trainer.ray_num_cpus or math.ceil(ray_cpus_needed(cfg)) + 1
-    ray.init(
-        address=cfg.trainer.ray_address,
-        num_cpus=None if cfg.trainer.ray_address else cpus,
-        include_dashboard=False,
-        log_to_driver=True,
-        **ray_init_kwargs(),
-    )
+    try:
+        ray.init(
+            address=cfg.trainer.ray_address,
+            num_cpus=None if cfg.trainer.ray_address else cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            **ray_init_kwargs(),
+        )
+    except ConnectionError as err:  # ray.init's message names the address; the cause says why (refused, auth token)
+        if not cfg.trainer.ray_address:
+            raise
+        cause = f" ({type(err.__cause__).__name__})" if err.__cause__ is not None else ""
+        raise ValueError(
+            f"trainer.ray_address={cfg.trainer.ray_address!r}: {err}{cause}; expected the address of a running Ray "
+            "cluster (`ray start --head` prints it) whose auth token this process has (RAY_AUTH_MODE=token and "
+            "RAY_AUTH_TOKEN, as launch/submit.py sets), or null for a local Ray"
+        ) from err
 
 
 def make_placement(cfg: RLConfig) -> SplitPlacement:
