@@ -41,7 +41,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def critic(checkpoint):
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
     layout = LayoutConfig(tp=2, sequence_parallel=True)
     cfg = CriticConfig(
         enable=True, world_size=2, layout=layout, mini_batches=1, optim=OptimConfig(lr=1e-3), cliprange_value=None

@@ -54,7 +54,7 @@ def _direct_scores(path: Path, texts: list[str]) -> list[float]:
 
 
 def test_worker_scores_a_batch_and_mixes_with_the_rule_reward(rm_dir: Path):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     scorer = RewardModelScorer(str(rm_dir), None, num_cpus=1)
     try:
         expected = _direct_scores(rm_dir, RESPONSES)

@@ -28,7 +28,7 @@ PROMPTS = [[1 + i % 7, 2 + i % 5, 3 + i % 11, 4 + i] for i in range(24)]
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

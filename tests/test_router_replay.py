@@ -66,7 +66,7 @@ def near_tie_setup(tmp_path_factory):
     from mcore_rl.controller.weight_sync import WeightSync
 
     tmp = tmp_path_factory.mktemp("replay")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     actor = ActorGroup(
         ModelConfig(hf_config=dict(HF)),
         ActorConfig(

@@ -16,7 +16,7 @@ def test_r2_update_replays_the_routing_recorded_by_the_old_logprob_pass():
     from mcore_rl.actor.batch import TrainBatch
     from mcore_rl.controller.actor_group import ActorGroup
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     actor = ActorGroup(
         ModelConfig(hf_config=dict(HF)),
         ActorConfig(

@@ -101,7 +101,7 @@ def time_calls(calls: int) -> None:
         cfg = to_config(compose("default", overrides=["actor.use_ref=true"]))
     from mcore_rl._quiet import ray_init_kwargs
 
-    ray.init(num_cpus=cfg.actor.world_size + 1, include_dashboard=False, **ray_init_kwargs())
+    ray.init(address="local", num_cpus=cfg.actor.world_size + 1, include_dashboard=False, **ray_init_kwargs())
     try:
         world = cfg.actor.world_size
         remote = ray.remote(_timed_actor_cls()).options(num_cpus=1)

@@ -46,7 +46,7 @@ class TrainerConfig:
     runtime: str = "cpu"  #: cpu (gloo, opt-in) | cuda (NCCL)
     run_dir: str = "runs/latest"  #: metrics.jsonl and artifacts go here
     seed: int = 0
-    ray_address: str | None = None  #: null = start a local Ray
+    ray_address: str | None = None  #: host:port of a running cluster (auto: Ray's discovery); null = a new local Ray
     ray_num_cpus: int | None = None  #: logical CPUs for a local Ray (null = enough for the actors)
     #: where metrics go (metrics/backends.py): console (lines + progress bar), jsonl, tensorboard, wandb
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])

@@ -213,7 +213,9 @@ def init_ray(cfg: RLConfig) -> None:
     cpus = cfg.trainer.ray_num_cpus or math.ceil(ray_cpus_needed(cfg)) + 1
     try:
         ray.init(
-            address=cfg.trainer.ray_address,
+            # null: a new local Ray ("local"), even where RAY_ADDRESS is set or a `ray start` cluster runs here (with
+            # address=None Ray would join that one, unsized and without its token)
+            address=cfg.trainer.ray_address or "local",
             num_cpus=None if cfg.trainer.ray_address else cpus,
             include_dashboard=False,
             log_to_driver=True,
