@@ -18,7 +18,7 @@ class KLControlConfig:
     horizon: int = 10000  #: adaptive: samples over which the coefficient responds
 
     def validate(self) -> None:
-        from mcore_rl.algorithms import KL_CONTROLLERS
+        from mcore_rl.config.names import KL_CONTROLLERS
 
         _check(self.type in KL_CONTROLLERS, "algorithm.kl_ctrl.type", self.type, f"one of {tuple(KL_CONTROLLERS)}")
         _check(self.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", self.kl_coef, ">= 0")
@@ -59,7 +59,7 @@ class RolloutCorrectionConfig:
     rollout_rs_threshold_lower: float | None = None  #: lower bound (null = 1 / upper)
 
     def validate(self) -> None:
-        from mcore_rl.algorithms import IS_LEVELS, RS_LEVELS
+        from mcore_rl.config.names import IS_LEVELS, RS_LEVELS
 
         name = "algorithm.rollout_correction"
         _check(
@@ -96,7 +96,7 @@ class AlgorithmConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
     def validate(self) -> None:
-        from mcore_rl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+        from mcore_rl.config.names import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 
         known = tuple(ADVANTAGE_ESTIMATORS)
         _check(self.adv_estimator in known, "algorithm.adv_estimator", self.adv_estimator, f"one of {known}")
@@ -176,7 +176,7 @@ class DPOConfig:
     train_files: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
-        from mcore_rl.algorithms.dpo import DPO_LOSSES
+        from mcore_rl.config.names import DPO_LOSSES
 
         _check(self.beta > 0, "dpo.beta", self.beta, "> 0")
         _check(self.loss_type in DPO_LOSSES, "dpo.loss_type", self.loss_type, f"one of {sorted(DPO_LOSSES)}")

@@ -196,7 +196,7 @@ class ActorConfig:
             _positive("actor.logprob_micro_batch_size", self.logprob_micro_batch_size)
         _check(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", self.clip_ratio_low, "in [0, 1)")
         _check(self.clip_ratio_high >= 0, "actor.clip_ratio_high", self.clip_ratio_high, ">= 0")
-        from mcore_rl.algorithms import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
+        from mcore_rl.config.names import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 
         self.optim.validate()
         _check(
@@ -207,7 +207,7 @@ class ActorConfig:
         )
         _check(self.kl_loss_type in KL_ESTIMATORS, "actor.kl_loss_type", self.kl_loss_type, f"one of {KL_ESTIMATORS}")
         _check(self.entropy_coef >= 0, "actor.entropy_coef", self.entropy_coef, ">= 0")
-        from mcore_rl.actor.router_replay import ROUTER_REPLAY_MODES
+        from mcore_rl.config.names import ROUTER_REPLAY_MODES
 
         _check(
             self.router_replay_mode in ROUTER_REPLAY_MODES,
@@ -240,7 +240,7 @@ class CriticConfig:
     num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
 
     def validate(self) -> None:
-        from mcore_rl.algorithms import LOSS_AGG_MODES
+        from mcore_rl.config.names import LOSS_AGG_MODES
 
         for name in ("world_size", "micro_batch_size", "mini_batches", "ppo_epochs"):
             _positive(f"critic.{name}", getattr(self, name))

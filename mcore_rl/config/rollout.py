@@ -131,8 +131,8 @@ class SyncConfig:
     keep_buffers: bool = True
 
     def validate(self) -> None:
-        from mcore_rl.resharding.sync.plan import MODES
-        from mcore_rl.resharding.sync.transports import TRANSPORTS
+        from mcore_rl.config.names import SYNC_MODES as MODES
+        from mcore_rl.config.names import SYNC_TRANSPORTS as TRANSPORTS
 
         _check(self.transport in TRANSPORTS, "sync.transport", self.transport, f"one of {TRANSPORTS}")
         _check(self.mode in MODES, "sync.mode", self.mode, f"one of {MODES}")
