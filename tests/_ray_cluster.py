@@ -7,7 +7,7 @@ the local submit) still start their own.
 
 The cluster runs `ray start --head --block` in its own session, on loopback with a token of its own (as submit.py's
 jobs do); the pytest process kills that session when it exits. Runs get the address and the token through
-`train_command` / `train_env`.
+`ray_address_override` / `train_env`.
 """
 
 from __future__ import annotations
@@ -22,14 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+from mcore_rl.parallel.groups import free_port
+
 _CLUSTER: dict[str, object] = {}
 CPUS = 16  #: logical CPUs: more than the largest run reserves (placement waits are not part of any test)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -48,7 +44,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def _start() -> None:
     token = secrets.token_hex(16)
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
-    port = _free_port()
+    port = free_port()
     ray = str(Path(sys.executable).with_name("ray"))
     proc = subprocess.Popen(
         [ray, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1", f"--num-cpus={CPUS}",
@@ -68,15 +64,17 @@ def _start() -> None:
     _CLUSTER.update(address=f"127.0.0.1:{port}", env=env)
 
 
+def _cluster() -> dict[str, object]:
+    if not _CLUSTER:  # started on first use
+        _start()
+    return _CLUSTER
+
+
 def train_env() -> dict[str, str]:
     """The environment of a run that joins the shared cluster (its auth token)."""
-    if not _CLUSTER:
-        _start()
-    return dict(_CLUSTER["env"])  # type: ignore[arg-type]
+    return dict(_cluster()["env"])  # type: ignore[arg-type]
 
 
 def ray_address_override() -> str:
-    """`trainer.ray_address=<the shared cluster>` (starts it on first use)."""
-    if not _CLUSTER:
-        _start()
-    return f"trainer.ray_address={_CLUSTER['address']}"
+    """`trainer.ray_address=<the shared cluster>`."""
+    return f"trainer.ray_address={_cluster()['address']}"
