@@ -371,18 +371,42 @@ def test_abort_request_by_rid(server) -> None:
     assert post(server, "/abort_request", {}).status_code == 400
 
 
-def test_staging_tensors_are_reused_by_the_next_update(server) -> None:
-    receiver = server.server.receiver
+def test_a_whole_update_swaps_storage_with_the_shadows_and_allocates_nothing(server) -> None:
+    receiver, engine = server.server.receiver, server.server.engine
     sync(server, source_weights(11), "11")
     resident = receiver.resident_bytes
-    kept = {name: t.data_ptr() for name, t in receiver._spare.items()}
+    live = {key: engine.parameter(key).data_ptr() for key in receiver._shadows}
+    shadows = {key: t.data_ptr() for key, t in receiver._shadows.items()}
+    assert set(shadows) == {engine.param_key(name) for name, _ in source_weights(11)}  # every parameter has one
     assert resident >= sum(t.numel() * t.element_size() for _, t in source_weights(11))  # one model, kept
     sync(server, source_weights(12), "12")
-    assert receiver.resident_bytes == resident, "the second update allocated new staging tensors"
-    assert {name: t.data_ptr() for name, t in receiver._spare.items()} == kept
+    assert receiver.resident_bytes == resident, "the second update allocated new shadows"
+    # The commit moved no bytes: each parameter now lives in its former shadow, and its old storage is the shadow.
+    assert {key: engine.parameter(key).data_ptr() for key in live} == shadows
+    assert {key: t.data_ptr() for key, t in receiver._shadows.items()} == live
     assert (
         greedy(server, [5, 6])
         == HFRolloutEngine(dict(HF), init_seed=12).generate([[5, 6]], temperature=0, max_new_tokens=6)[0].response_ids
+    )
+
+
+def test_an_update_of_part_of_a_parameter_copies_only_that_part(server) -> None:
+    sync(server, source_weights(13), "13")
+    engine = server.server.engine
+    new = dict(source_weights(14))
+    expert = "model.layers.0.mlp.experts.1.up_proj.weight"  # one chunk of one expert of a fused parameter
+    key = engine.param_key(expert)
+    before = engine.parameter(key).clone()
+    pointer = engine.parameter(key).data_ptr()
+    sync(server, [(expert, new[expert])], "14")
+    state = engine.state_dict_hf()
+    assert torch.equal(state[expert], new[expert])
+    assert engine.parameter(key).data_ptr() == pointer  # copied in place, not swapped
+    changed = (engine.parameter(key) != before).sum().item()
+    assert changed == (new[expert] != dict(source_weights(13))[expert]).sum().item()  # nothing else moved
+    assert torch.equal(
+        state["model.layers.0.mlp.experts.1.gate_proj.weight"],
+        dict(source_weights(13))["model.layers.0.mlp.experts.1.gate_proj.weight"],
     )
 
 

@@ -104,6 +104,10 @@ class HFRolloutEngine:
         saved = set(self.model.state_dict())
         self._buffers = {name: b for name, b in self.model.named_buffers() if name in saved}
         self._params.update(self._buffers)
+        #: one name per parameter object, the first `named_parameters` gives (tied aliases share their tensor)
+        self._param_keys: dict[int, str] = {}
+        for name, tensor in self._params.items():
+            self._param_keys.setdefault(id(tensor), name)
         #: version of the loaded weights: 0 at construction; set by weight updates (SGLang's are strings)
         self.weight_version: int | str = 0
         self.context_length: int = int(getattr(self.config, "max_position_embeddings", 0) or 4096)
@@ -270,6 +274,16 @@ class HFRolloutEngine:
         if mtp_layers and HFNameMap.is_mtp_layer(name, self.config.num_hidden_layers, mtp_layers):
             return None
         return self.name_map.target_view(self._params, name, tuple(tensor.shape))
+
+    def param_key(self, name: str) -> str:
+        """The name of the parameter (or persistent buffer) that checkpoint tensor `name` is written into, one name
+        per tensor object (tied aliases answer alike): `parameter(param_key(name))` holds `target_view(name, ...)`.
+        Call after `target_view` has accepted the name."""
+        return self._param_keys[id(self._params[self.name_map.param_name(name)])]
+
+    def parameter(self, key: str) -> torch.Tensor:
+        """The parameter or persistent buffer named `key` (a `param_key`)."""
+        return self._params[key]
 
     def update_weights_from_tensors(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int | None = None

@@ -111,16 +111,26 @@ class HFNameMap:
             )
         return cls(model_type, HF_NAME_RULES[model_type])
 
+    def _fused_rule(self, hf_name: str) -> tuple[FusedExpertRule, re.Match[str]] | tuple[None, None]:
+        for rule in self.rules:
+            match = rule.checkpoint_regex.match(hf_name)
+            if match is not None:
+                return rule, match
+        return None, None
+
+    def param_name(self, hf_name: str) -> str:
+        """The in-memory parameter that checkpoint tensor `hf_name` is part of (itself for a 1:1 name)."""
+        rule, match = self._fused_rule(hf_name)
+        return hf_name if rule is None else rule.param.format(prefix=match["prefix"])
+
     def target_view(self, params: Mapping[str, torch.Tensor], hf_name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The view of a parameter in `params` that the checkpoint tensor `hf_name` (of `shape`) is written into.
 
         Raises ValueError naming the tensor, its shape and the expected shape when the name is unknown or the
         shapes differ. The view aliases the parameter's storage, so writing it allocates nothing.
         """
-        for rule in self.rules:
-            match = rule.checkpoint_regex.match(hf_name)
-            if match is None:
-                continue
+        rule, match = self._fused_rule(hf_name)
+        if rule is not None:
             param_name = rule.param.format(prefix=match["prefix"])
             fused = params.get(param_name)
             if fused is None:
@@ -132,7 +142,6 @@ class HFNameMap:
                     f"{param_name!r} holds {fused.shape[0]} experts (shape {list(fused.shape)})"
                 )
             view = _chunk(fused[expert], rule)
-            break
         else:
             fused_rule = next((rule for rule in self.rules if rule.param_regex.match(hf_name)), None)
             if fused_rule is not None:

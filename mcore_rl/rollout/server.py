@@ -347,7 +347,7 @@ class EngineServer:
     # ------------------------------------------------------------------ weights
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         await self._body(request)
-        return _ok(self.receiver.begin())
+        return _ok(await asyncio.to_thread(self.receiver.begin))  # waits for a dropped session's copies
 
     async def _stage(self, body: dict, named_fn: Callable[[], list[tuple[str, torch.Tensor]]]) -> web.Response:
         version = self._field(body, "weight_version", (str, int), None)
@@ -435,18 +435,15 @@ class EngineServer:
         return await self._commit()
 
     async def _commit(self) -> web.Response:
-        staged, version = self.receiver.take_commit()
+        staged = await asyncio.to_thread(self.receiver.take_commit)  # waits for buckets still being copied
 
         def commit() -> None:
-            with torch.no_grad():
-                for view, value in staged:
-                    view.copy_(value)
-            if version is not None:
-                self.engine.weight_version = version
+            staged.apply()
+            if staged.version is not None:
+                self.engine.weight_version = staged.version
 
         await _wrap(self.batcher.call(commit))
-        self.receiver.recycle()  # the staging tensors serve the next update (resident until released)
-        return _ok(f"committed {len(staged)} tensors", weight_version=self._version())
+        return _ok(f"committed {staged.count} tensors", weight_version=self._version())
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await self._body(request)

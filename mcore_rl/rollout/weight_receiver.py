@@ -3,15 +3,18 @@
 ```
 /begin_weight_update                      open a session (a session left open by a dead sender is discarded)
 /update_weights_from_tensor | _distributed | _disk
-    payload -> named tensors -> every name/shape checked against the model -> staged (copies, not yet visible)
-/end_weight_update                        commit between two decode steps: staged tensors copied into the
-                                          parameters, weight_version set; a session with a refused bucket commits
+    payload -> named tensors -> every name/shape checked against the model -> copied into the parameter's shadow
+    (a tensor shaped like the parameter; not yet visible)
+/end_weight_update                        commit between two decode steps: a parameter the session wrote whole
+                                          swaps storage with its shadow, a partly written one has those regions
+                                          copied in; weight_version set. A session with a refused bucket commits
                                           nothing (old weights and version stay)
 ```
-Staging costs up to one model's bytes on the engine and buys atomicity without stopping generation while buckets
-stream in: requests keep decoding on the old weights until the commit, and no token mixes versions. The staging
-tensors and the broadcast receive buffers are reused by the next session (fresh pages cost more than the copies into
-them), so they stay resident between syncs until `release()` (the server's /release_memory_occupation of weights).
+The shadows cost up to one model's bytes on the engine and buy atomicity without stopping generation while buckets
+stream in: requests keep decoding on the old weights until the commit, and no token mixes versions. The commit moves
+no bytes for what a sync sends whole (every parameter, in a full sync): the old storage becomes the next session's
+shadow. Shadows and the broadcast receive buffers stay resident between syncs until `release()` (the server's
+/release_memory_occupation of weights), since fresh pages cost more than the copies into them.
 
 Tensor payloads are SGLang's: base64 of a `ForkingPickler` dump (CPU tensors through shared memory with torch's
 `file_system` strategy; CUDA IPC handles on GPU), either a list of `(name, tensor)` or, with
@@ -140,131 +143,200 @@ class _Received(list):
     buffer: torch.Tensor
 
 
+class _Session:
+    """One open update session: the regions of each parameter's shadow that its buckets wrote."""
+
+    def __init__(self) -> None:
+        #: parameter key -> {(offset, shape, stride) of a written view of its shadow: numel}
+        self.written: dict[str, dict[tuple[int, tuple[int, ...], tuple[int, ...]], int]] = {}
+        self.names: set[str] = set()
+        self.failed: str | None = None
+        self.version: str | None = None
+        self.copying = 0  # buckets whose copies into the shadows are running (outside the lock)
+
+
+class Commit:
+    """A closed session, ready to apply between two decode steps (`apply`), with the shadows it owns until then."""
+
+    def __init__(self, receiver: WeightReceiver, session: _Session, shadows: dict[str, torch.Tensor]) -> None:
+        self._receiver, self._session, self._shadows = receiver, session, shadows
+        self.count = len(session.names)
+        self.version = session.version
+        self._releases = receiver._releases
+
+    def apply(self) -> None:
+        """Make the session's tensors the engine's: a parameter written whole swaps storage with its shadow (no
+        copy; the old storage becomes the next session's shadow), a partly written one has its regions copied."""
+        engine = self._receiver.engine
+        with torch.no_grad():
+            for key, regions in self._session.written.items():
+                live, shadow = engine.parameter(key), self._shadows[key]
+                if sum(regions.values()) == live.numel():
+                    live.data, self._shadows[key] = shadow, live.data
+                else:
+                    for offset, shape, stride in regions:
+                        _region(live, offset, shape, stride).copy_(_region(shadow, offset, shape, stride))
+        self._receiver._give_back(self._shadows, self._releases)
+
+
+def _region(tensor: torch.Tensor, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    """The view at element `offset` (from `tensor`'s own start) with `shape` and `stride`."""
+    return tensor.as_strided(shape, stride, tensor.storage_offset() + offset)
+
+
 class WeightReceiver:
     """Staged weight updates for one `HFRolloutEngine` (see the module docstring). Thread-safe."""
 
     def __init__(self, engine: HFRolloutEngine) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
-        self._staged: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._failed: str | None = None
-        self._version: str | None = None
+        self._lock = threading.Condition()
+        self._session: _Session | None = None
         self.groups: dict[str, Any] = {}
-        self._spare: dict[str, torch.Tensor] = {}  # staging tensors of earlier sessions, by name, to reuse
-        self._committing: dict[str, torch.Tensor] = {}  # handed out by take_commit, back with recycle
+        #: parameter key -> a tensor shaped like it that buckets are staged into; a commit swaps it in
+        self._shadows: dict[str, torch.Tensor] = {}
+        self._releases = 0  # counts `release` calls: a commit applied after one gives no shadows back
         #: flattened-bucket receive buffers not in use: a broadcast takes one (or allocates), stage() gives it back,
         #: so there are as many as buckets ever arrived at once (one per stream sending in parallel), not per group
         self._receive_buffers: list[torch.Tensor] = []
+        #: shared-memory storages that payloads of this and of the last session arrived in, by address. Holding one
+        #: keeps torch's sharing cache entry alive, so a sender that reuses its bucket buffers (as the sync executor
+        #: does) is not mapped afresh, page by page, on every sync.
+        self._mapped: dict[int, torch.UntypedStorage] = {}
+        self._mapped_last: dict[int, torch.UntypedStorage] = {}
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes of the staging and receive buffers kept for the next session (see `release`)."""
-        spare = sum(t.numel() * t.element_size() for t in self._spare.values())
-        return spare + sum(t.numel() for t in self._receive_buffers)
+        """Bytes of the shadows and receive buffers kept for the next session (see `release`)."""
+        with self._lock:
+            shadows = sum(t.numel() * t.element_size() for t in self._shadows.values())
+            return shadows + sum(t.numel() for t in self._receive_buffers)
 
     def release(self) -> None:
-        """Drop the buffers kept for reuse (an open session keeps what it staged)."""
+        """Drop the buffers kept for reuse and discard an open session."""
         with self._lock:
-            self._spare.clear()
-            self._committing.clear()
+            self._end_session()
+            self._shadows.clear()
             self._receive_buffers = []
+            self._mapped, self._mapped_last = {}, {}
+            self._releases += 1
 
-    def recycle(self) -> None:
-        """Give the last commit's staging tensors back for the next session (call once the commit copied them)."""
+    def _give_back(self, shadows: dict[str, torch.Tensor], releases: int) -> None:
         with self._lock:
-            self._spare.update(self._committing)
-            self._committing = {}
+            if self._releases == releases:  # no release since the commit was taken: keep them for the next session
+                for key, shadow in shadows.items():
+                    self._shadows.setdefault(key, shadow)
 
-    def _return_staged(self) -> None:  # with self._lock held
-        for name, (_, value) in (self._staged or {}).items():
-            self._spare[name] = value
+    def _end_session(self) -> None:  # with the lock held: wait for the session's copies, then close it
+        while self._session is not None and self._session.copying:
+            self._lock.wait()
+        self._session = None
 
     @property
     def session_open(self) -> bool:
-        return self._staged is not None
+        return self._session is not None
 
     @property
     def staged_count(self) -> int:
         """Tensors staged in the open session (0 when none is open)."""
-        return len(self._staged or {})
+        session = self._session
+        return 0 if session is None else len(session.names)
 
     def begin(self) -> str:
         with self._lock:
-            dropped = "" if self._staged is None else f" (discarded an unfinished session of {len(self._staged)})"
-            self._return_staged()
-            self._staged, self._failed, self._version = {}, None, None
+            dropped = "" if self._session is None else f" (discarded an unfinished session of {self.staged_count})"
+            self._end_session()
+            self._session = _Session()
+            self._mapped_last, self._mapped = self._mapped, {}  # what neither this session nor the last used goes
         return "weight update session opened" + dropped
 
+    def _shadow(self, key: str) -> torch.Tensor:  # with the lock held
+        live = self.engine.parameter(key)
+        shadow = self._shadows.get(key)
+        if shadow is None or (shadow.shape, shadow.stride(), shadow.dtype) != (live.shape, live.stride(), live.dtype):
+            shadow = torch.empty_strided(live.shape, live.stride(), dtype=live.dtype, device=live.device)
+            self._shadows[key] = shadow
+        return shadow
+
     def stage(self, named: Iterable[tuple[str, torch.Tensor]], weight_version: str | None) -> int:
-        """Check every tensor, then stage copies of them; WeightUpdateError (and the session is spoiled) if any is
-        refused, so a later end_weight_update commits nothing. The copies run outside the lock, so buckets of
-        different streams stage in parallel (copy_ releases the GIL)."""
+        """Check every tensor, then copy each into its parameter's shadow; WeightUpdateError (and the session is
+        spoiled) if any is refused, so a later end_weight_update commits nothing. The copies run outside the lock,
+        so buckets of different streams stage in parallel (copy_ releases the GIL)."""
         with self._lock:
-            if self._staged is None:
+            session = self._session
+            if session is None:
                 raise WeightUpdateError("no weight update session: call /begin_weight_update first")
-            if self._failed is not None:
-                raise WeightUpdateError(f"this session already had a refused bucket ({self._failed}); begin again")
-            session = self._staged
+            if session.failed is not None:
+                raise WeightUpdateError(f"this session already had a refused bucket ({session.failed}); begin again")
+            named_in, named = named, list(named)
             checked = []
-            named_in = named
+            for _, tensor in named:
+                if isinstance(tensor, torch.Tensor) and tensor.is_shared() and tensor.device.type == "cpu":
+                    storage = tensor.untyped_storage()
+                    self._mapped.setdefault(storage.data_ptr(), storage)
             try:
-                named = _dequantize_fp8(list(named))
+                named = _dequantize_fp8(named)
                 for name, tensor in named:
                     view = self.engine.target_view(name, tensor)
-                    if view is not None:
-                        checked.append((name, view, tensor))
+                    if view is None:
+                        continue
+                    key = self.engine.param_key(name)
+                    live = self.engine.parameter(key)
+                    offset = view.storage_offset() - live.storage_offset()
+                    region = (offset, tuple(view.shape), tuple(view.stride()))
+                    checked.append((name, key, region, _region(self._shadow(key), *region), tensor))
             except ValueError as err:
-                self._failed = str(err)
+                session.failed = str(err)
                 raise WeightUpdateError(f"bucket refused, old weights kept: {err}") from err
-            values = []
-            for name, view, tensor in checked:  # reuse the tensor this name was staged in last time
-                value = self._spare.pop(name, None)
-                if value is None or value.shape != tensor.shape or value.dtype != view.dtype:
-                    value = torch.empty(tensor.shape, dtype=view.dtype, device=view.device)
-                values.append(value)
-        for (_, _, tensor), value in zip(checked, values):
-            value.copy_(tensor)
-        with self._lock:
-            if isinstance(named_in, _Received):  # its views are copied: the buffer serves the next bucket
-                self._receive_buffers.append(named_in.buffer)
-            if self._staged is not session:  # the session was discarded or committed meanwhile: stage nothing
-                self._spare.update((name, value) for (name, _, _), value in zip(checked, values))
-                raise WeightUpdateError("the weight update session ended while this bucket was being staged")
-            for (name, view, _), value in zip(checked, values):
-                if name in self._staged:  # sent twice in one session: the later copy wins
-                    self._spare[name] = self._staged[name][1]
-                self._staged[name] = (view, value)
-            if weight_version is not None:
-                self._version = str(weight_version)
-            return len(checked)
+            session.copying += 1  # the session cannot end (nor its shadows be committed) until these copies do
+        copied = False
+        try:
+            for *_, target, tensor in checked:
+                target.copy_(tensor)
+            copied = True
+        finally:
+            with self._lock:
+                if isinstance(named_in, _Received):  # its views are copied: the buffer serves the next bucket
+                    self._receive_buffers.append(named_in.buffer)
+                if copied:
+                    for name, key, region, target, _ in checked:
+                        session.written.setdefault(key, {})[region] = target.numel()
+                        session.names.add(name)
+                    if weight_version is not None:
+                        session.version = str(weight_version)
+                session.copying -= 1
+                self._lock.notify_all()
+        return len(checked)
 
     def fail(self, message: str) -> None:
         """Spoil the open session (a bucket that could not even be read): end_weight_update will commit nothing."""
         with self._lock:
-            if self._staged is not None:
-                self._failed = message
+            if self._session is not None:
+                self._session.failed = message
 
     def discard(self) -> None:
-        """Drop the open session, if any, without committing."""
+        """Drop the open session, if any, without committing (its shadows stay, for the next session)."""
         with self._lock:
-            self._return_staged()
-            self._staged, self._failed, self._version = None, None, None
+            self._end_session()
 
-    def take_commit(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str | None]:
-        """Close the session: the (parameter view, new value) pairs and version to commit; WeightUpdateError if the
-        session had a refused bucket or none was open. Call `recycle()` once the values are copied."""
+    def take_commit(self) -> Commit:
+        """Close the session (after its running copies end) and hand its shadows to the returned `Commit`;
+        WeightUpdateError if the session had a refused bucket, none was open, or the weights were released and
+        resumed meanwhile (the parameters no longer match their shadows)."""
         with self._lock:
-            staged, failed, version = self._staged, self._failed, self._version
-            if failed is not None:
-                self._return_staged()
-            elif staged is not None:
-                self._committing = {name: value for name, (_, value) in staged.items()}
-            self._staged, self._failed, self._version = None, None, None
-        if staged is None:
-            raise WeightUpdateError("no weight update session: call /begin_weight_update first")
-        if failed is not None:
-            raise WeightUpdateError(f"a bucket of this session was refused ({failed}); nothing committed")
-        return list(staged.values()), version
+            session = self._session
+            self._end_session()
+            if session is None:
+                raise WeightUpdateError("no weight update session: call /begin_weight_update first")
+            if session.failed is not None:
+                raise WeightUpdateError(f"a bucket of this session was refused ({session.failed}); nothing committed")
+            shadows = {key: self._shadows.pop(key, None) for key in session.written}
+            for key, shadow in shadows.items():
+                live = self.engine.parameter(key)
+                if shadow is None or (shadow.shape, shadow.stride()) != (live.shape, live.stride()):
+                    raise WeightUpdateError(
+                        f"{key!r} changed shape during the update session (weights released?); nothing committed"
+                    )
+            return Commit(self, session, shadows)
 
     def receive_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, load_format: str | None
