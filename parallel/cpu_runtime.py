@@ -201,10 +201,38 @@ def enable_cpu_runtime(allow_with_gpu: bool = False) -> None:
     # the CPU version scales the same fp32 gradients by the same coefficient.
     moptimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
 
+    import megatron.core.transformer.moe.moe_layer as moe_layer
+
+    # Every collective costs a millisecond or more over gloo here (two thread hand-offs per rank, on a VM that wakes
+    # an idle core slowly), against tens of microseconds for the bytes: the all-gather dispatcher's three all-gathers
+    # per MoE layer (routing map, probs, hidden states) and their two reduce-scatters in backward are fused into one
+    # of each. Same values, bit for bit (tests/test_cpu_runtime.py).
+    moe_layer.MoEAllGatherTokenDispatcher = _fused_allgather_dispatcher()
+
     # A global function mode, pushed once for the life of the process. Ray runs a synchronous actor's methods on
     # the thread that built it, so the mode stays in force for every call.
     _CudaToCpuMode().__enter__()
     _ENABLED = True
+
+
+def _fused_allgather_dispatcher() -> type:
+    """Megatron's all-gather token dispatcher, gathering the routing map, probs and hidden states as one tensor."""
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    class FusedAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
+        def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):  # noqa: ANN202
+            if self.tp_size == 1 and self.ep_size == 1:
+                return hidden_states, probs
+            # [tokens, hidden | experts (probs) | experts (routing map as 0/1)] in the probs' dtype (fp32: exact for
+            # bf16 hidden states and for the map); the gather's backward reduce-scatters both gradients at once.
+            width, experts = hidden_states.shape[-1], probs.shape[-1]
+            packed = torch.cat([hidden_states.to(probs.dtype), probs, self.routing_map.to(probs.dtype)], dim=-1)
+            gathered = gather_from_sequence_parallel_region(packed, group=self.tp_ep_group)
+            self.routing_map = gathered[:, width + experts :].detach() > 0.5
+            return gathered[:, :width].to(hidden_states.dtype), gathered[:, width : width + experts]
+
+    return FusedAllGatherTokenDispatcher
 
 
 def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False) -> None:  # noqa: ANN001

@@ -75,6 +75,51 @@ def test_dense_weights_identical_across_dp_after_init():
         assert torch.equal(a[name], b[name]), name
 
 
+def _dispatch_rank(rank, world, stock):
+    """Logprobs and one update under EP2, with the CPU runtime's fused all-gather dispatcher or Megatron's own."""
+    import megatron.core.transformer.moe.moe_layer as moe_layer
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    from mcore_rl.actor.batch import TrainBatch
+    from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
+
+    if stock:  # the harness enabled the runtime: undo its one patch of the dispatcher
+        moe_layer.MoEAllGatherTokenDispatcher = token_dispatcher.MoEAllGatherTokenDispatcher
+    actor = MegatronActor(
+        rank, world, ModelConfig(hf_config=tiny_qwen3_moe(vocab_size=50)),
+        ActorConfig(world_size=2, layout=LayoutConfig(ep=2), use_ref=False, mini_batches=1),
+    )  # fmt: skip
+    actor.initialize(("127.0.0.1", 0))
+    layers = [m for m in actor.chunks[0].modules() if hasattr(m, "token_dispatcher")]
+    dispatchers = {type(m.token_dispatcher).__name__ for m in layers}
+    gen = torch.Generator().manual_seed(rank)
+    batch = TrainBatch(
+        [torch.randint(3, 50, (5,), generator=gen).tolist() for _ in range(8)],
+        torch.randint(3, 50, (8, 3), generator=gen),
+        torch.ones(8, 3),
+        {"old_logprobs": torch.full((8, 3), -4.0), "advantages": torch.randn(8, 3, generator=gen)},
+    )
+    logprobs = actor.logprobs(batch).payload
+    metrics = actor.update(batch).payload
+    return dispatchers, logprobs, metrics, {n: p.detach().clone() for n, p in actor.chunks[0].named_parameters()}
+
+
+@pytest.mark.slow
+def test_the_fused_moe_dispatcher_gives_megatrons_values_bit_for_bit():
+    """The CPU runtime gathers routing map, probs and hidden states in one all-gather: logprobs, the update's
+    metrics and every parameter after it (experts included) equal those under Megatron's own dispatcher."""
+    from mcore_rl.parallel.harness import run_on_ranks
+
+    fused = run_on_ranks(_dispatch_rank, 2, (False,))
+    stock = run_on_ranks(_dispatch_rank, 2, (True,))
+    assert fused[0][0] == {"FusedAllGatherTokenDispatcher"} and stock[0][0] == {"MoEAllGatherTokenDispatcher"}
+    for (_, lp_f, m_f, p_f), (_, lp_s, m_s, p_s) in zip(fused, stock):
+        assert torch.equal(lp_f, lp_s)
+        assert m_f == m_s
+        assert p_f.keys() == p_s.keys() and all(torch.equal(p_f[n], p_s[n]) for n in p_f)
+
+
 def test_megatron_imports_without_torch_compile_where_there_is_no_cuda():
     """Importing mcore_rl first makes Megatron's jit_fuser the identity (no CUDA here): its fused functions are the
     plain Python ones and torch._dynamo / torch._inductor are never imported (3 s per rank)."""
