@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -180,6 +181,11 @@ class MegatronActor:
         self.lr_scheduler = lr_scheduler(self.optimizer, optim)
 
     # ------------------------------------------------------------------------------------------ queries
+    def call_packed(self, method: str, packed: bytes) -> Any:
+        """`method(*args, **kwargs)`, the arguments pickled by the controller (`ActorGroup.call`)."""
+        args, kwargs = pickle.loads(packed)
+        return getattr(self, method)(*args, **kwargs)
+
     def ping(self) -> dict[str, Any]:
         """Where this rank sits (for the controller's logs and tests)."""
         return {
