@@ -13,6 +13,7 @@ Measured against megatron-core 0.16.1 and torch 2.13 (CPU build).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -212,7 +213,52 @@ def enable_cpu_runtime(allow_with_gpu: bool = False) -> None:
     # A global function mode, pushed once for the life of the process. Ray runs a synchronous actor's methods on
     # the thread that built it, so the mode stays in force for every call.
     _CudaToCpuMode().__enter__()
+    # The mode costs a Python call per torch op. The hot loops (the schedule's forward/backward, the optimizer step)
+    # run with it suspended (`mode_suspended`); what they allocate on "cuda" goes through these patched factories.
+    _patch_factories()
     _ENABLED = True
+
+
+#: torch functions and Tensor methods that take a `device` (or `pin_memory`) keyword and that Megatron's hot paths call
+_FACTORIES = (
+    "empty", "zeros", "ones", "full", "tensor", "arange", "as_tensor", "empty_like", "zeros_like", "ones_like",
+    "full_like", "rand", "randn", "randint", "randperm", "empty_strided", "linspace", "eye",
+)  # fmt: skip
+_TENSOR_FACTORIES = ("new_empty", "new_zeros", "new_ones", "new_full", "new_tensor")
+
+
+def _on_cpu(kwargs: dict[str, Any]) -> dict[str, Any]:
+    if "device" in kwargs and _names_cuda(kwargs["device"]):
+        kwargs["device"] = "cpu"
+    if kwargs.get("pin_memory"):  # pinned host memory needs a CUDA context
+        kwargs["pin_memory"] = False
+    return kwargs
+
+
+def _patch_factories() -> None:
+    """Factories that map a CUDA `device` keyword to the CPU, `Tensor.to("cuda")` and `Tensor.cuda()` that stay on
+    the CPU: what the mode does for these, at the cost of one Python call per factory call, not per op."""
+
+    def factory(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def on_cpu(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **_on_cpu(kwargs))
+
+        return on_cpu
+
+    for name in _FACTORIES:
+        setattr(torch, name, factory(getattr(torch, name)))
+    for name in _TENSOR_FACTORIES:
+        setattr(torch.Tensor, name, factory(getattr(torch.Tensor, name)))
+    to = torch.Tensor.to
+
+    def to_cpu(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args and _names_cuda(args[0]):
+            args = ("cpu", *args[1:])
+        return to(self, *args, **_on_cpu(kwargs))
+
+    torch.Tensor.to = to_cpu  # type: ignore[method-assign]
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
 
 
 def _fused_allgather_dispatcher() -> type:
@@ -251,9 +297,14 @@ def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decouple
 
 @contextlib.contextmanager
 def mode_suspended() -> Iterator[None]:
-    """Suspend the device-rewriting mode (every torch function mode) in code that allocates only on the CPU by
-    itself, such as checkpoint conversion loops: the mode costs a Python call per torch op (measured: a third of the
-    time of a loop of small copies)."""
+    """Suspend the device-rewriting mode (every torch function mode) in hot loops: the mode costs a Python call per
+    torch op (measured: a third of the time of a loop of small copies; 10-25% of a default-job update). Inside, the
+    patched factories (`_patch_factories`) still put what Megatron allocates on "cuda" on the CPU; anything else
+    that names CUDA fails loudly (torch is not compiled with it), it does not silently go elsewhere. Without the CPU
+    runtime (CUDA) it does nothing: there it would also switch off tensor subclasses' `__torch_function__`."""
+    if not _ENABLED:
+        yield
+        return
     with torch._C.DisableTorchFunction():
         yield
 

@@ -65,7 +65,7 @@ def dpo_update(actor: MegatronActor, batch: TrainBatch, beta: float, loss_type: 
                 chunk.zero_grad_buffer()
             actor.optimizer.zero_grad()
             outputs = actor._run_schedule(actor.ddp_chunks, mbs, seq_len, loss_fn, forward_only=False)
-            ok, grad_norm, _ = actor.optimizer.step()
+            ok, grad_norm, _ = actor.optimizer_step()
             metrics = _pair_means(outputs)
             metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
             metrics["actor/update_ok"] = float(bool(ok))

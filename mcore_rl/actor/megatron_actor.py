@@ -392,7 +392,7 @@ class MegatronActor:
                 self.optimizer.zero_grad()
                 outputs = self._run_schedule(self.ddp_chunks, mbs, seq_len, loss_fn, forward_only=False)
                 lr = float(self.optimizer.param_groups[0]["lr"])
-                ok, grad_norm, _ = self.optimizer.step()
+                ok, grad_norm, _ = self.optimizer_step()
                 self.lr_scheduler.step(1)  # the lr of the next optimizer step
                 metrics = _sum_metrics(outputs)
                 metrics[f"{self.role}/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
@@ -404,6 +404,12 @@ class MegatronActor:
         if self.routing is not None:
             self.routing.end()
         return self._result({k: v / steps for k, v in totals.items()})
+
+    def optimizer_step(self) -> tuple[bool, float | None, int | None]:
+        """Megatron's optimizer step (clip, step, copy back) outside the CPU runtime's per-op mode (see
+        `mode_suspended`): (update ok, grad norm, zeros in grads)."""
+        with mode_suspended():
+            return self.optimizer.step()
 
     def dpo_update(self, batch: TrainBatch, beta: float, loss_type: str) -> RankResult:
         """DPO update on interleaved chosen/rejected pairs carrying "ref_logprobs" (actor/dpo_step.py)."""

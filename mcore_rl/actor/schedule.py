@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from mcore_rl.parallel.cpu_runtime import mode_suspended
+
 
 def run_schedule(
     model: Sequence[torch.nn.Module],
@@ -31,14 +33,16 @@ def run_schedule(
     kwargs: dict[str, Any] = {}
     if pp_size > 1:
         kwargs["p2p_communicator"] = P2PCommunicator(pp_group=pg_collection.pp, config=model[0].config)
-    return get_forward_backward_func(pp_size=pp_size, vp_size=vpp)(
-        forward_step_func=forward_step,
-        data_iterator=[iter(microbatches) for _ in model] if vpp else iter(microbatches),
-        model=list(model) if vpp else model[0],
-        num_microbatches=len(microbatches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=forward_only,
-        pg_collection=pg_collection,
-        **kwargs,
-    )
+    schedule = get_forward_backward_func(pp_size=pp_size, vp_size=vpp)
+    with mode_suspended():  # the CPU runtime's per-op device mode is not needed here (parallel/cpu_runtime.py)
+        return schedule(
+            forward_step_func=forward_step,
+            data_iterator=[iter(microbatches) for _ in model] if vpp else iter(microbatches),
+            model=list(model) if vpp else model[0],
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+            pg_collection=pg_collection,
+            **kwargs,
+        )
