@@ -217,7 +217,7 @@ def test_plan_sync_tool_checks_a_1024_rank_deepseek_plan() -> None:
         "--engine-nodes", "64", "--engine-tp", "32", "--engine-ep", "32", "--dp-attention", "4",
         "--set", "actor.world_size=512",
     ]  # fmt: skip
-    # ~50 s on an idle 2-core machine; how long it takes is tools/plan_sync.py's figure to print, not a test limit
+    # ~34 s on an idle 2-core machine; how long it takes is tools/plan_sync.py's figure to print, not a test limit
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("plan: ")]

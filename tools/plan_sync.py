@@ -107,32 +107,39 @@ def link_loads(plan: Any, actor_world: int, gpus_per_node: int, engine_nodes: in
     """Bytes per sending/receiving GPU and per link class under the transfer model in the module docstring."""
     eng = plan.engines
     sent: dict[int, float] = defaultdict(float)  # leader rank -> bytes its link sends
-    received: dict[tuple[int, int], float] = defaultdict(float)  # (engine, rank) -> bytes
+    per_rank: dict[int, float] = defaultdict(float)  # engine-local rank -> bytes (every engine receives the same)
     by_class = {"nvlink": 0.0, "ib": 0.0}
     gather: dict[int, float] = defaultdict(float)  # leader -> bytes through its TP/ETP all-gather
+    # Colocated engines occupy the actor's GPUs in order (engine e, rank r -> GPU e * tp + r): how many engines put
+    # their rank r on a given node, for the bytes that stay on a leader's node (NVLink); split engines: none do.
+    on_node: dict[tuple[int, int], int] = defaultdict(int)  # (engine-local rank, node) -> engines
+    if engine_nodes == 0:
+        for engine in range(eng.num_engines):
+            for r in range(eng.tp):
+                on_node[(r, (engine * eng.tp + r) // gpus_per_node)] += 1
     for bucket in plan.buckets:
         stream = plan.streams[bucket.stream]
         g = len(stream.group)
+        node = stream.leader // gpus_per_node
         for e in bucket.entries:
             source = plan.sources[e.source]
             if source.axis is not None and g > 1:
                 gather[stream.leader] += e.nbytes * (g - 1) / g
             rows = e.shape[e.dim] if e.shape else 1
             per_row = e.nbytes / max(1, rows)
-            slices = [(r, plan.receive_slice(e, r)) for r in range(eng.tp)]
+            slices = plan.receive_slices(e)
             # one broadcast carries a slice that several engine-local ranks keep (replicated tensors, full mode)
-            for got in {s for _, s in slices if s is not None}:
+            for got in set(slices) - {None}:
                 sent[stream.leader] += per_row * got[1]
-            for r, got in slices:
+            for r, got in enumerate(slices):
                 if got is None:
                     continue
                 nbytes = per_row * got[1]
-                for engine in range(eng.num_engines):
-                    received[(engine, r)] += nbytes
-                    # colocated engines occupy the actor's GPUs in order: engine e, rank r -> GPU e * tp + r
-                    gpu = engine * eng.tp + r
-                    same_node = engine_nodes == 0 and gpu // gpus_per_node == stream.leader // gpus_per_node
-                    by_class["nvlink" if same_node else "ib"] += nbytes
+                per_rank[r] += nbytes
+                local = on_node.get((r, node), 0)
+                by_class["nvlink"] += nbytes * local
+                by_class["ib"] += nbytes * (eng.num_engines - local)
+    received = {(engine, r): nbytes for engine in range(eng.num_engines) for r, nbytes in per_rank.items()}
     return {"sent": sent, "received": received, "gather": gather, "by_class": by_class}
 
 

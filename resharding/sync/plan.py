@@ -158,32 +158,35 @@ class SyncPlan:
 
     # ------------------------------------------------------------------ receivers
     def receive_slice(self, entry: Entry, engine_rank: int) -> tuple[int, int] | None:
-        """The rows (start, length along entry.dim) engine rank `engine_rank` keeps of `entry`; None: nothing.
+        """The rows (start, length along entry.dim) engine rank `engine_rank` keeps of `entry`; None: nothing."""
+        return self.receive_slices(entry)[engine_rank]
 
-        Mode full: every rank keeps the whole tensor. shard_aware: see ShardRule.
+    def receive_slices(self, entry: Entry) -> list[tuple[int, int] | None]:
+        """What each engine rank keeps of `entry`: per rank r, the rows (start, length along entry.dim), or None.
+
+        Mode full: every rank keeps the whole tensor. shard_aware: see ShardRule. One call answers for all ranks (a
+        1024-rank plan asks this ~10^5 times per engine rank).
         """
         size = entry.shape[entry.dim] if entry.shape else 1
-        if self.mode == "full" or entry.shard == "replicate" or not entry.shape:
-            return (0, size)
         eng = self.engines
+        if self.mode == "full" or entry.shard == "replicate" or not entry.shape:
+            return [(0, size)] * eng.tp
         if entry.shard == "expert":
             expert = int(_EXPERT.search(entry.name)[1])
             moe_tp = eng.tp // eng.ep
             owner = expert // (self.num_experts // eng.ep)
-            if engine_rank // moe_tp != owner:
-                return None
-            return _part(size, moe_tp, engine_rank % moe_tp)
-        if entry.shard == "attn":
+            parts = [_part(size, moe_tp, i) for i in range(moe_tp)]
+            return [parts[r % moe_tp] if r // moe_tp == owner else None for r in range(eng.tp)]
+        if entry.shard in ("attn", "kv"):
             attn_tp = eng.tp // eng.dp_attention
-            return _part(size, attn_tp, engine_rank % attn_tp)
-        if entry.shard == "kv":
-            attn_tp = eng.tp // eng.dp_attention
-            heads = self.num_kv_heads or attn_tp
+            heads = (self.num_kv_heads or attn_tp) if entry.shard == "kv" else attn_tp
             if heads >= attn_tp:
-                return _part(size, attn_tp, engine_rank % attn_tp)
-            return _part(size, heads, (engine_rank % attn_tp) * heads // attn_tp)  # each head on attn_tp/heads ranks
+                parts = [_part(size, attn_tp, i) for i in range(attn_tp)]
+            else:  # fewer kv heads than attention ranks: each head on attn_tp/heads ranks
+                parts = [_part(size, heads, i * heads // attn_tp) for i in range(attn_tp)]
+            return [parts[r % attn_tp] for r in range(eng.tp)]
         if entry.shard in ("dense", "vocab"):
-            return _part(size, eng.tp, engine_rank)
+            return [_part(size, eng.tp, r) for r in range(eng.tp)]
         raise PlanError(f"unknown shard kind {entry.shard!r} for {entry.name}")
 
     def received_bytes(self, engine_rank: int) -> int:
@@ -191,7 +194,7 @@ class SyncPlan:
         total = 0
         for bucket in self.buckets:
             for e in bucket.entries:
-                got = self.receive_slice(e, engine_rank)
+                got = self.receive_slices(e)[engine_rank]
                 if got is not None:
                     total += e.nbytes // max(1, e.shape[e.dim] if e.shape else 1) * got[1]
         return total
@@ -200,11 +203,10 @@ class SyncPlan:
         """Problems with the receivers: every byte of every tensor is kept by some rank of each engine, exactly once
         per rank, slices in bounds, and ranks that must not hold a tensor (other EP owners) get none of it."""
         problems = []
-        ranks = range(self.engines.tp)
         for bucket in self.buckets:
             for e in bucket.entries:
                 size = e.shape[e.dim] if e.shape else 1
-                slices = [(r, self.receive_slice(e, r)) for r in ranks]
+                slices = list(enumerate(self.receive_slices(e)))
                 held = sorted(s for _, s in slices if s is not None)
                 if any(start < 0 or start + length > size for start, length in held):
                     problems.append(f"{e.name}: a slice is out of bounds {held}")
