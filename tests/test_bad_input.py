@@ -234,6 +234,10 @@ def _start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
         [sys.executable, "-m", "mcore_rl.train", "trainer.steps=200", f"trainer.run_dir={run_dir}",
          "data.batch_size=2", "rollout.n=2", "actor.mini_batches=1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        # A test run started in the background of a shell without job control (`cmd &` in a script) inherits SIGINT
+        # ignored, and Python then installs no KeyboardInterrupt handler: give the driver the default, as a terminal
+        # would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     deadline = time.time() + 300
     metrics = run_dir / "metrics.jsonl"
