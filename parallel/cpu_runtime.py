@@ -2,7 +2,12 @@
 
 Megatron-core assumes CUDA in a handful of places. This module holds every patch that makes 0.16.1 run on a CPU-only
 machine, each with a comment saying what it works around. Nothing here changes Megatron's math: the same model code,
-schedules and optimizer run; only device placement, RNG bookkeeping and two imports are redirected.
+schedules and optimizer run; only device placement, RNG bookkeeping and two imports are redirected, and the MoE
+all-gather dispatcher gathers its three tensors in one collective (same values, bit for bit).
+
+Device placement has two layers: a torch function mode that rewrites every op naming CUDA (in force by default), and
+patched factories (`torch.zeros(..., device="cuda")`, `Tensor.to("cuda")`, ...) that keep working where the hot loops
+suspend the mode (`mode_suspended`: the schedule, the optimizer step), since the mode costs a Python call per op.
 
 The runtime is opt-in (`runtime: cpu` in the config, or `enable_cpu_runtime()` in tests) and refuses to start where it
 would shadow a usable GPU, because a silent CPU fallback on a GPU node is a 100x slowdown nobody asked for.
