@@ -58,31 +58,23 @@ def megatron_version_problem(version: str | None = None) -> str | None:
 
 
 class _CudaToCpuMode(TorchFunctionMode):
-    """Maps tensor factories and moves that name CUDA onto the CPU.
+    """Maps every torch function's CUDA `device` keyword (and `pin_memory`) onto the CPU.
 
     Megatron 0.16.1 allocates with `device="cuda"` or `device=torch.cuda.current_device()` (an int, which torch reads
     as a CUDA ordinal) in its schedules (token counters), causal masks, MoE router/expert buffers and optimizer.
-    Rewriting the `device` argument here keeps those call sites untouched.
+    Rewriting the `device` argument here keeps those call sites untouched. `Tensor.to("cuda")` and `Tensor.cuda()`
+    are patched methods (`_patch_factories`), in force with or without the mode.
     `Tensor.type()` (no arguments) answers with the CUDA type name, for Megatron's dtype checks.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        if "device" in kwargs and _names_cuda(kwargs["device"]):
-            kwargs = dict(kwargs, device="cpu")
-        if func is torch.Tensor.cuda:
-            return args[0]
+        kwargs = _on_cpu(dict(kwargs)) if kwargs else {}
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # The distributed optimizer (0.16.1) sorts parameters by `param.type()` and refuses any but
             # 'torch.cuda.{Float,Half,BFloat16}Tensor': report a CPU tensor's type under its CUDA name.
             with torch._C.DisableTorchFunction():
                 name = args[0].type()
             return name.replace("torch.", "torch.cuda.", 1) if args[0].device.type == "cpu" else name
-        if func is torch.Tensor.to and args[1:] and _names_cuda(args[1]):
-            args = (args[0], "cpu", *args[2:])
-        if kwargs.get("pin_memory"):
-            # Pinned host memory needs a CUDA context.
-            kwargs = dict(kwargs, pin_memory=False)
         return func(*args, **kwargs)
 
 
