@@ -76,6 +76,22 @@ def test_two_engines_behind_the_router(ray_session, tmp_path) -> None:
         # The n samples of a prompt are one request: one engine prefills the prompt once for all of them.
         totals = [stats(pool, u) for u in pool.urls]
         assert sum(t["cached_tokens"] for t in totals) == 8 * 4  # 8 prompts x 4 tokens, prefilled once instead of 2x
+
+        # rollout.request_grouping=engine: one batched request per engine, through the router, draws the same
+        # samples (sample j of prompt i seeded seed + i * n + j either way) with far fewer prefills.
+        sampled = {"temperature": 1.0}
+        per_prompt = pool.generate(PROMPTS[:9], n=3, seed=40, stop_token_ids=[], overrides=sampled)
+        prefills = [stats(pool, u)["num_prefills"] for u in pool.urls]
+        pool.cfg.request_grouping = "engine"
+        grouped = pool.generate(PROMPTS[:9], n=3, seed=40, stop_token_ids=[], overrides=sampled)
+        pool.cfg.request_grouping = "prompt"
+        assert [s.response_ids for s in grouped] == [s.response_ids for s in per_prompt]
+        assert [s.prompt_ids for s in grouped] == [s.prompt_ids for s in per_prompt]
+        for a, b in zip(grouped, per_prompt):
+            assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-5)
+        assert len({tuple(s.response_ids) for s in grouped}) > 9, "the samples of a group differ"
+        grew = [stats(pool, u)["num_prefills"] - p for u, p in zip(pool.urls, prefills)]
+        assert sum(grew) <= 2, f"two batched requests, one prefill each at most: {grew}"
     finally:
         pool.shutdown()
 

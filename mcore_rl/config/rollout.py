@@ -61,6 +61,11 @@ class RolloutConfig:
     num_engines: int = 1  #: rollout engines (each one HTTP server) behind the router
     router_policy: str = "cache_aware"  #: sglang-router --policy: cache_aware | round_robin | power_of_two | random
     n: int = 8  #: samples per prompt (sent as one request with sampling_params.n, so one engine prefills it once)
+    #: how a step's prompts go out: prompt = one /generate per prompt, balanced and routed prompt by prompt (what
+    #: large GPU engines want); engine = one batched /generate per live engine, each holding a contiguous share of the
+    #: prompts, so an engine admits its share in one prefill (the CPU default job: its requests are so cheap that
+    #: one prefill per arriving request was a third of generation). Same samples either way (same seeds)
+    request_grouping: str = "prompt"
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
@@ -79,6 +84,10 @@ class RolloutConfig:
         _check(self.engine in ("hf", "sglang"), "rollout.engine", self.engine, "hf or sglang")
         _positive("rollout.n", self.n)
         _positive("rollout.num_engines", self.num_engines)
+        _check(
+            self.request_grouping in ("prompt", "engine"), "rollout.request_grouping", self.request_grouping,
+            "prompt or engine",
+        )  # fmt: skip
         _positive("rollout.max_new_tokens", self.max_new_tokens)
         _positive("rollout.max_running_requests", self.max_running_requests)
         _check(

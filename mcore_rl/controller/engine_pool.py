@@ -223,7 +223,9 @@ class EnginePool:
         }
         if return_routed_experts:
             return self.client.run(self._generate_direct(prompts, n, params, seed))
-        return self.client.generate_samples(prompts, n, params, seed)
+        live = [u for u in self.urls if u not in self.pending]
+        groups = max(1, len(live)) if self.cfg.request_grouping == "engine" else 0
+        return self.client.generate_samples(prompts, n, params, seed, groups=groups)
 
     async def _generate_direct(
         self, prompts: list[list[int]], n: int, params: dict[str, Any], seed: int | None

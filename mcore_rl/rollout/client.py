@@ -1,7 +1,7 @@
 """One HTTP client for every rollout engine: our embedded server and real SGLang, directly or through sglang-router.
 
 ```
-controller --generate_samples--> client --POST /generate (one request per prompt, sampling_params.n = n)--> router
+controller --generate_samples--> client --POST /generate (per prompt, or batched: request_grouping)--> router
            <--Samples (tokens, logprobs, finish, weight versions, routed experts)--
 controller --post(url, "/begin_weight_update") ...--> each engine directly (the router proxies no control calls)
 ```
@@ -222,6 +222,49 @@ class RolloutClient:
         if len(answers) != n:
             raise RolloutRequestError(f"/generate with n={n} answered {len(answers)} samples")
         samples = [sample_from_response(prompt, a, num_layers) for a in answers]
+        return await self._continue_aborted(prompt, samples, params, body, seed, num_layers, url)
+
+    async def agenerate_group(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling_params: dict[str, Any],
+        seed: int | None = None,
+        return_logprob: bool = True,
+    ) -> list[Sample]:
+        """The n samples of each of `prompts` as ONE batched request (a list of `input_ids`, one `sampling_params` for
+        all, as sglang-router takes it), prompt-major; sample j of prompt i is seeded `seed + i * n + j` (the
+        server's rule for a shared sampling_params). One engine takes the whole group."""
+        params = dict(sampling_params, n=n)
+        if seed is not None:
+            params["sampling_seed"] = seed
+        body: dict[str, Any] = {"input_ids": prompts, "sampling_params": params, "return_logprob": return_logprob}
+        answer = await self.agenerate(body)
+        answers = answer if isinstance(answer, list) else [answer]
+        if len(answers) != n * len(prompts):
+            raise RolloutRequestError(
+                f"/generate with {len(prompts)} prompts and n={n} answered {len(answers)} samples"
+            )
+        groups = []
+        for i, prompt in enumerate(prompts):
+            samples = [sample_from_response(prompt, a, None) for a in answers[i * n : (i + 1) * n]]
+            own = None if seed is None else seed + i * n
+            single = dict(body, input_ids=prompt, sampling_params=dict(params, sampling_seed=own))
+            groups.append(self._continue_aborted(prompt, samples, params, single, own, None, None))
+        return [s for group in await asyncio.gather(*groups) for s in group]
+
+    async def _continue_aborted(
+        self,
+        prompt: list[int],
+        samples: list[Sample],
+        params: dict[str, Any],
+        body: dict[str, Any],
+        seed: int | None,
+        num_layers: int | None,
+        url: str | None,
+    ) -> list[Sample]:
+        """Samples the engine aborted (a pause in abort mode) go out again from prompt + their tokens with the rest
+        of the budget, and the pieces are joined (partial rollouts)."""
         budget = int(params.get("max_new_tokens", 128))
         for j, sample in enumerate(samples):
             while sample.finish_reason == "abort" and len(sample.response_ids) < budget:
@@ -229,29 +272,52 @@ class RolloutClient:
                 rest = dict(params, n=1, max_new_tokens=budget - len(sample.response_ids))
                 if seed is not None:
                     rest["sampling_seed"] = seed + j + 7919 * len(sample.response_ids)
-                more = await self.agenerate(dict(body, input_ids=prompt + sample.response_ids, sampling_params=rest))
+                more = await self.agenerate(
+                    dict(body, input_ids=prompt + sample.response_ids, sampling_params=rest), url
+                )
                 more = more[0] if isinstance(more, list) else more
                 sample = _join(sample, sample_from_response(prompt + sample.response_ids, more, num_layers))
             samples[j] = sample
         return samples
 
     async def agenerate_samples(
-        self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any], seed: int | None = None, **kwargs: Any
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling_params: dict[str, Any],
+        seed: int | None = None,
+        groups: int = 0,
+        **kwargs: Any,
     ) -> list[Sample]:
-        """`n` samples for each prompt, prompt-major; sample j of prompt i is seeded `seed + i * n + j`."""
-        groups = await asyncio.gather(
-            *(
-                self.agenerate_one(p, n, sampling_params, seed=None if seed is None else seed + i * n, **kwargs)
-                for i, p in enumerate(prompts)
+        """`n` samples for each prompt, prompt-major; sample j of prompt i is seeded `seed + i * n + j`.
+
+        `groups` = 0: one request per prompt (the router balances and routes each prompt on its own); `groups` = k:
+        the prompts in k contiguous batched requests (`agenerate_group`), so an engine admits a whole share at once
+        instead of one prefill per arriving request. The samples are the same either way (same seeds)."""
+        seeds = [None if seed is None else seed + i * n for i in range(len(prompts))]
+        if groups:
+            size = -(-len(prompts) // min(groups, len(prompts)))
+            starts = range(0, len(prompts), size)
+            parts = await asyncio.gather(
+                *(self.agenerate_group(prompts[a : a + size], n, sampling_params, seeds[a], **kwargs) for a in starts)
             )
-        )
-        return [s for group in groups for s in group]
+        else:
+            parts = await asyncio.gather(
+                *(self.agenerate_one(p, n, sampling_params, seed=s, **kwargs) for p, s in zip(prompts, seeds))
+            )
+        return [s for part in parts for s in part]
 
     def generate_samples(
-        self, prompts: list[list[int]], n: int, sampling_params: dict[str, Any], seed: int | None = None, **kwargs: Any
+        self,
+        prompts: list[list[int]],
+        n: int,
+        sampling_params: dict[str, Any],
+        seed: int | None = None,
+        groups: int = 0,
+        **kwargs: Any,
     ) -> list[Sample]:
         """Sync `agenerate_samples`."""
-        return self.run(self.agenerate_samples(prompts, n, sampling_params, seed, **kwargs))
+        return self.run(self.agenerate_samples(prompts, n, sampling_params, seed, groups, **kwargs))
 
     def close(self) -> None:
         """Close the HTTP session and stop the loop thread."""

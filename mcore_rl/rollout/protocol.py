@@ -177,6 +177,7 @@ def parse_generate(
             )
     count = len(prompts)
     all_params = _per_prompt(body.get("sampling_params"), count, "sampling_params", lambda v: False)
+    shared_params = not isinstance(body.get("sampling_params"), list)
     want_logprob = _per_prompt(body.get("return_logprob", False), count, "return_logprob", lambda v: False)
     start_len = _per_prompt(body.get("logprob_start_len", -1), count, "logprob_start_len", lambda v: False)
     rids = _per_prompt(body.get("rid"), count, "rid", lambda v: False)
@@ -190,8 +191,12 @@ def parse_generate(
         if not isinstance(routed_start, int) or not 0 <= routed_start <= len(prompt):
             raise BadRequest(f"routed_experts_start_len={routed_start!r}: expected an integer in [0, {len(prompt)}]")
         rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
+        # Every sample of a request samples with its own seed: sampling_seed + j for the j-th sample of a prompt, and
+        # with one sampling_params shared by a batch of prompts, + the sample's index in the answer (prompt i's
+        # samples start at i * n), so no two samples of the batch share a random stream.
+        first = len(seqs) if shared_params else 0
         for j in range(n):
-            seed = None if gen.seed is None else gen.seed + j
+            seed = None if gen.seed is None else gen.seed + first + j
             seq = Sequence(
                 rid if n == 1 else f"{rid}_{j}",
                 list(prompt),

@@ -137,7 +137,13 @@ class ContinuousBatcher:
         self._paused = False
         self._stopped = False
         self._thread: threading.Thread | None = None
-        self.stats = {"prefill_tokens": 0, "cached_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
+        self.stats = {
+            "prefill_tokens": 0,
+            "cached_tokens": 0,
+            "num_prefills": 0,
+            "decode_steps": 0,
+            "generated_tokens": 0,
+        }
 
     # ------------------------------------------------------------------ public API (any thread)
     @property
@@ -319,6 +325,7 @@ class ContinuousBatcher:
             if full and seq.return_logprob and seq.logprob_start_len >= 0 and not seq.output_ids:
                 seq.input_logprobs = self._input_logprobs(seq, out.logits[row, width - length :])
         self.stats["prefill_tokens"] += sum(len(t) for t in unique)
+        self.stats["num_prefills"] += 1  # prefill forwards: one per admission of waiting sequences
         self.stats["cached_tokens"] += sum(s.cached_tokens for s in new)
         # max_new_tokens=0: a prefill-only request (prompt logprobs for scoring); it finishes here, unsampled.
         for seq in new:
