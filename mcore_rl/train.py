@@ -130,6 +130,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
         if validator is not None and cfg.trainer.val_before_train and state.step == 0:
             log.write(0, validator.run(seed=0))
         start = time.time() - state.seconds
+        # Advantages that do not read old logprobs (no KL in the reward, no correction weights) let the old-logprob
+        # pass run inside the update call: one actor call per step instead of two, the same logprobs.
+        fused = critic is None and not advantages.reads_old_logprobs and cfg.actor.layout.cp == 1
 
         for step in range(state.step + 1, cfg.trainer.steps + 1):
             timer = log.timer()
@@ -137,21 +140,29 @@ def run(cfg: RLConfig) -> dict[str, float]:
             batch = rollouts.batch
             rollouts.metrics.update(placement.to_training(actor, engines))
 
-            batch.tensors.update(actor.logprobs(batch, with_ref=cfg.actor.use_ref))  # old (+ ref): one call
-            timer.lap("old_log_prob")
+            if not fused:
+                batch.tensors.update(actor.logprobs(batch, with_ref=cfg.actor.use_ref))  # old (+ ref): one call
+                timer.lap("old_log_prob")
             if critic is not None:
                 batch.tensors["values"] = critic.values(batch)
                 timer.lap("values")
 
-            adv_metrics = advantages.compute(rollouts)  # rollout correction, KL in reward, the estimator
+            adv_metrics = advantages.compute(rollouts, correct=not fused)  # correction, KL in reward, estimator
             timer.lap("adv")
             update = critic.update(batch) if critic is not None else {}
             if critic is not None:
                 timer.lap("update_critic")
             if critic is None or critic.actor_trains(step):
                 sync.weights_changing()  # an engine replaced from here on waits for the next push
-                update.update(reduce_rank_metrics(ActorGroup.gather_dp(actor.call("update", batch))))
-                timer.lap("update_actor")
+                if fused:
+                    per_rank, logprobs, logprob_seconds = actor.logprobs_and_update(batch, cfg.actor.use_ref)
+                    batch.tensors.update(logprobs)
+                    timer.lap_split("update_actor", "old_log_prob", logprob_seconds)
+                    adv_metrics.update(advantages.correction(rollouts))  # the mismatch metrics (no weights)
+                else:
+                    per_rank = ActorGroup.gather_dp(actor.call("update", batch))
+                    timer.lap("update_actor")
+                update.update(reduce_rank_metrics(per_rank))
 
                 state.weight_version += 1
                 engines.wait_for_restarts()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -358,6 +359,32 @@ class MegatronActor:
     # ------------------------------------------------------------------------------------------- update
     def update(self, batch: TrainBatch) -> RankResult:
         """PPO-clip update over `actor.mini_batches` mini-batches x `actor.ppo_epochs`; returns mean metrics."""
+        return self._result(self._update(batch))
+
+    def logprobs_and_update(self, batch: TrainBatch, use_ref: bool = False) -> RankResult:
+        """`logprobs` (and the reference's with `use_ref`), then `update`, in one call: one round trip and one transfer
+        of the batch instead of two, for steps whose advantages do not read old logprobs (the controller decides).
+
+        The pass is the one `logprobs` runs (same shard, micro-batches and weights, before the first optimizer step),
+        so the update sees the same old logprobs to the bit. Each rank passes its own dp shard; the update's
+        mini-batches cut the batch differently, so the shards are all-gathered over dp (one collective, B x R floats)
+        on the ranks that run the loss. Payload: {"metrics", "old_logprobs" and "ref_logprobs" of this rank's shard,
+        "logprob_seconds"}."""
+        start = time.perf_counter()
+        shard = self._dp_shard(batch)
+        with torch.no_grad():
+            old = self._shard_logprobs(self.ddp_chunks, shard, True, sequence_length(batch))
+            ref = self._shard_logprobs(self.ref_chunks, shard, False, sequence_length(batch)) if use_ref else None
+        for key, value in (("old_logprobs", old), ("ref_logprobs", ref)):
+            if value is not None:  # the last pipeline stage, where the loss runs
+                whole = value.new_empty((value.shape[0] * self.pg.dp.size(), *value.shape[1:]))
+                torch.distributed.all_gather_into_tensor(whole, value.contiguous(), group=self.pg.dp)
+                batch.tensors[key] = whole
+        seconds = time.perf_counter() - start
+        metrics = self._update(batch)
+        return self._result({"metrics": metrics, "old_logprobs": old, "ref_logprobs": ref, "logprob_seconds": seconds})
+
+    def _update(self, batch: TrainBatch) -> dict[str, float]:
         for chunk in self.ddp_chunks:
             chunk.train()
         dp_rank, dp_size = self.pg.dp.rank(), self.pg.dp.size()
@@ -403,7 +430,7 @@ class MegatronActor:
                 steps += 1
         if self.routing is not None:
             self.routing.end()
-        return self._result({k: v / steps for k, v in totals.items()})
+        return {k: v / steps for k, v in totals.items()}
 
     def optimizer_step(self) -> tuple[bool, float | None, int | None]:
         """Megatron's optimizer step (clip, step, copy back) outside the CPU runtime's per-op mode (see

@@ -88,6 +88,15 @@ class ActorGroup:
         both = self.gather_dp(self.call("policy_and_ref_logprobs", batch))
         return {"old_logprobs": both[:, 0].contiguous(), "ref_logprobs": both[:, 1].contiguous()}
 
+    def logprobs_and_update(self, batch: Any, with_ref: bool) -> tuple[list[dict[str, float]], dict[str, Any], float]:
+        """`logprobs` then `update` in one call (MegatronActor.logprobs_and_update): (each dp rank's update metrics,
+        {"old_logprobs" [B, R], and "ref_logprobs" with `with_ref`}, seconds the ranks spent in the logprob pass)."""
+        held = self.gather_dp(self.call("logprobs_and_update", batch, use_ref=with_ref))
+        tensors = {"old_logprobs": torch.cat([h["old_logprobs"] for h in held])}
+        if with_ref:
+            tensors["ref_logprobs"] = torch.cat([h["ref_logprobs"] for h in held])
+        return [h["metrics"] for h in held], tensors, max(h["logprob_seconds"] for h in held)
+
     @staticmethod
     def gather_dp(results: list[RankResult]) -> Any:
         """Outputs of the ranks that hold them, in dp order: tensors concatenated, dicts returned as a list."""

@@ -53,19 +53,34 @@ class AdvantageStage:
             else:
                 self.kl_ctrl = FixedKLController(value=value)
 
-    def compute(self, rollouts: Rollouts) -> dict[str, float]:
-        """Fill `rollouts.batch.tensors` (advantages; returns when there are values; importance_weights when rollout
-        correction is on) and return the step's metrics."""
-        batch = rollouts.batch
-        tensors, mask = batch.tensors, batch.response_mask
-        metrics: dict[str, float] = {}
+    @property
+    def reads_old_logprobs(self) -> bool:
+        """Whether `compute` needs old logprobs: for the KL penalty in the reward, or for rollout-correction weights.
+        When it does not, the loop runs the old-logprob pass inside the update call (`correction` adds the mismatch
+        metrics afterwards)."""
+        rc = self.cfg.rollout_correction
+        return self.kl_ctrl is not None or rc.rollout_is is not None or rc.rollout_rs is not None
 
+    def correction(self, rollouts: Rollouts) -> dict[str, float]:
+        """Rollout correction from old vs rollout logprobs: `importance_weights` when it is on, and the mismatch
+        metrics (rollout_corr/*)."""
+        tensors = rollouts.batch.tensors
         weights, corr = rollout_correction(
-            tensors["old_logprobs"], tensors["rollout_logprobs"], mask, **asdict(self.cfg.rollout_correction)
+            tensors["old_logprobs"],
+            tensors["rollout_logprobs"],
+            rollouts.batch.response_mask,
+            **asdict(self.cfg.rollout_correction),
         )
         if weights is not None:
             tensors["importance_weights"] = weights
-        metrics.update({f"rollout_corr/{k}": float(v) for k, v in corr.items()})
+        return {f"rollout_corr/{k}": float(v) for k, v in corr.items()}
+
+    def compute(self, rollouts: Rollouts, correct: bool = True) -> dict[str, float]:
+        """Fill `rollouts.batch.tensors` (advantages; returns when there are values; importance_weights when rollout
+        correction is on) and return the step's metrics. `correct=False`: without `correction` (called later)."""
+        batch = rollouts.batch
+        tensors, mask = batch.tensors, batch.response_mask
+        metrics: dict[str, float] = self.correction(rollouts) if correct else {}
 
         token_rewards = outcome_to_token_rewards(rollouts.scores, mask)
         if self.kl_ctrl is not None:

@@ -40,6 +40,14 @@ class StepTimer:
         self._last = now
         return self.laps[name]
 
+    def lap_split(self, name: str, first: str, first_seconds: float) -> None:
+        """A lap that held two phases, the first timed elsewhere (e.g. inside the actor's ranks): `first` gets
+        `first_seconds` of the time since the previous lap, `name` the rest."""
+        total = time.perf_counter() - self._last
+        self.laps[first] = self.laps.get(first, 0.0) + min(first_seconds, total)
+        self.lap(name)
+        self.laps[name] -= min(first_seconds, total)
+
 
 class MetricsLogger:
     """Writes each step's metrics to the console and the backends named in `loggers`."""
