@@ -211,16 +211,8 @@ class RolloutClient:
         url: str | None = None,
     ) -> list[Sample]:
         """The n samples of one prompt, as one request (so one engine prefills the prompt once)."""
-        params = dict(sampling_params, n=n)
-        if seed is not None:
-            params["sampling_seed"] = seed
-        body: dict[str, Any] = {"input_ids": prompt, "sampling_params": params, "return_logprob": return_logprob}
-        if return_routed_experts:
-            body["return_routed_experts"] = True
-        answer = await self.agenerate(body, url)
-        answers = answer if isinstance(answer, list) else [answer]
-        if len(answers) != n:
-            raise RolloutRequestError(f"/generate with n={n} answered {len(answers)} samples")
+        extra = {"return_routed_experts": True} if return_routed_experts else {}
+        params, body, answers = await self._answers(prompt, 1, n, sampling_params, seed, return_logprob, url, extra)
         samples = [sample_from_response(prompt, a, num_layers) for a in answers]
         return await self._continue_aborted(prompt, samples, params, body, seed, num_layers, url)
 
@@ -235,16 +227,7 @@ class RolloutClient:
         """The n samples of each of `prompts` as ONE batched request (a list of `input_ids`, one `sampling_params` for
         all, as sglang-router takes it), prompt-major; sample j of prompt i is seeded `seed + i * n + j` (the
         server's rule for a shared sampling_params). One engine takes the whole group."""
-        params = dict(sampling_params, n=n)
-        if seed is not None:
-            params["sampling_seed"] = seed
-        body: dict[str, Any] = {"input_ids": prompts, "sampling_params": params, "return_logprob": return_logprob}
-        answer = await self.agenerate(body)
-        answers = answer if isinstance(answer, list) else [answer]
-        if len(answers) != n * len(prompts):
-            raise RolloutRequestError(
-                f"/generate with {len(prompts)} prompts and n={n} answered {len(answers)} samples"
-            )
+        params, body, answers = await self._answers(prompts, len(prompts), n, sampling_params, seed, return_logprob)
         groups = []
         for i, prompt in enumerate(prompts):
             samples = [sample_from_response(prompt, a, None) for a in answers[i * n : (i + 1) * n]]
@@ -252,6 +235,31 @@ class RolloutClient:
             single = dict(body, input_ids=prompt, sampling_params=dict(params, sampling_seed=own))
             groups.append(self._continue_aborted(prompt, samples, params, single, own, None, None))
         return [s for group in await asyncio.gather(*groups) for s in group]
+
+    async def _answers(
+        self,
+        input_ids: list[int] | list[list[int]],
+        num_prompts: int,
+        n: int,
+        sampling_params: dict[str, Any],
+        seed: int | None,
+        return_logprob: bool,
+        url: str | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+        """POST one /generate of `num_prompts` prompts x n samples: (its sampling_params, its body, the answers),
+        refused unless it answered every sample."""
+        params = dict(sampling_params, n=n)
+        if seed is not None:
+            params["sampling_seed"] = seed
+        body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": return_logprob, **(extra or {})}
+        answer = await self.agenerate(body, url)
+        answers = answer if isinstance(answer, list) else [answer]
+        if len(answers) != n * num_prompts:
+            raise RolloutRequestError(
+                f"/generate of {num_prompts} prompt(s) with n={n} answered {len(answers)} samples"
+            )
+        return params, body, answers
 
     async def _continue_aborted(
         self,
