@@ -55,13 +55,15 @@ def wait_running(client: RolloutClient, url: str) -> None:
     raise AssertionError("no request started")
 
 
+@pytest.mark.parametrize("groups", [0, 1], ids=["per-prompt", "one-batched-request"])
 @pytest.mark.parametrize("pause_mode", ["none", "abort"])
-def test_in_flight_samples_continue_on_new_weights_tagged_with_both_versions(server, pause_mode):
+def test_in_flight_samples_continue_on_new_weights_tagged_with_both_versions(server, pause_mode, groups):
     thread, client = server
     set_version(client, thread.url, 1)
     params = {"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True}
     out: list[list[Sample]] = []
-    worker = threading.Thread(target=lambda: out.append(client.generate_samples([[1, 5, 6]], 4, params, seed=0)))
+    prompts = [[1, 5, 6], [2, 7]]
+    worker = threading.Thread(target=lambda: out.append(client.generate_samples(prompts, 4, params, 0, groups)))
     continued = client.stats["continued_after_abort"]
     worker.start()
     wait_running(client, thread.url)
@@ -73,6 +75,7 @@ def test_in_flight_samples_continue_on_new_weights_tagged_with_both_versions(ser
         client.post(thread.url, "/continue_generation")
     worker.join(timeout=120)
     (samples,) = out
+    assert [s.prompt_ids for s in samples] == [p for p in prompts for _ in range(4)]
     for s in samples:
         assert len(s.response_ids) == 200 and s.finish_reason == "length"
         assert [v for v, _, _ in s.weight_versions][0] == 1 and s.weight_versions[-1][0] == 2
