@@ -55,3 +55,31 @@ def test_dp_shards_and_mini_batches_concatenate_back_in_order():
     assert [c.prompts for c in batch.chunks(2)] == [batch.prompts[:2], batch.prompts[2:]]
     with pytest.raises(ValueError, match="does not split over dp=3"):
         batch.shard(0, 3)
+
+
+def test_each_row_is_prompt_then_response_then_padding_for_random_batches():
+    """Row i of a micro-batch holds prompt i, then its response up to its length (multi-turn: tool tokens inside the
+    response are masked from the loss, not from the sequence; `lengths` says how long it is), then zeros; the
+    logprob of response token j is read at prompt length - 1 + j. Random shapes, padding multiples and minimum
+    lengths; response padding holds garbage that must not leak into the sequence."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        size, width = int(torch.randint(1, 9, (1,), generator=gen)), int(torch.randint(1, 6, (1,), generator=gen))
+        prompts = [torch.randint(1, 60, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+                   for _ in range(size)]  # fmt: skip
+        lengths = torch.randint(0, width + 1, (size,), generator=gen)
+        responses = torch.randint(1, 60, (size, width), generator=gen)  # garbage past each length
+        mask = (torch.arange(width) < lengths[:, None]).float()
+        mask[:, 1:2] *= (torch.rand(size, 1, generator=gen) < 0.5).float()  # a masked tool token inside
+        batch = TrainBatch(prompts, responses, mask, {"x": torch.randn(size, width, generator=gen)}, lengths=lengths)
+        per, multiple = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen))
+        mbs, seq_len = micro_batches(batch, per, multiple, min_seq_len=int(torch.randint(0, 16, (1,), generator=gen)))
+        assert seq_len % multiple == 0 and seq_len > max(len(p) + int(n) for p, n in zip(prompts, lengths))
+        rows = torch.cat([mb.tokens for mb in mbs])
+        gathers = torch.cat([mb.gather_index for mb in mbs])
+        for i, prompt in enumerate(prompts):
+            n = int(lengths[i])
+            expected = prompt + responses[i, :n].tolist()
+            assert rows[i].tolist() == expected + [0] * (seq_len - len(expected))
+            assert gathers[i].tolist() == [min(len(prompt) - 1 + j, seq_len - 1) for j in range(width)]
+        assert torch.equal(torch.cat([mb.targets[:, :-1] for mb in mbs]), rows[:, 1:])
