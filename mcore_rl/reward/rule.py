@@ -67,6 +67,14 @@ LOOKUP_ANSWER_WEIGHT = 0.25  # the final answer is the prompt's value (only the 
 _LOOKUP_CALL_HEAD = '{"name": "lookup", "arguments": {"key": '
 
 
+def lookup_table(key: Any, value: Any, store: list[Any] | None) -> dict[str, str]:
+    """One lookup row's table, as strings: its `store` (position -> value) when it has one, else key -> value. The
+    reward here and the `lookup` tool (mcore_rl/rollout/agent/tools.py) read the same table."""
+    if store is None:
+        return {str(key): str(value)}
+    return {str(i): str(v) for i, v in enumerate(store)}
+
+
 def synthetic_lookup_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> dict[str, float]:
@@ -94,7 +102,7 @@ def synthetic_lookup_score(
     key, store = create.get("key"), create.get("store")
     if key is None:
         raise ValueError(f"lookup reward for data_source={data_source!r}: extra_info.tools_kwargs.lookup has no key")
-    store = {str(k): str(v) for k, v in enumerate(store)} if store is not None else {str(key): ground_truth}
+    store = lookup_table(key, ground_truth, store)
     first_turn = solution_str.split("<tool_response>", 1)[0]
     score, found, number = 0.0, 0, ""
     for piece in ("<tool_call>", _LOOKUP_CALL_HEAD, "KEY", "}}", "</tool_call>"):

@@ -27,6 +27,8 @@ from typing import Any
 
 import jsonschema
 
+from mcore_rl.reward.rule import lookup_table
+
 
 class ToolFailure(RuntimeError):
     """A tool ran but could not answer (bad expression, sandbox error ...): the message becomes the observation."""
@@ -189,10 +191,8 @@ class Lookup(Tool):
             raise ToolFailure(
                 f"lookup needs create_kwargs key and value (and optionally store), got {sorted(create_kwargs)}"
             )
-        key, value, store = str(create_kwargs["key"]), str(create_kwargs["value"]), create_kwargs.get("store")
-        if store is None:
-            return {key: value}
-        state = {str(i): str(v) for i, v in enumerate(store)}
+        key, value = str(create_kwargs["key"]), str(create_kwargs["value"])
+        state = lookup_table(key, value, create_kwargs.get("store"))
         if state.get(key) != value:
             raise ToolFailure(f"lookup create_kwargs: store[{key}] is {state.get(key)!r}, expected the value {value!r}")
         return state
