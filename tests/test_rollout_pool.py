@@ -88,7 +88,8 @@ def test_two_engines_behind_the_router(ray_session, tmp_path) -> None:
         assert [s.response_ids for s in grouped] == [s.response_ids for s in per_prompt]
         assert [s.prompt_ids for s in grouped] == [s.prompt_ids for s in per_prompt]
         for a, b in zip(grouped, per_prompt):
-            assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-5)
+            # another batch composition, another float summation order: logprobs agree to fp32 noise, not bitwise
+            assert a.response_logprobs == pytest.approx(b.response_logprobs, abs=1e-4)
         assert len({tuple(s.response_ids) for s in grouped}) > 9, "the samples of a group differ"
         grew = [stats(pool, u)["num_prefills"] - p for u, p in zip(pool.urls, prefills)]
         assert sum(grew) <= 2, f"two batched requests, one prefill each at most: {grew}"
