@@ -8,6 +8,7 @@ exits with code 2 and one message instead of failing minutes later inside a Ray 
     data files       exist and are parquet files (their schema and rows are checked by data/dataset.py next)
     tokenizer        the directory exists
     Ray CPUs         trainer.ray_num_cpus covers what the actors and engines reserve (else Ray waits forever)
+    Ray address      a host:port trainer.ray_address answers, and takes this process's auth token
     checkpoint       model.path's safetensors headers (truncated files, index) and every tensor's name and shape
                      against the family's weight map, from the meta-device model (expected_hf_tensors)
 
@@ -89,8 +90,9 @@ def check_ray_cpus(cfg: RLConfig) -> None:
 
 
 def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
-    """A `host:port` trainer.ray_address must accept a TCP connection: Ray's own connect retries an unreachable GCS
-    for minutes without a word. ("auto", "ray://..." and null are left to Ray.)"""
+    """A `host:port` trainer.ray_address must accept a TCP connection (Ray's own connect retries an unreachable GCS
+    for minutes without a word) and take this process's auth token (ray.init retries a refused token for about 20 s
+    before it gives up; one GCS client answers in under a second). "auto", "ray://..." and null are left to Ray."""
     import socket
 
     if not address or address == "auto" or "://" in address:
@@ -105,6 +107,33 @@ def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
             f"trainer.ray_address={address!r}: no Ray cluster answers there ({err.strerror or err}); expected the "
             "address of a running cluster's head (`ray start --head` prints it), or null for a local Ray"
         ) from None
+    _check_ray_token(address)
+
+
+def ray_token_error(address: str, err: BaseException) -> ConfigError:
+    """The user error for a cluster that refuses this process's token (here and in placement.init_ray)."""
+    cause = f" ({type(err.__cause__).__name__})" if err.__cause__ is not None else ""
+    return ConfigError(
+        f"trainer.ray_address={address!r}: {err}{cause}; expected the address of a running Ray cluster "
+        "(`ray start --head` prints it) whose auth token this process has (RAY_AUTH_MODE=token and RAY_AUTH_TOKEN, as "
+        "launch/submit.py sets), or null for a local Ray"
+    )
+
+
+def _check_ray_token(address: str) -> None:
+    """One GCS client to `address`: a refused token is a user error now. Anything else (another Ray release without
+    these names, a GCS that is still starting) is left to ray.init, which reports it in its own words."""
+    try:
+        from ray._raylet import GcsClient
+        from ray.exceptions import AuthenticationError
+    except ImportError:
+        return
+    try:
+        GcsClient(address=address)
+    except AuthenticationError as err:
+        raise ray_token_error(address, err) from None
+    except Exception:  # noqa: BLE001 (see the docstring)
+        return
 
 
 def check_checkpoint(path: str, divisible_by: int, mtp: str = "auto") -> None:

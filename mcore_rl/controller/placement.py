@@ -224,12 +224,9 @@ def init_ray(cfg: RLConfig) -> None:
     except ConnectionError as err:  # ray.init's message names the address; the cause says why (refused, auth token)
         if not cfg.trainer.ray_address:
             raise
-        cause = f" ({type(err.__cause__).__name__})" if err.__cause__ is not None else ""
-        raise ValueError(
-            f"trainer.ray_address={cfg.trainer.ray_address!r}: {err}{cause}; expected the address of a running Ray "
-            "cluster (`ray start --head` prints it) whose auth token this process has (RAY_AUTH_MODE=token and "
-            "RAY_AUTH_TOKEN, as launch/submit.py sets), or null for a local Ray"
-        ) from err
+        from mcore_rl.preflight import ray_token_error
+
+        raise ray_token_error(cfg.trainer.ray_address, err) from err
 
 
 def make_placement(cfg: RLConfig) -> SplitPlacement:
