@@ -110,8 +110,9 @@ def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
     _check_ray_token(address)
 
 
-def ray_token_error(address: str, err: BaseException) -> ConfigError:
-    """The user error for a cluster that refuses this process's token (here and in placement.init_ray)."""
+def ray_connect_error(address: str, err: BaseException) -> ConfigError:
+    """The user error for a cluster at `address` that answers but refuses this process, most often its auth token
+    (raised here, and by placement.init_ray when ray.init fails to connect)."""
     cause = f" ({type(err.__cause__).__name__})" if err.__cause__ is not None else ""
     return ConfigError(
         f"trainer.ray_address={address!r}: {err}{cause}; expected the address of a running Ray cluster "
@@ -122,7 +123,8 @@ def ray_token_error(address: str, err: BaseException) -> ConfigError:
 
 def _check_ray_token(address: str) -> None:
     """One GCS client to `address`: a refused token is a user error now. Anything else (another Ray release without
-    these names, a GCS that is still starting) is left to ray.init, which reports it in its own words."""
+    these names, a port that accepts TCP but is no GCS: the client gives up after Ray's connect timeout, 40 s by
+    default) is left to ray.init, which reports it in its own words."""
     try:
         from ray._raylet import GcsClient
         from ray.exceptions import AuthenticationError
@@ -131,7 +133,7 @@ def _check_ray_token(address: str) -> None:
     try:
         GcsClient(address=address)
     except AuthenticationError as err:
-        raise ray_token_error(address, err) from None
+        raise ray_connect_error(address, err) from None
     except Exception:  # noqa: BLE001 (see the docstring)
         return
 

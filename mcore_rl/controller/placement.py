@@ -224,9 +224,9 @@ def init_ray(cfg: RLConfig) -> None:
     except ConnectionError as err:  # ray.init's message names the address; the cause says why (refused, auth token)
         if not cfg.trainer.ray_address:
             raise
-        from mcore_rl.preflight import ray_token_error
+        from mcore_rl.preflight import ray_connect_error
 
-        raise ray_token_error(cfg.trainer.ray_address, err) from err
+        raise ray_connect_error(cfg.trainer.ray_address, err) from err
 
 
 def make_placement(cfg: RLConfig) -> SplitPlacement:
