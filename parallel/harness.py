@@ -5,6 +5,15 @@
 `my_fn(rank, world_size, *args)` must be importable (defined at module level). Each rank is a fresh process with the
 CPU runtime enabled and torch.distributed started over gloo on loopback; the list of return values (index = rank)
 comes back, or a RankFailed naming the first rank that raised, with its traceback.
+
+Ranks are forked from a fork server (multiprocessing's `forkserver`) that has imported torch and megatron-core once,
+instead of each rank importing them anew (`spawn`): here that import is about 5 CPU-seconds per rank, more than most
+ranks' own work. Four ranks that build the default job's actor took 10.9 s (20 CPU-s) spawned and 0.7 s (1.2 CPU-s)
+forked, after a first call of 6 s that starts the server (`python tools/bench_harness.py`). The server
+is started on first use and lives as long as this process. What a spawned rank would get from its parent and a forked
+one would not, each rank is given explicitly: the parent's current environment and its current stdout/stderr (the
+server's are those of the moment it started); sys.path and the working directory come with multiprocessing's own
+preparation data, as for spawn.
 """
 
 from __future__ import annotations
@@ -12,9 +21,11 @@ from __future__ import annotations
 import io
 import os
 import queue as queue_module
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing import reduction
 from typing import Any
 
 import torch
@@ -22,13 +33,66 @@ import torch.multiprocessing as mp
 
 from mcore_rl.parallel.groups import destroy_model_parallel, free_port, init_distributed
 
+#: What the fork server imports before forking ranks: what every rank imports anyway (a rank built from the
+#: forked image only imports its own function's module). Import-time state only: no Python thread is started (torch
+#: starts one idle native thread at import, and its DataLoader forks worker processes from that state too).
+RANK_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "megatron.core",
+    "mcore_rl.parallel.cpu_runtime",
+    "mcore_rl.parallel.groups",
+    "mcore_rl.parallel.harness",
+    "mcore_rl.models.builder",
+)
+
+
+def rank_context(start_method: str = "forkserver"):
+    """The multiprocessing context ranks start from (the fork server); use it for queues shared with ranks."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts, i.e. on first use
+    return ctx
+
+
+class _ParentStdio:
+    """The parent's stdout and stderr at the time a rank starts, passed to the rank as file descriptors.
+
+    Pickled only while multiprocessing starts a process: `reduction.DupFd` hands the descriptors over with the
+    process (the fork server's own stdio is whatever the parent's was when the server started, e.g. the output
+    capture of another test)."""
+
+    def __reduce__(self):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return (_redirect_stdio, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _redirect_stdio(out, err) -> None:
+    for fd, dup in ((1, out), (2, err)):
+        inherited = dup.detach()
+        os.dup2(inherited, fd)
+        os.close(inherited)
+
+
+def _adopt_parent(env: dict[str, str]) -> None:
+    """Make this forked rank's environment the parent's, as spawn would have, and its thread count the one the
+    parent's OMP_NUM_THREADS asks for (libgomp read the variable when the fork server imported torch)."""
+    os.environ.clear()
+    os.environ.update(env)
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
 
 class RankFailed(RuntimeError):
     """A spawned rank raised; the message holds its traceback."""
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue: Any) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _rank_main(
+    rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue: Any, env: dict, stdio: Any
+) -> None:
+    _adopt_parent(env)
     try:
         init_distributed("cpu", rank, world_size, "127.0.0.1", port, timeout_s=300)
         result = fn(rank, world_size, *args)
@@ -46,13 +110,26 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: Sequen
             pass
 
 
-def run_on_ranks(fn: Callable, world_size: int, args: Sequence[Any] = (), timeout_s: float = 600.0) -> list[Any]:
-    """Spawn `world_size` CPU ranks running `fn(rank, world_size, *args)`; return their results by rank."""
-    ctx = mp.get_context("spawn")
+def run_on_ranks(
+    fn: Callable,
+    world_size: int,
+    args: Sequence[Any] = (),
+    timeout_s: float = 600.0,
+    start_method: str = "forkserver",
+) -> list[Any]:
+    """Start `world_size` CPU ranks running `fn(rank, world_size, *args)`; return their results by rank.
+
+    `start_method="spawn"` starts each rank as a fresh interpreter instead (what tools/bench_harness.py compares)."""
+    ctx = rank_context(start_method)
     queue = ctx.Queue()
     port = free_port()
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world_size, port, fn, tuple(args), queue), daemon=False)
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, fn, tuple(args), queue, env, _ParentStdio()),
+            daemon=False,
+        )
         for rank in range(world_size)
     ]
     for proc in procs:

@@ -499,13 +499,11 @@ def run_layout(
     repeats: int,
 ) -> dict[str, Any]:
     """All syncs of one layout on 4 fresh ranks, v1 driven from here; returns the figures."""
-    import torch.multiprocessing as mp
-
-    from mcore_rl.parallel.harness import run_on_ranks
+    from mcore_rl.parallel.harness import rank_context, run_on_ranks
 
     url, layout = server.url, layout_of(name, hf)
     profile.sessions.clear()
-    to_driver, ranks_gone, v1 = mp.get_context("spawn").Queue(), threading.Event(), {}
+    to_driver, ranks_gone, v1 = rank_context().Queue(), threading.Event(), {}
     driver = threading.Thread(target=_drive_v1, args=(server, to_driver, ranks_gone, v1), daemon=True)
     driver.start()
     work_dir = tempfile.mkdtemp(prefix="bench_sync-")

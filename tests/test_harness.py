@@ -1,0 +1,68 @@
+"""The multi-rank harness: ranks forked from the preloaded fork server still get what a spawned rank would.
+
+A forked rank inherits the fork server's state, frozen when the server started (often during an earlier test). These
+tests pin down what the harness hands each rank explicitly: the caller's environment and stdout/stderr at the time
+of the call, and a failing rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from mcore_rl.parallel.harness import RankFailed, run_on_ranks
+
+pytestmark = pytest.mark.slow  # gloo ranks
+
+
+def _env_rank(rank: int, world: int, names: list[str]) -> dict:
+    import torch
+
+    return {"env": {n: os.environ.get(n) for n in names}, "threads": torch.get_num_threads(), "pid": os.getpid()}
+
+
+def _print_rank(rank: int, world: int, tag: str) -> int:
+    print(f"{tag} stdout from rank {rank}", flush=True)
+    print(f"{tag} stderr from rank {rank}", file=sys.stderr, flush=True)
+    return rank
+
+
+def _failing_rank(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one is broken on purpose")
+    return rank
+
+
+def test_ranks_get_the_environment_of_the_call_not_of_the_server(monkeypatch):
+    monkeypatch.setenv("HARNESS_GONE", "set before the first call")
+    first = run_on_ranks(_env_rank, 2, (["HARNESS_GONE"],))  # starts the fork server if nothing has yet
+    assert [r["env"]["HARNESS_GONE"] for r in first] == ["set before the first call"] * 2
+    monkeypatch.setenv("HARNESS_NEW", "set after the server started")
+    monkeypatch.delenv("HARNESS_GONE")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    later = run_on_ranks(_env_rank, 2, (["HARNESS_NEW", "HARNESS_GONE"],))
+    assert [r["env"] for r in later] == [{"HARNESS_NEW": "set after the server started", "HARNESS_GONE": None}] * 2
+    assert [r["threads"] for r in later] == [2, 2]  # the caller's OMP_NUM_THREADS, not the server's
+    assert len({r["pid"] for r in first + later}) == 4 and os.getpid() not in {r["pid"] for r in later}
+
+
+def test_rank_output_reaches_the_callers_current_stdout_and_stderr(capfd):
+    with capfd.disabled():  # the server, if it starts here, gets stdio that is not this test's capture
+        run_on_ranks(_env_rank, 1, ([],))
+    run_on_ranks(_print_rank, 2, ("captured",))
+    out, err = capfd.readouterr()
+    assert "captured stdout from rank 0" in out and "captured stdout from rank 1" in out
+    assert "captured stderr from rank 0" in err and "captured stderr from rank 1" in err
+
+
+def test_a_failing_rank_is_named_with_its_traceback():
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 failed:(.|\n)*ValueError: rank one is broken on purpose"):
+        run_on_ranks(_failing_rank, 2)
+
+
+def test_spawn_remains_available_and_equal():
+    forked = run_on_ranks(_env_rank, 2, (["PATH"],))
+    spawned = run_on_ranks(_env_rank, 2, (["PATH"],), start_method="spawn")
+    assert [r["env"] for r in spawned] == [r["env"] for r in forked]
