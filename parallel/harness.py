@@ -37,6 +37,7 @@ from mcore_rl.parallel.groups import destroy_model_parallel, free_port, init_dis
 #: forked image only imports its own function's module). Import-time state only: no Python thread is started (torch
 #: starts one idle native thread at import, and its DataLoader forks worker processes from that state too).
 RANK_PRELOAD = (
+    "mcore_rl",  # first: it installs the CPU hook on megatron.core.jit (mcore_rl/_megatron_import.py)
     "torch",
     "torch.distributed",
     "megatron.core",

@@ -19,8 +19,16 @@ pytestmark = pytest.mark.slow  # gloo ranks
 
 def _env_rank(rank: int, world: int, names: list[str]) -> dict:
     import torch
+    from megatron.core import jit
+    from megatron.core.fusions.fused_bias_geglu import geglu
 
-    return {"env": {n: os.environ.get(n) for n in names}, "threads": torch.get_num_threads(), "pid": os.getpid()}
+    return {
+        "env": {n: os.environ.get(n) for n in names},
+        "threads": torch.get_num_threads(),
+        "pid": os.getpid(),
+        # the server imported megatron.core after mcore_rl's hook: no torch.compile wrappers without CUDA
+        "eager": jit.jit_fuser is jit.noop_decorator and type(geglu).__name__ == "function",
+    }
 
 
 def _print_rank(rank: int, world: int, tag: str) -> int:
@@ -46,6 +54,7 @@ def test_ranks_get_the_environment_of_the_call_not_of_the_server(monkeypatch):
     assert [r["env"] for r in later] == [{"HARNESS_NEW": "set after the server started", "HARNESS_GONE": None}] * 2
     assert [r["threads"] for r in later] == [2, 2]  # the caller's OMP_NUM_THREADS, not the server's
     assert len({r["pid"] for r in first + later}) == 4 and os.getpid() not in {r["pid"] for r in later}
+    assert all(r["eager"] for r in first + later)
 
 
 def test_rank_output_reaches_the_callers_current_stdout_and_stderr(capfd):
