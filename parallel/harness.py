@@ -9,7 +9,8 @@ comes back, or a RankFailed naming the first rank that raised, with its tracebac
 Ranks are forked from a fork server (multiprocessing's `forkserver`) that has imported torch and megatron-core once,
 instead of each rank importing them anew (`spawn`): here that import is about 5 CPU-seconds per rank, more than most
 ranks' own work. Four ranks that build the default job's actor took 10.9 s (20 CPU-s) spawned and 0.7 s (1.2 CPU-s)
-forked, after a first call of 6 s that starts the server (`python tools/bench_harness.py`). The server
+forked, after a first call of 6 s that starts the server (`python tools/bench_harness.py`). Where a GPU is usable
+the ranks are spawned as before (`default_start_method`). The server
 is started on first use and lives as long as this process. What a spawned rank would get from its parent and a forked
 one would not, each rank is given explicitly: the parent's current environment and its current stdout/stderr (the
 server's are those of the moment it started); sys.path and the working directory come with multiprocessing's own
@@ -48,10 +49,19 @@ RANK_PRELOAD = (
 )
 
 
-def rank_context(start_method: str = "forkserver"):
+def default_start_method() -> str:
+    """`forkserver`, or `spawn` where torch sees a usable GPU: the fork server's imports ask CUDA whether a device is
+    there (mcore_rl's hook on megatron.core.jit), and a process that has asked cannot fork children that use CUDA
+    or even ask again (torch's "poisoned fork"), which would hide the GPU from the CPU runtime's refusal."""
+    from mcore_rl.parallel.cpu_runtime import usable_gpu
+
+    return "spawn" if usable_gpu() else "forkserver"
+
+
+def rank_context(start_method: str | None = None):
     """The multiprocessing context ranks start from (the fork server); use it for queues shared with ranks."""
-    ctx = mp.get_context(start_method)
-    if start_method == "forkserver":
+    ctx = mp.get_context(start_method or default_start_method())
+    if ctx.get_start_method() == "forkserver":
         ctx.set_forkserver_preload(list(RANK_PRELOAD))  # read when the server starts, i.e. on first use
     return ctx
 
@@ -116,11 +126,12 @@ def run_on_ranks(
     world_size: int,
     args: Sequence[Any] = (),
     timeout_s: float = 600.0,
-    start_method: str = "forkserver",
+    start_method: str | None = None,
 ) -> list[Any]:
     """Start `world_size` CPU ranks running `fn(rank, world_size, *args)`; return their results by rank.
 
-    `start_method="spawn"` starts each rank as a fresh interpreter instead (what tools/bench_harness.py compares)."""
+    `start_method`: `default_start_method()` unless given; "spawn" starts each rank as a fresh interpreter (what
+    tools/bench_harness.py compares)."""
     ctx = rank_context(start_method)
     queue = ctx.Queue()
     port = free_port()

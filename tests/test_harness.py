@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-from mcore_rl.parallel.harness import RankFailed, run_on_ranks
+from mcore_rl.parallel.cpu_runtime import usable_gpu
+from mcore_rl.parallel.harness import RankFailed, default_start_method, run_on_ranks
 
 pytestmark = pytest.mark.slow  # gloo ranks
 
@@ -26,6 +27,7 @@ def _env_rank(rank: int, world: int, names: list[str]) -> dict:
         "env": {n: os.environ.get(n) for n in names},
         "threads": torch.get_num_threads(),
         "pid": os.getpid(),
+        "ppid": os.getppid(),
         # the server imported megatron.core after mcore_rl's hook: no torch.compile wrappers without CUDA
         "eager": jit.jit_fuser is jit.noop_decorator and type(geglu).__name__ == "function",
     }
@@ -55,6 +57,8 @@ def test_ranks_get_the_environment_of_the_call_not_of_the_server(monkeypatch):
     assert [r["threads"] for r in later] == [2, 2]  # the caller's OMP_NUM_THREADS, not the server's
     assert len({r["pid"] for r in first + later}) == 4 and os.getpid() not in {r["pid"] for r in later}
     assert all(r["eager"] for r in first + later)
+    # forked from the server (its child, not ours) unless a GPU made the harness spawn them
+    assert all((r["ppid"] != os.getpid()) == (not usable_gpu()) for r in first + later)
 
 
 def test_rank_output_reaches_the_callers_current_stdout_and_stderr(capfd):
@@ -75,3 +79,13 @@ def test_spawn_remains_available_and_equal():
     forked = run_on_ranks(_env_rank, 2, (["PATH"],))
     spawned = run_on_ranks(_env_rank, 2, (["PATH"],), start_method="spawn")
     assert [r["env"] for r in spawned] == [r["env"] for r in forked]
+
+
+@pytest.mark.gpu
+def test_with_a_gpu_ranks_are_spawned_and_the_cpu_runtime_still_refuses(monkeypatch):
+    """A process that asked CUDA for its devices cannot fork children that ask again: with a GPU the ranks are
+    spawned, so the CPU runtime still sees the GPU and refuses to shadow it."""
+    monkeypatch.delenv("MCORE_RL_ALLOW_CPU_WITH_GPU", raising=False)
+    assert default_start_method() == "spawn"
+    with pytest.raises(RankFailed, match="runtime=cpu refused: this machine has a usable GPU"):
+        run_on_ranks(_env_rank, 1, ([],))
