@@ -75,6 +75,34 @@ def test_a_failing_rank_is_named_with_its_traceback():
         run_on_ranks(_failing_rank, 2)
 
 
+def _killed_rank(rank: int, world: int, pid_file: str) -> int:
+    import signal
+    import time
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's OOM killer does
+    with open(pid_file, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)  # rank 0 would wait for a peer that never comes; the harness must stop it
+    return rank
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_rank_killed_from_outside_is_named_and_its_peers_are_stopped(tmp_path):
+    pid_file = tmp_path / "rank0.pid"
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 failed:\nexited with code -9 before reporting"):
+        run_on_ranks(_killed_rank, 2, (str(pid_file),))
+    # (rank 0 writes its pid at once; the harness declares rank 1 dead only after two quiet polls, 1 s apart)
+    assert not _running(int(pid_file.read_text()))
+
+
 def test_spawn_remains_available_and_equal():
     forked = run_on_ranks(_env_rank, 2, (["PATH"],))
     spawned = run_on_ranks(_env_rank, 2, (["PATH"],), start_method="spawn")
