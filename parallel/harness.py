@@ -1,4 +1,4 @@
-"""Run a function on N spawned gloo ranks: the multi-rank test harness.
+"""Run a function on N gloo ranks (forked from a preloaded server): the multi-rank test harness.
 
     results = run_on_ranks(my_fn, world_size=4, args=(layout,))
 
@@ -9,12 +9,12 @@ comes back, or a RankFailed naming the first rank that raised, with its tracebac
 Ranks are forked from a fork server (multiprocessing's `forkserver`) that has imported torch and megatron-core once,
 instead of each rank importing them anew (`spawn`): here that import is about 5 CPU-seconds per rank, more than most
 ranks' own work. Four ranks that build the default job's actor took 10.9 s (20 CPU-s) spawned and 0.7 s (1.2 CPU-s)
-forked, after a first call of 6 s that starts the server (`python tools/bench_harness.py`). Where a GPU is usable
-the ranks are spawned as before (`default_start_method`). The server
-is started on first use and lives as long as this process. What a spawned rank would get from its parent and a forked
-one would not, each rank is given explicitly: the parent's current environment and its current stdout/stderr (the
-server's are those of the moment it started); sys.path and the working directory come with multiprocessing's own
-preparation data, as for spawn.
+forked, after a first call of 6 s that starts the server (`python tools/bench_harness.py`). The server is started on
+first use and lives as long as this process; where a GPU is usable the ranks are spawned as before
+(`default_start_method`). What a spawned rank would get from its parent and a forked one would not, each rank is
+given explicitly: the parent's current environment and its current stdout/stderr (the server's are those of the
+moment it started); sys.path and the working directory come with multiprocessing's own preparation data, as for
+spawn.
 """
 
 from __future__ import annotations
@@ -97,12 +97,13 @@ def _adopt_parent(env: dict[str, str]) -> None:
 
 
 class RankFailed(RuntimeError):
-    """A spawned rank raised; the message holds its traceback."""
+    """A rank raised or died before reporting; the message says which, with its traceback."""
 
 
 def _rank_main(
     rank: int, world_size: int, port: int, fn: Callable, args: Sequence[Any], queue: Any, env: dict, stdio: Any
 ) -> None:
+    # `stdio` is None here: unpickling it already pointed fds 1 and 2 at the caller's (see _ParentStdio)
     _adopt_parent(env)
     try:
         init_distributed("cpu", rank, world_size, "127.0.0.1", port, timeout_s=300)
