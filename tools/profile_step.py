@@ -4,6 +4,7 @@ other in this process, and prints the median seconds of every phase (timing_s/*)
     python tools/profile_step.py                          # before vs after: the default job, 60 steps each
     python tools/profile_step.py --steps 150 --skip 10    # more steps; the first --skip steps (warm-up) are left out
     python tools/profile_step.py --variant ref=actor.use_ref=true --variant mb8=actor.micro_batch_size=8
+    python tools/profile_step.py --baseline               # adds a column: the same job as one plain PyTorch process
 
 Variants (name=override,override,...; the default job's config under each):
     before   what the default job ran before issue 12 item 8: a reference model and a reference pass every step
@@ -16,6 +17,9 @@ Variants (name=override,override,...; the default job's config under each):
 the before and after settings call by call in one Ray session, so that a busy machine slows both alike: logprobs
 (before: policy and reference passes in 16-sample micro-batches; after: the policy pass only, 64 per rank) and the
 update (16- vs 32-sample micro-batches). It is the figure to trust on a shared machine.
+`--baseline` adds tools/single_process_grpo.py's run of the default job (same model shape, task, reward, advantages,
+loss and optimizer settings; no Ray, HTTP engine, Megatron ranks or weight sync) as a last column, and the ratio of
+each variant's step to it: what the distributed machinery costs on a model this small.
 The phases are the loop's laps: gen (engines), reward, old_log_prob (policy, and reference when one runs: one call),
 adv, update_actor, update_weights (sync to the engines), and step = their sum. The machine's load average is printed
 with the figures: on a shared machine medians over many steps are the only meaningful ones.
@@ -159,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the medians")
     parser.add_argument("--variant", action="append", default=[], help="name=override,override,... (repeatable)")
     parser.add_argument("--calls", type=int, default=0, help="time the actor's calls alone, N alternating rounds")
+    parser.add_argument("--baseline", action="store_true", help="add the single-process run of the job as a column")
     args = parser.parse_args(argv)
     if args.calls:
         time_calls(args.calls)
@@ -177,14 +182,25 @@ def main(argv: list[str] | None = None) -> int:
             load.append(os.getloadavg()[0])
             results[name] = medians(run_variant(overrides, args.steps, run_dir), args.skip)
             load.append(os.getloadavg()[0])
+    if args.baseline:
+        import single_process_grpo
+
+        load.append(os.getloadavg()[0])
+        results["1-process"] = medians(single_process_grpo.run(args.steps), args.skip)
+        load.append(os.getloadavg()[0])
     names = list(results)
     print(f"\nmedian seconds per phase, steps {args.skip + 1}..{args.steps} ({os.cpu_count()} CPUs, 1-min load average "
           f"{min(load):.1f}..{max(load):.1f} during the runs)")  # fmt: skip
     print(f"{'phase':<16}" + "".join(f"{n:>12}" for n in names))
     for phase in PHASES:
         print(f"{phase:<16}" + "".join(f"{results[n].get(phase, float('nan')):>12.4f}" for n in names))
+    if args.baseline:
+        base = results["1-process"]["step"]
+        print(f"{'step / 1-process':<16}" + "".join(f"{results[n]['step'] / base:>12.2f}" for n in names))
     for name, spec in variants.items():
         print(f"  {name}: {spec or '(configs/default.yaml as is)'}")
+    if args.baseline:
+        print("  1-process: tools/single_process_grpo.py (the default job in one PyTorch process)")
     return 0
 
 
