@@ -28,7 +28,8 @@ The sbatch script (written to <run_dir>/<job-name>.sbatch, via a temp file + ren
 - It exports the NCCL/Gloo settings, runs `python -m mcore_rl.train trainer.ray_address=<head:port> <overrides>` on
   the batch host (Slurm runs the batch script on the first node, which is the Ray head), and stops Ray on exit, on
   failure and on scancel (trap EXIT, TERM, INT: the srun steps are signalled; each `ray start --block` then stops the
-  Ray processes it started, and Slurm reaps what is left of the steps).
+  Ray processes it started, at once: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 turns off Ray's drain wait of up to
+  30 s; Slurm reaps what is left of the steps).
 
 Port scheme (two jobs sharing nodes never collide unless their job ids are equal modulo 100):
     slot = SLURM_JOB_ID % 100;  base = 10000 + 220 * slot         (10000 .. 31999)
@@ -368,6 +369,11 @@ RAY_TMP=/tmp/ray_j${{SLURM_JOB_ID}}
 # driver inherits it) needs no shared ~/.ray/auth_token and keeps jobs sharing nodes out of each other's clusters.
 export RAY_AUTH_MODE=${{RAY_AUTH_MODE:-token}}
 export RAY_AUTH_TOKEN=${{RAY_AUTH_TOKEN:-$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')}}
+# On SIGTERM, `ray start --block` (Ray >= 2.5x) first marks its node as draining and waits up to 30 s for its workers
+# to hand their leases back (meant for Ray Serve on Kubernetes). When the job ends the driver is gone or going, so
+# the wait only delays the teardown, by about 30 s after a scancel early in a run, i.e. Slurm's whole default KillWait,
+# after which Slurm SIGKILLs what is left. 0 stops the Ray processes at once.
+export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${{RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}}
 RAY_PORT_ARGS=(--node-manager-port=$NODE_MANAGER_PORT --object-manager-port=$OBJECT_MANAGER_PORT \\
   --ray-client-server-port=$CLIENT_SERVER_PORT --dashboard-agent-grpc-port=$AGENT_GRPC_PORT \\
   --dashboard-agent-listen-port=$AGENT_HTTP_PORT --metrics-export-port=$METRICS_PORT \\
