@@ -440,7 +440,7 @@ def test_cli_serves_and_refuses_bad_arguments(tmp_path) -> None:
     broken = tmp_path / "broken.json"
     broken.write_text("{")
     out = subprocess.run([*cli, "--hf-config", str(broken)], capture_output=True, text=True)
-    assert out.returncode == 2 and "error:" in out.stderr
+    assert out.returncode == 2 and f"--hf-config {broken}: not valid JSON" in out.stderr
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([*cli, "--hf-config", str(config), "--port", str(port)], env=env)

@@ -600,7 +600,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.hf_config:
             with open(args.hf_config) as f:
-                model: str | dict = json.load(f)
+                try:
+                    model: str | dict = json.load(f)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"--hf-config {args.hf_config}: not valid JSON ({err})") from None
+            if not isinstance(model, dict):
+                raise ValueError(f"--hf-config {args.hf_config}: expected a JSON object (an HF config.json)")
         else:
             if not os.path.isfile(os.path.join(args.model, "config.json")):
                 raise ValueError(f"--model {args.model!r}: no config.json there")
@@ -615,7 +620,7 @@ def main(argv: list[str] | None = None) -> None:
             api_key=args.api_key,
             weight_version=args.weight_version,
         )
-    except (OSError, ValueError) as err:  # json.JSONDecodeError is a ValueError
+    except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     print(f"serving {args.model or args.hf_config} on http://{args.host}:{args.port}", flush=True)
