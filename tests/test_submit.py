@@ -138,6 +138,31 @@ def test_unknown_partition_refused(tmp_path) -> None:
     assert run_submit(*base, "--partition", "debug", env=env).returncode == 0  # the default marker '*' is stripped
 
 
+def test_a_failing_sinfo_is_noted_by_a_dry_run_and_refuses_a_submission(tmp_path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    down = "slurm_load_partitions: Unable to contact slurm controller"
+    (fake / "sinfo").write_text(f"#!/bin/sh\necho '{down}' >&2\nexit 1\n")
+    (fake / "sinfo").chmod(0o755)
+    (fake / "sbatch").write_text(f"#!/bin/sh\ntouch {tmp_path}/sbatch_ran\necho 1\n")
+    (fake / "sbatch").chmod(0o755)
+    env = dict(os.environ, PATH=f"{fake}{os.pathsep}{os.environ['PATH']}")
+    base = ["--nodes", "1", "--gpus-per-node", "0", "--time", "5", "--job-name", "t", "--partition", "gpu"]
+    dry = run_submit(*base, "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr  # a dry run submits nothing: it says what it could not check
+    assert "partition 'gpu' not checked: sinfo failed (1): slurm_load_partitions: Unable to contact" in dry.stdout
+    real = run_submit(*base, "--run-dir", str(tmp_path / "run"), env=env)
+    assert real.returncode == 1 and "sinfo failed (1): slurm_load_partitions: Unable to contact" in real.stderr
+    assert not (tmp_path / "sbatch_ran").exists() and not (tmp_path / "run" / "t.sbatch").exists()
+
+
+def test_dry_run_screen_holds_no_known_megatron_warning() -> None:
+    res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "qwen3_235b_a22b_32n")
+    assert res.returncode == 0, res.stderr
+    # the meta model's build imported Megatron without TE/apex and configured 128 experts: nothing of it is printed
+    assert "Warning" not in res.stdout + res.stderr, res.stderr
+
+
 def test_submit_writes_script_and_parses_job_id(tmp_path) -> None:
     fake = tmp_path / "bin"
     fake.mkdir()

@@ -126,6 +126,10 @@ class Qwen3MoeFamily(ModelFamily):
             moe_layer_freq=moe_layer_pattern(hf),
             moe_router_score_function="softmax",
             moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+            # Router logits and top-k softmax in fp32 whatever the model dtype, as Megatron-LM's own Qwen3-MoE
+            # example runs (its TransformerConfig warns without it from 32 experts; Qwen3-235B has 128). HF and SGLang
+            # take the routing softmax in fp32 too. No effect on an fp32 model.
+            moe_router_dtype="fp32",
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             # The alltoall dispatcher creates a CUDA stream at init (0.16.1): allgather on CPU.
