@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import time
 from typing import Any
 
 
@@ -41,6 +40,7 @@ def run(steps: int, cfg: Any = None) -> list[dict[str, float]]:
     from mcore_rl.algorithms.losses import ppo_clip_loss
     from mcore_rl.data.synthetic import synthetic_rows
     from mcore_rl.data.tokenizer import build_tiny_tokenizer
+    from mcore_rl.metrics.logger import StepTimer
     from mcore_rl.reward.loader import default_compute_score
 
     cfg = cfg or default_config()
@@ -75,8 +75,8 @@ def run(steps: int, cfg: Any = None) -> list[dict[str, float]]:
             cursor = 0
         picked = order[cursor : cursor + batch_size]
         cursor += batch_size
-        laps = _Laps()
-        mark = laps.mark
+        timer = StepTimer()  # the loop's own: timing_s/<phase> = seconds since the previous lap
+        mark = timer.lap
         # gen: n samples per prompt, temperature sampling with a KV cache, stop at eos
         prompt_ids = torch.tensor([prompts[i] for i in picked for _ in range(n)])
         with torch.no_grad():
@@ -129,23 +129,11 @@ def run(steps: int, cfg: Any = None) -> list[dict[str, float]]:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), actor.optim.clip_grad)
                 optim.step()
         mark("update_actor")
-        times = {**laps.seconds, "timing_s/update_weights": 0.0}
+        times = {f"timing_s/{phase}": seconds for phase, seconds in timer.laps.items()}
+        times["timing_s/update_weights"] = 0.0
         times["timing_s/step"] = sum(times.values())
         records.append({"step": len(records) + 1, "critic/score/mean": rewards.mean().item(), **times})
     return records
-
-
-class _Laps:
-    """Seconds since the previous mark, under the loop's timing_s/<phase> names."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def mark(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.seconds[f"timing_s/{phase}"] = now - self._last
-        self._last = now
 
 
 def _response_logp(model: Any, ids: Any, prompt_len: int) -> Any:
