@@ -63,6 +63,7 @@ def _convert(*argv: str) -> int:
     return convert_checkpoint.main([str(a) for a in argv])
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_round_trip_reshard_and_transformers_load(deepseek, tmp_path: Path) -> None:
     hf_dir, ref = deepseek
     mcore, back = tmp_path / "mcore", tmp_path / "hf"
@@ -111,6 +112,7 @@ def _quantise_checkpoint(src: Path, dst: Path) -> None:
         writer.write_config(config)
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_fp8_import_dequantises_and_fp8_export_reproduces(deepseek, tmp_path: Path) -> None:
     from mcore_rl.kernels.fp8_blockwise import dequantize_blockwise
 
@@ -129,6 +131,7 @@ def test_fp8_import_dequantises_and_fp8_export_reproduces(deepseek, tmp_path: Pa
     assert (w - hf_state(hf_dir)[name]).abs().max() < 0.1 * hf_state(hf_dir)[name].abs().max()
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_fp8_import_to_bf16_rounds_the_fp32_product_once(deepseek, tmp_path: Path) -> None:
     """With bf16 parameters every FP8 weight holds bf16(fp32(q) * scale_inv): dequantised straight to bf16 by the
     reader, the same bits as rounding the reference's fp32 result."""
@@ -165,6 +168,7 @@ def megatron_save_rank(rank: int, world: int, hf_dir: str, out: str, layout: Par
     dist_checkpointing.save(sharded, out)
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_written_chunks_are_those_of_megatrons_own_save(deepseek, tmp_path: Path) -> None:
     """hf-to-mcore (no model built) writes the keys, global shapes, dtypes, chunks, objects and values that Megatron's
     own dist_checkpointing.save writes for the filled model at tp=pp=ep=1."""
@@ -191,6 +195,7 @@ def test_written_chunks_are_those_of_megatrons_own_save(deepseek, tmp_path: Path
                 assert torch.equal(a.read_region(piece), b.read_region(piece)), (key, offset)
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_checkpoint_saved_by_megatron_under_tp_and_ep_exports_bit_exact(deepseek, tmp_path: Path) -> None:
     """mcore-to-hf reads a checkpoint Megatron saved under TP2 x EP2 (chunks split unlike ours: TP halves of each
     GLU gate and up, vocab rows, MLA heads) and assembles the same HF tensors, bit for bit. The checkpoint sits in a
@@ -208,6 +213,7 @@ def test_checkpoint_saved_by_megatron_under_tp_and_ep_exports_bit_exact(deepseek
     assert (back / "tokenizer_config.json").is_file()  # side files from the --hf-config directory
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_virtual_pipeline_checkpoint_loads_without_it(tmp_path: Path) -> None:
     """hf-to-mcore under PP2 x VPP2 (layer offsets of interleaved stages), back to HF under PP1: bit exact."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -230,6 +236,7 @@ def test_virtual_pipeline_checkpoint_loads_without_it(tmp_path: Path) -> None:
     assert_bit_exact(hf_state(back), hf_state(hf_dir))
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_bench_smoke(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """tools/bench_convert.py at a tiny size: both directions run and the report has rates, ratios and RSS."""
     import bench_convert

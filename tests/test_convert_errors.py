@@ -96,6 +96,7 @@ def test_not_an_mcore_checkpoint(llama: Path, tmp_path: Path, capsys) -> None:
     _fails(capsys, "mcore-to-hf", "--mcore", llama, "--out", tmp_path / "o", match="metadata.json: missing")
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_missing_and_misshapen_tensors_found_by_ranks_leave_no_output(llama: Path, tmp_path: Path, capsys) -> None:
     out = tmp_path / "o"
     _rewrite(llama, lambda s: s.pop("model.layers.1.mlp.down_proj.weight"))
@@ -126,6 +127,7 @@ def llama_mcore(llama: Path, tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_truncated_chunk_file_named(llama_mcore: Path, tmp_path: Path, capsys) -> None:
     part = sorted(llama_mcore.glob("__*_0.distcp"))[-1]
     part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
@@ -133,11 +135,13 @@ def test_truncated_chunk_file_named(llama_mcore: Path, tmp_path: Path, capsys) -
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob("o.tmp-*"))
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_missing_torch_dist_metadata_named(llama_mcore: Path, tmp_path: Path, capsys) -> None:
     (llama_mcore / ".metadata").unlink()
     _fails(capsys, "mcore-to-hf", "--mcore", llama_mcore, "--out", tmp_path / "o", match=".metadata: missing")
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_checkpoint_disagreeing_with_config_named(llama_mcore: Path, tmp_path: Path, capsys) -> None:
     config_path = llama_mcore / "hf" / "config.json"
     config = json.loads(config_path.read_text())
@@ -152,6 +156,7 @@ def test_checkpoint_disagreeing_with_config_named(llama_mcore: Path, tmp_path: P
     _fails(capsys, "mcore-to-hf", "--mcore", llama_mcore, "--out", out, match="has shape (2, 16")
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_killed_conversion_leaves_no_output_directory(llama: Path, tmp_path: Path) -> None:
     """SIGKILL while the workers run: the output path never appears (only <out>.tmp-<pid> is left behind)."""
     import os
@@ -184,6 +189,7 @@ def test_uneven_pipeline_stages_checked_against_the_model(llama: Path, tmp_path:
     assert json.loads((out / convert_checkpoint.LAYOUT_FILE).read_text())["layout"]["first_stage_layers"] == 1
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_checkpoint_without_its_hf_config_needs_hf_config(llama: Path, llama_mcore: Path, tmp_path: Path, capsys):
     """A torch_dist checkpoint hf-to-mcore did not write (no hf/, no layout file) is refused with a pointer to
     --hf-config; with it, and the HF directory of another vocabulary, the embedding's rows are named."""

@@ -66,6 +66,7 @@ def _step_rank(rank, world):
     return {n: p.detach().clone() for n, p in actor.chunks[0].named_parameters() if "experts" not in n}
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_dense_weights_identical_across_dp_after_init():
     from mcore_rl.parallel.harness import run_on_ranks
 

@@ -59,6 +59,7 @@ def _tiny_model(model_type: str, tie: bool):
     return model
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 @pytest.mark.parametrize("model_type,tie", [("llama", True), ("qwen2", False), ("qwen3", True)])
 def test_dense_family_parity_and_round_trip(tmp_path: Path, model_type: str, tie: bool) -> None:
     model = _tiny_model(model_type, tie)

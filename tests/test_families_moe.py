@@ -46,12 +46,14 @@ def _check(name: str, hf_dir: Path, layouts: list[ParallelLayout], ref: dict) ->
     check_layouts(name, hf_dir, layouts, ref, _ids(), world=4, atol=ATOL)
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_deepseek_v3_parity_every_layout(tmp_path: Path) -> None:
     ref = tiny_deepseek_v3(tmp_path, _ids())
     assert len(ref["mtp_logits"]) == 1
     _check("deepseek_v3", tmp_path, CROSS_PRODUCT, ref)
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_deepseek_v3_yarn_noninterleaved_rope_no_q_lora(tmp_path: Path) -> None:
     yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=32, beta_slow=1)
     ref = tiny_deepseek_v3(
@@ -70,6 +72,7 @@ def test_deepseek_v3_yarn_noninterleaved_rope_no_q_lora(tmp_path: Path) -> None:
     _check("deepseek_v3 yarn", tmp_path, [_layout(), _layout(tp=2, ep=2), _layout(pp=2, ep=2)], ref)
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 def test_qwen3_moe_parity_and_round_trip(tmp_path: Path) -> None:
     from transformers import Qwen3MoeForCausalLM
 

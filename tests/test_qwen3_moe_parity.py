@@ -133,6 +133,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_forward_and_backward_match_transformers(hf_model, name):
     path, ids, ref_before, ref_after = hf_model

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from _parity import check_layouts, tiny_deepseek_v3
 from test_families_dense import TINY
 
 from mcore_rl.parallel.layout import ParallelLayout
 
+pytestmark = pytest.mark.slow  # multi-rank (gloo): the fast tier (-m 'not slow') leaves it out
 ATOL = 1e-5
 SEQ, BATCH, VOCAB = 12, 2, 100
 
