@@ -441,6 +441,9 @@ def test_cli_serves_and_refuses_bad_arguments(tmp_path) -> None:
     broken.write_text("{")
     out = subprocess.run([*cli, "--hf-config", str(broken)], capture_output=True, text=True)
     assert out.returncode == 2 and f"--hf-config {broken}: not valid JSON" in out.stderr
+    broken.write_text("[1, 2]")
+    out = subprocess.run([*cli, "--hf-config", str(broken)], capture_output=True, text=True)
+    assert out.returncode == 2 and f"--hf-config {broken}: expected a JSON object" in out.stderr
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([*cli, "--hf-config", str(config), "--port", str(port)], env=env)
