@@ -21,6 +21,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUBMIT = os.path.join(REPO, "launch", "submit.py")
+SLURM_LOCAL = os.path.join(REPO, "tools", "slurm_local.sh")
 
 pytestmark = pytest.mark.slow
 
@@ -45,17 +46,13 @@ def slurm():
     if not _cluster_up():
         if os.geteuid() != 0:
             pytest.skip("no local Slurm is running and starting one (tools/slurm_local.sh) needs root")
-        res = subprocess.run(
-            ["bash", os.path.join(REPO, "tools", "slurm_local.sh")], capture_output=True, text=True, timeout=900
-        )
+        res = subprocess.run(["bash", SLURM_LOCAL], capture_output=True, text=True, timeout=900)
         try:
             if res.returncode != 0 or not _cluster_up():
                 pytest.skip(f"tools/slurm_local.sh could not start a local Slurm: {res.stderr[-500:]}")
             yield
         finally:
-            subprocess.run(
-                ["bash", os.path.join(REPO, "tools", "slurm_local.sh"), "stop"], capture_output=True, timeout=120
-            )
+            subprocess.run(["bash", SLURM_LOCAL, "stop"], capture_output=True, timeout=120)
     else:
         yield
 
