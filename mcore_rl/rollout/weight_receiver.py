@@ -19,18 +19,15 @@ shadow. Shadows and the broadcast receive buffers stay resident between syncs un
 Tensor payloads are SGLang's: base64 of a `ForkingPickler` dump (CPU tensors through shared memory with torch's
 `file_system` strategy; CUDA IPC handles on GPU), either a list of `(name, tensor)` or, with
 `load_format="flattened_bucket"`, `{"flattened_tensor": uint8, "metadata": [...]}`. They are unpickled with an
-allow-list (tensor and storage rebuilders, plain containers), as SGLang's own `SafeUnpickler` does, so a request
+exact (module, name) allow-list (`rollout/safe_pickle.py`), a subset of SGLang's own `SafeUnpickler`'s, so a request
 cannot name arbitrary callables.
 """
 
 from __future__ import annotations
 
 import base64
-import io
 import os
-import pickle
 import threading
-import types
 from collections.abc import Iterable
 from typing import Any
 
@@ -38,6 +35,7 @@ import torch
 
 from mcore_rl.resharding.sync.transports.tensor import encode_payload, flatten  # noqa: F401 (the client side)
 from mcore_rl.rollout.engine import HFRolloutEngine
+from mcore_rl.rollout.safe_pickle import LocalSerializedTensor, UnsafePayload, safe_loads
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -46,61 +44,13 @@ class WeightUpdateError(ValueError):
     """A refused weight update; the server answers 400 with `{"success": false, "message": ...}`."""
 
 
-_ALLOWED_MODULE_PREFIXES = ("torch.multiprocessing.reductions", "torch._utils", "torch.storage", "torch._tensor")
-_ALLOWED_GLOBALS = {
-    ("builtins", n) for n in ("list", "tuple", "dict", "str", "int", "float", "bool", "bytes", "bytearray", "slice")
-} | {
-    ("collections", "OrderedDict"),
-    ("copyreg", "__newobj__"),
-    ("copyreg", "_reconstructor"),
-    ("types", "SimpleNamespace"),
-    ("torch", "Size"),
-    ("torch", "dtype"),
-    ("torch", "device"),
-    ("torch", "Tensor"),
-    ("torch", "UntypedStorage"),
-    ("torch.nn.parameter", "Parameter"),
-    ("multiprocessing.resource_sharer", "DupFd"),
-}
-
-
-class LocalSerializedTensor(types.SimpleNamespace):
-    """Stands in for SGLang's `LocalSerializedTensor` (what verl sends): `values[tp_rank]` is one serialized tensor
-    per engine TP rank; this one-rank engine takes values[0]."""
-
-
-class FlattenedTensorMetadata(types.SimpleNamespace):
-    """Stands in for `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata` when a client pickled SGLang's
-    class (name, shape, dtype, start_idx, end_idx, numel)."""
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"):
-            return FlattenedTensorMetadata
-        if name == "LocalSerializedTensor" and module in (
-            "sglang.srt.model_executor.model_runner_components.weight_updater",
-            "sglang.srt.model_executor.model_runner",
-        ):
-            return LocalSerializedTensor
-        if (module, name) in _ALLOWED_GLOBALS or (
-            module.startswith(_ALLOWED_MODULE_PREFIXES) and name.startswith(("rebuild_", "_rebuild_", "_load_"))
-        ):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if module in ("torch", "torch.storage") and name.endswith("Storage"):  # storage classes (plain data)
-            return super().find_class(module, name)
-        raise WeightUpdateError(f"payload refers to {module}.{name}, which a weight payload may not contain")
-
-
 def decode_payload(payload: str | bytes, load_format: str | None) -> NamedTensors:
     """One TP rank's serialized tensors -> named tensors (views of the shared buffers; copy before keeping)."""
     try:
         raw = base64.b64decode(payload, validate=True) if isinstance(payload, str) else payload
-        obj = _SafeUnpickler(io.BytesIO(raw)).load()
-    except WeightUpdateError:
-        raise
+        obj = safe_loads(raw)
+    except UnsafePayload as err:
+        raise WeightUpdateError(str(err)) from err
     except Exception as err:
         raise WeightUpdateError(f"serialized_named_tensors could not be decoded: {err}") from err
     if load_format == "flattened_bucket":
@@ -130,7 +80,10 @@ def decode_payload(payload: str | bytes, load_format: str | None) -> NamedTensor
     out = []
     for name, value in obj:
         if isinstance(value, LocalSerializedTensor):  # verl: one serialized tensor per engine TP rank
-            value = _SafeUnpickler(io.BytesIO(value.values[0])).load()
+            try:
+                value = safe_loads(value.values[0])
+            except UnsafePayload as err:
+                raise WeightUpdateError(str(err)) from err
         if not isinstance(value, torch.Tensor):
             raise WeightUpdateError(f"payload entry {name!r} is a {type(value).__name__}, expected a tensor")
         out.append((name, value))
