@@ -14,8 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mcore_rl.models.spec import te_in_use
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
-from mcore_rl.resharding.sync.plan import ShardRule
+from mcore_rl.resharding.sync.plan import ReceiveTogether, ShardRule
 from mcore_rl.resharding.weight_map import WeightMap
 
 
@@ -102,6 +103,8 @@ class ModelFamily:
     architecture: str = ""
     #: engine-side sharding of HF tensors (see GQA_ENGINE_SHARDS)
     engine_shards: tuple[ShardRule, ...] = GQA_ENGINE_SHARDS
+    #: HF tensors an engine must receive in one bucket (resharding/sync/plan.py ReceiveTogether); none by default
+    engine_receive_together: tuple[ReceiveTogether, ...] = ()
     #: HF tensors that are FP8 (blockwise) in FP8 releases and FP8 weight syncs
     fp8_targets: re.Pattern = FP8_TARGETS
 
@@ -172,8 +175,10 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return ((vocab_size + multiple - 1) // multiple) * multiple
 
 
-def megatron_common_fields(layout: ParallelLayout, dtype: torch.dtype, te: bool) -> dict[str, Any]:
-    """TransformerConfig fields shared by every family: the layout, dtypes and which fusions the runtime has."""
+def megatron_common_fields(layout: ParallelLayout, dtype: torch.dtype, runtime: str) -> dict[str, Any]:
+    """TransformerConfig fields shared by every family: the layout, dtypes and which fusions the runtime has
+    (TE's: `te_in_use`, the predicate the layer spec reads too)."""
+    te = te_in_use(runtime)
     return dict(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -192,8 +197,10 @@ def megatron_common_fields(layout: ParallelLayout, dtype: torch.dtype, te: bool)
         # RL batches change length every step. With alltoall (CUDA) pipeline stages exchange shapes; the allgather
         # dispatcher (CPU) refuses that in 0.16.1, so there every micro-batch of one schedule call is padded to one
         # length instead (the actor does this either way).
-        variable_seq_lengths=te,
-        # Fusions need apex/TE/CUDA kernels; the plain torch paths compute the same math.
+        variable_seq_lengths=runtime == "cuda",
+        # Fusions need TE (rope, persistent norm) or CUDA extensions built with it (masked softmax); the plain torch
+        # paths compute the same math. Without TE, 0.16.1 refuses apply_rope_fusion in TransformerConfig and imports
+        # a missing extension for masked_softmax_fusion at the first forward.
         bias_activation_fusion=te,
         bias_dropout_fusion=te,
         masked_softmax_fusion=te,
@@ -223,7 +230,6 @@ def gqa_transformer_config(
     hf.refuse_unless("pretraining_tp", (1, None), "pretraining_tp slices matmuls; it is an HF-only numerics switch")
     hf.rope_theta()  # refuses rope scaling early
     heads = hf.req("num_attention_heads")
-    te = runtime == "cuda"
     kwargs: dict[str, Any] = dict(
         num_layers=hf.req("num_hidden_layers"),
         hidden_size=hf.req("hidden_size"),
@@ -241,7 +247,7 @@ def gqa_transformer_config(
         hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout", 0.0)),
         init_method_std=hf.get("initializer_range", 0.02),
-        **megatron_common_fields(layout, dtype, te),
+        **megatron_common_fields(layout, dtype, runtime),
         **(moe_fields or {}),
     )
     kwargs.update(overrides)
@@ -249,6 +255,16 @@ def gqa_transformer_config(
         return TransformerConfig(**kwargs)
     except (AssertionError, ValueError) as err:
         raise UnsupportedModel(f"{hf.model_type}: Megatron refused the translated config: {err}") from err
+
+
+def moe_backend_fields(runtime: str) -> dict[str, Any]:
+    """How MoE layers dispatch tokens and run experts: the alltoall dispatcher on CUDA (it creates a CUDA stream at
+    init in 0.16.1, so allgather on CPU); grouped GEMM experts only with TE (the local spec's grouped GEMM is the
+    legacy GroupedMLP, which needs the grouped_gemm package: "Grouped GEMM is not available")."""
+    return dict(
+        moe_token_dispatcher_type="alltoall" if runtime == "cuda" else "allgather",
+        moe_grouped_gemm=te_in_use(runtime),
+    )
 
 
 def _import_families() -> None:

@@ -50,11 +50,13 @@ from mcore_rl.models.base import (
     ModelFamily,
     UnsupportedModel,
     megatron_common_fields,
+    moe_backend_fields,
     register,
 )
 from mcore_rl.models.qwen3_moe import dense_mlp_rules, embedding_rules, expert_rules
+from mcore_rl.models.spec import te_in_use
 from mcore_rl.parallel.layout import LayoutError, ModelShape, ParallelLayout
-from mcore_rl.resharding.sync.plan import ShardRule
+from mcore_rl.resharding.sync.plan import ReceiveTogether, ShardRule
 from mcore_rl.resharding.transforms import FusedColumns, Replicated, Split, Transform
 from mcore_rl.resharding.weight_map import Rule, WeightMap
 
@@ -315,11 +317,20 @@ DEEPSEEK_ENGINE_SHARDS = (
     *MLP_ENGINE_SHARDS,
 )
 
+#: SGLang 0.5.23's DeepSeek loader (models/deepseek_common/deepseek_weight_loader.py, do_load_weights) caches
+#: q_a_proj and kv_a_proj_with_mqa of a layer and loads them as one fused_qkv_a_proj_with_mqa only when both came in
+#: the same load_weights call; a half that arrives alone is dropped with no error. So a layer's two halves (weights
+#: and, in FP8 syncs, their weight_scale_inv) travel in one bucket.
+DEEPSEEK_RECEIVE_TOGETHER = (
+    ReceiveTogether(r"^(?P<key>model\.layers\.\d+\.self_attn)\.(q_a_proj|kv_a_proj_with_mqa)\."),
+)
+
 
 @register
 class DeepseekV3Family(ModelFamily):
     model_type = "deepseek_v3"
     engine_shards = DEEPSEEK_ENGINE_SHARDS
+    engine_receive_together = DEEPSEEK_RECEIVE_TOGETHER
     architecture = "DeepseekV3ForCausalLM"
 
     def resolve_mtp(
@@ -359,7 +370,7 @@ class DeepseekV3Family(ModelFamily):
         rope = rope_fields(hf)
         q_lora, kv_lora, qk_rope = hf.get("q_lora_rank"), hf.req("kv_lora_rank"), hf.req("qk_rope_head_dim")
         shared = hf.get("n_shared_experts", 0) * hf.req("moe_intermediate_size")
-        te = runtime == "cuda"
+        te = te_in_use(runtime)
         # The local spec column-splits the latent down projections across TP (TE replicates them).
         for name, size in (("q_lora_rank", q_lora or 0), ("kv_lora_rank + qk_rope_head_dim", kv_lora + qk_rope)):
             if not te and size % layout.tp:
@@ -404,11 +415,12 @@ class DeepseekV3Family(ModelFamily):
             moe_router_dtype="fp32",
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            # The alltoall dispatcher creates a CUDA stream at init (0.16.1): allgather on CPU.
-            moe_token_dispatcher_type="alltoall" if te else "allgather",
-            moe_grouped_gemm=te,
+            # The expert bias (aux-loss-free balancing) is part of the released policy: RL keeps it frozen unless
+            # actor.router_bias_update_rate says otherwise (as slime); Megatron's default moves it 1e-3 per step.
+            moe_router_bias_update_rate=0.0,
+            **moe_backend_fields(runtime),
             mtp_num_layers=mtp or None,
-            **megatron_common_fields(layout, dtype, te),
+            **megatron_common_fields(layout, dtype, runtime),
             **rope,
         )
         # Megatron's fused MLA rope exists for yarn only.

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mcore_rl.models.base import HFConfig, ModelFamily, gqa_transformer_config, register
+from mcore_rl.models.base import HFConfig, ModelFamily, gqa_transformer_config, moe_backend_fields, register
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
 from mcore_rl.resharding.transforms import QKV, FusedColumns, Replicated, Split, VocabSplit
 from mcore_rl.resharding.weight_map import Rule, WeightMap
@@ -118,7 +118,6 @@ class Qwen3MoeFamily(ModelFamily):
         # add biases to every linear layer (experts included). Refused rather than dropping o_proj's bias.
         hf.refuse_unless("attention_bias", False, "Qwen3-MoE's attention_bias also biases o_proj; Megatron cannot")
         hf.refuse_unless("use_sliding_window", False, "sliding-window attention has no Megatron equivalent here")
-        te = runtime == "cuda"
         moe_fields = dict(
             num_moe_experts=hf.req("num_experts", "num_local_experts"),
             moe_ffn_hidden_size=hf.req("moe_intermediate_size"),
@@ -132,9 +131,7 @@ class Qwen3MoeFamily(ModelFamily):
             moe_router_dtype="fp32",
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
-            # The alltoall dispatcher creates a CUDA stream at init (0.16.1): allgather on CPU.
-            moe_token_dispatcher_type="alltoall" if te else "allgather",
-            moe_grouped_gemm=te,
+            **moe_backend_fields(runtime),
         )
         return gqa_transformer_config(
             hf,

@@ -41,8 +41,10 @@ def transformer_engine_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def use_te_spec(runtime: str) -> bool:
-    """TE spec on CUDA when TE is importable; local spec otherwise."""
+def te_in_use(runtime: str) -> bool:
+    """Whether this run uses Transformer Engine: on CUDA when TE is importable. The one predicate that decides the
+    layer spec and every TE-only setting of the config builders (fusions, grouped GEMM experts, MLA's replicated
+    latent projections); without TE a CUDA run builds Megatron's local spec, as on CPU."""
     return runtime == "cuda" and transformer_engine_available()
 
 
@@ -71,7 +73,7 @@ def decoder_block_spec(config: Any, runtime: str, vp_stage: int | None = None, p
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    te = use_te_spec(runtime)
+    te = te_in_use(runtime)
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization=config.normalization, vp_stage=vp_stage, pp_rank=pp_rank
     )
@@ -122,7 +124,7 @@ def mtp_block_spec(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    te = use_te_spec(runtime)
+    te = te_in_use(runtime)
     spec = get_gpt_mtp_block_spec(config, block_spec, use_transformer_engine=te, vp_stage=vp_stage, pp_rank=pp_rank)
     if spec is None or te:
         return spec
