@@ -13,7 +13,7 @@ from tiny_models import tiny_qwen3_moe
 
 from mcore_rl.parallel.harness import run_on_ranks
 from mcore_rl.parallel.layout import ParallelLayout
-from mcore_rl.resharding.sync.plan import EngineLayout, PlanError, build_plan
+from mcore_rl.resharding.sync.plan import EngineLayout, PlanError, ReceiveTogether, build_plan
 
 DENSE = dict(
     vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
@@ -72,7 +72,7 @@ def _inventories(rank: int, world: int, cases: dict) -> dict:
             shape.num_layers,
             shape.num_experts,
         )
-        out[key] = (sources, shape, family.engine_shards)
+        out[key] = (sources, shape, family.engine_shards, family.engine_receive_together)
     return out
 
 
@@ -86,20 +86,21 @@ def inventories() -> dict:
     return run_on_ranks(_inventories, 1, (cases,))[0]
 
 
-def _plan(entry, layout_name: str, engines: EngineLayout, mode: str, bucket_bytes: int = 1 << 15):
-    sources, shape, rules = entry
+def _plan(entry, layout_name: str, engines: EngineLayout, mode: str, bucket_bytes: int = 1 << 15, together=None):
+    sources, shape, rules, family_together = entry
     layout = {**DENSE_LAYOUTS, **MOE_LAYOUTS}[layout_name]
     return build_plan(
         sources, actor_layout=layout, world_size=WORLD, engines=engines, rules=rules, bucket_bytes=bucket_bytes,
         mode=mode, num_experts=shape.num_experts, num_kv_heads=shape.num_query_groups,
         num_heads=shape.num_attention_heads,
+        receive_together=family_together if together is None else together,
     )  # fmt: skip
 
 
 def test_every_family_layout_engine_and_mode_is_covered(inventories) -> None:
     checked = 0
     for (family, layout_name), entry in inventories.items():
-        sources, shape, _ = entry
+        sources, shape, *_ = entry
         expected = sorted(name for s in sources for name in s.hf)
         for engines in ENGINES:
             if shape.num_experts == 0 and engines.ep > 1:
@@ -115,7 +116,9 @@ def test_every_family_layout_engine_and_mode_is_covered(inventories) -> None:
                         itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[e.dtype]
                         assert e.offset == offset and e.offset % itemsize == 0
                         offset += e.nbytes
-                    assert bucket.nbytes == offset <= max(plan.bucket_bytes, plan.largest_tensor_bytes)
+                    assert bucket.nbytes == offset
+                    # over bucket_bytes only as one oversized unit: a tensor, or a group received together
+                    assert offset <= plan.bucket_bytes or len({e.source for e in bucket.entries}) <= 2
                 checked += 1
     assert checked > 100
 
@@ -184,10 +187,48 @@ def test_shard_aware_ranks_receive_only_what_they_keep(inventories) -> None:
     assert [kv.receive_slice(k, r) for r in range(4)] == [(0, 8), (0, 8), (8, 8), (8, 8)]
 
 
+def test_deepseek_mla_down_projections_reach_the_engine_in_one_bucket(inventories) -> None:
+    """SGLang's DeepSeek loader drops a q_a_proj / kv_a_proj_with_mqa half that arrives without the other (issue 26):
+    at every layout and bucket size, a layer's two halves share a bucket."""
+    checked = 0
+    for layout_name in {**DENSE_LAYOUTS, **MOE_LAYOUTS}:
+        entry = inventories[("deepseek_v3", layout_name)]
+        together = entry[3]
+        assert together, "the deepseek_v3 family declares its receive-together groups"
+        for bucket_bytes in (1 << 10, 3000, 1 << 12, 1 << 13, 1 << 15):
+            plan = _plan(entry, layout_name, EngineLayout(), "full", bucket_bytes=bucket_bytes)
+            assert plan.check_coverage() == []
+            assert plan.split_groups(together) == [], (layout_name, bucket_bytes)
+            halves = [e.name for b in plan.buckets for e in b.entries if "_a_proj" in e.name]
+            q = sum("q_a_proj" in n for n in halves)
+            assert q >= 4 and len(halves) == 2 * q  # every layer (4, and MTP's) has both halves
+            checked += 1
+    # the same plan without the rule splits pairs: the check above is not vacuous
+    plain = _plan(inventories[("deepseek_v3", "tp2")], "tp2", EngineLayout(), "full", bucket_bytes=3000, together=())
+    assert plain.split_groups(inventories[("deepseek_v3", "tp2")][3])
+
+
+def test_a_tensor_larger_than_the_bucket_travels_alone(inventories) -> None:
+    """sync.bucket_bytes below the largest tensor (256 MiB against DeepSeek-V3's 1.85 GB embedding) is a target:
+    the oversized tensor gets a bucket of its own size, the other buckets stay within bucket_bytes."""
+    entry = inventories[("qwen3_moe", "ep2")]
+    plan = _plan(entry, "ep2", EngineLayout(), "full", bucket_bytes=1024)
+    assert plan.check_coverage() == []
+    largest = max(s.hf_bytes for s in entry[0])
+    assert largest > 1024 and plan.max_bucket_bytes == largest
+    for bucket in plan.buckets:
+        assert bucket.nbytes <= 1024 or len(bucket.entries) == 1 or len(bucket.sources) == 1
+
+
 def test_refusals_name_the_problem(inventories) -> None:
     entry = inventories[("qwen3_moe", "ep2")]
-    with pytest.raises(PlanError, match=r"sync.bucket_bytes=1024 is smaller than .* raise sync.bucket_bytes to at"):
-        _plan(entry, "ep2", EngineLayout(), "full", bucket_bytes=1024)
+    with pytest.raises(PlanError, match=r"sync.bucket_bytes=0 is invalid"):
+        _plan(entry, "ep2", EngineLayout(), "full", bucket_bytes=0)
+    pp = inventories[("qwen3", "pp2")]
+    # one group of the embedding (stage 0) and the output layer (stage 1): no bucket can hold both
+    split = (ReceiveTogether(r"^(lm_head|model\.embed_tokens)\.(?P<key>weight)$"),)
+    with pytest.raises(PlanError, match=r"must reach an engine in one request, but leave from streams"):
+        _plan(pp, "pp2", EngineLayout(), "full", together=split)
     with pytest.raises(PlanError, match="sync mode 'halves' is invalid"):
         _plan(entry, "ep2", EngineLayout(), "halves")
     with pytest.raises(PlanError, match="num_attention_heads=4 is not divisible by the engine's attention tp=8"):

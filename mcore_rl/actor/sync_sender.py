@@ -48,6 +48,7 @@ class SyncSender:
             world_size=a.world_size,
             engines=EngineLayout(**engines),
             rules=a.spec.family.engine_shards,
+            receive_together=a.spec.family.engine_receive_together,
             bucket_bytes=bucket_bytes,
             mode=mode,
             num_experts=a.spec.family.shape(hf).num_experts,

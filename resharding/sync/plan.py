@@ -7,10 +7,19 @@ sources (inventory.py) -> streams: one per (pipeline stage, dense | EP rank); it
                        -> leaders: spread over the ranks that hold each stream (any replica, any rank of the
                                    group), largest stream first, each to the rank that sends the fewest bytes so far
                        -> buckets: each stream's HF tensors packed back to back (4-byte dtypes first, so every offset
-                                   is aligned: SGLang's receiving FlattenedTensorBucket requires it) up to bucket_bytes
+                                   is aligned: SGLang's receiving FlattenedTensorBucket requires it) up to bucket_bytes;
+                                   tensors an engine must receive together (the family's ReceiveTogether groups) are
+                                   one unit, never split; a unit larger than bucket_bytes travels alone in a bucket
+                                   of its own size
                        -> receivers: which engine ranks keep which slice of each HF tensor (mode full: everything;
                                    shard_aware: its TP slice, experts only on their EP owner)
 ```
+Bucket size: `bucket_bytes` is a target, not a refusal. A tensor is sent whole, so no bucket size below the largest
+tensor (DeepSeek-V3's embedding: 1.85 GB; Qwen3-235B's: 1.24 GB) could work; raising every bucket to it would
+coarsen the whole pipeline for one tensor. So the few oversized units get a bucket each, the rest stay within
+`bucket_bytes`, and a rank's extra memory is two buffers of `max_bucket_bytes` plus the largest gathered tensor (the
+dry run prints both).
+
 Stages and EP ranks stream in parallel (different leaders, different broadcast groups): with leaders spread, no rank
 packs and sends two streams while another one idles (TP2 x EP2: the dense stream leaves from a rank that leads no
 expert stream). `SyncPlan.digest()` hashes
@@ -74,6 +83,24 @@ class ShardRule:
     pattern: str
     kind: str
     dim: int = 0
+
+
+@dataclass(frozen=True)
+class ReceiveTogether:
+    """HF tensors an engine must receive in one request (family knowledge: SGLang's loaders).
+
+    SGLang's DeepSeek loader, for example, fuses `q_a_proj` with `kv_a_proj_with_mqa` only when both arrive in the
+    same `load_weights` call, and drops a half that arrives alone (the layer keeps its old or dummy weights, with no
+    error). `pattern` is matched (re.search) against every HF name; names whose match has the same named group
+    `key` form one group, which the planner keeps in one bucket.
+    """
+
+    pattern: str
+
+    def key(self, name: str) -> str | None:
+        """The group `name` belongs to, or None."""
+        match = re.search(self.pattern, name)
+        return None if match is None else match.group("key")
 
 
 @dataclass(frozen=True)
@@ -147,6 +174,22 @@ class SyncPlan:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        """The largest bucket: `bucket_bytes`, or more where a tensor or a receive-together group is larger."""
+        return max((b.nbytes for b in self.buckets), default=0)
+
+    def split_groups(self, together: tuple[ReceiveTogether, ...]) -> list[str]:
+        """Receive-together groups whose members are not all in one bucket (a correct plan has none)."""
+        where: dict[tuple[int, str], set[int]] = {}
+        for i, bucket in enumerate(self.buckets):
+            for e in bucket.entries:
+                for j, rule in enumerate(together):
+                    key = rule.key(e.name)
+                    if key is not None:
+                        where.setdefault((j, key), set()).add(i)
+        return [f"{key}: in buckets {sorted(found)}" for (_, key), found in sorted(where.items()) if len(found) > 1]
 
     @property
     def largest_tensor_bytes(self) -> int:
@@ -268,19 +311,18 @@ def build_plan(
     num_kv_heads: int = 0,
     num_heads: int = 0,
     fp8_targets: re.Pattern | None = None,
+    receive_together: tuple[ReceiveTogether, ...] = (),
 ) -> SyncPlan:
-    """The plan (see the module docstring). PlanError when the engine layout does not divide the model, the bucket
-    cannot hold a tensor or a mode is unknown. With `fp8_targets`, the HF tensors it matches (2-D) travel as
-    128x128-blockwise e4m3 plus a float32 `<name>_scale_inv` (the family's FP8 release layout)."""
+    """The plan (see the module docstring). PlanError when the engine layout does not divide the model, a
+    receive-together group spans two streams, `bucket_bytes` is not positive or a mode is unknown. With
+    `fp8_targets`, the HF tensors it matches (2-D) travel as 128x128-blockwise e4m3 plus a float32
+    `<name>_scale_inv` (the family's FP8 release layout). `receive_together`: the family's groups of HF tensors an
+    engine must receive in one bucket (ModelFamily.engine_receive_together)."""
     if mode not in MODES:
         raise PlanError(f"sync mode {mode!r} is invalid: expected one of {MODES}")
+    if bucket_bytes < 1:
+        raise PlanError(f"sync.bucket_bytes={bucket_bytes} is invalid: expected a positive number of bytes")
     engines.validate(num_heads or engines.tp, num_kv_heads, num_experts)
-    largest = max(sources, key=lambda s: s.hf_bytes)
-    if largest.hf_bytes > bucket_bytes:
-        raise PlanError(
-            f"sync.bucket_bytes={bucket_bytes} is smaller than {largest.mcore} ({largest.hf_bytes} bytes as "
-            f"{', '.join(largest.hf)}), which is sent whole: raise sync.bucket_bytes to at least {largest.hf_bytes}"
-        )
     stream_bytes: dict[tuple[int, int | None], int] = {}  # in order of first appearance
     for s in sources:
         key = (s.pp_rank, s.ep_rank)
@@ -291,14 +333,16 @@ def build_plan(
         members = [(i, s) for i, s in enumerate(sources) if (s.pp_rank, s.ep_rank) == key]
         pending: list[tuple[int, SourceTensor]] = []
         size = 0
-        for i, s in members:
-            if pending and size + s.hf_bytes > bucket_bytes:
+        for unit in _units(members, receive_together, stream.name):
+            nbytes = sum(s.hf_bytes for _, s in unit)
+            if pending and size + nbytes > bucket_bytes:  # an oversized unit also closes the bucket before it
                 buckets.append(_bucket(stream.index, len(buckets), pending, rules, fp8_targets))
                 pending, size = [], 0
-            pending.append((i, s))
-            size += s.hf_bytes
+            pending += unit
+            size += nbytes
         if pending:
             buckets.append(_bucket(stream.index, len(buckets), pending, rules, fp8_targets))
+    _check_groups_in_one_stream(sources, receive_together)
     # bucket index inside its stream
     counters: dict[int, int] = {}
     numbered = []
@@ -318,6 +362,46 @@ def build_plan(
         num_kv_heads=num_kv_heads,
         fp8=fp8_targets is not None,
     )
+
+
+def _units(
+    members: list[tuple[int, SourceTensor]], together: tuple[ReceiveTogether, ...], stream: str
+) -> list[list[tuple[int, SourceTensor]]]:
+    """A stream's sources as packing units, in stream order: a receive-together group is one unit, at the position
+    of its first member (its later members move up to it)."""
+    units: list[list[tuple[int, SourceTensor]]] = []
+    group_unit: dict[tuple[int, str], int] = {}
+    for i, s in members:
+        keys = {(j, k) for j, rule in enumerate(together) for k in [rule.key(n) for n in s.hf] if k is not None}
+        found = sorted({group_unit[k] for k in keys if k in group_unit})
+        if len(found) > 1:  # a source that joins two groups would merge them: a family rule this planner refuses
+            raise PlanError(f"{s.mcore} in stream {stream} belongs to two receive-together groups {sorted(keys)}")
+        if found:
+            units[found[0]].append((i, s))
+            index = found[0]
+        else:
+            units.append([(i, s)])
+            index = len(units) - 1
+        for k in keys:
+            group_unit[k] = index
+    return units
+
+
+def _check_groups_in_one_stream(sources: list[SourceTensor], together: tuple[ReceiveTogether, ...]) -> None:
+    """PlanError when a receive-together group's members leave from two streams (they could never share a bucket)."""
+    streams: dict[str, set[tuple[int, int | None]]] = {}
+    for s in sources:
+        for rule in together:
+            for name in s.hf:
+                key = rule.key(name)
+                if key is not None:
+                    streams.setdefault(key, set()).add((s.pp_rank, s.ep_rank))
+    for key, found in sorted(streams.items()):
+        if len(found) > 1:
+            raise PlanError(
+                f"the tensors of {key} must reach an engine in one request, but leave from streams "
+                f"{sorted(found, key=str)} (pipeline stage, EP rank)"
+            )
 
 
 def _place_streams(
