@@ -382,6 +382,39 @@ def finish_checkpoint(directory: str | Path, plan: CheckpointPlan, parts: list[t
 
 
 # ----------------------------------------------------------------------------------------------------- reading
+class UnsafeMetadata(pickle.UnpicklingError):
+    """A `.metadata` file names a global that torch's checkpoint metadata never holds."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Reads a torch_dist `.metadata` (a pickle torch's FileSystemWriter writes) admitting only the exact classes
+    that file holds: torch.distributed.checkpoint's metadata dataclasses, sizes, dtypes and paths. A checkpoint
+    handed to the converter is data; a plain `pickle.load` would run whatever callable a replaced file names."""
+
+    _CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+                "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")  # fmt: skip
+    _BUILTINS = ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice")
+    ALLOWED = frozenset(
+        {("torch.distributed.checkpoint.metadata", n) for n in _CLASSES}
+        | {("builtins", n) for n in _BUILTINS}
+        | {
+            ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+            ("torch.serialization", "_get_layout"),
+            ("torch", "Size"),
+            ("pathlib", "PosixPath"),
+            ("collections", "OrderedDict"),
+            ("copyreg", "__newobj__"),
+        }
+    )
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.ALLOWED or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise UnsafeMetadata(f"names {module}.{name}, which torch_dist metadata does not hold")
+
+
 class ChunkReader:
     """Reads regions of a torch_dist checkpoint's tensors, assembling whatever chunks cover them."""
 
@@ -394,7 +427,9 @@ class ChunkReader:
             raise CheckpointError(f"{path}: missing (not a torch_dist checkpoint)")
         try:
             with open(path, "rb") as f:
-                metadata = pickle.load(f)
+                metadata = MetadataUnpickler(f).load()
+        except UnsafeMetadata as err:
+            raise CheckpointError(f"{path}: {err}; not loaded (unpickling it could run code)") from None
         except Exception as err:  # noqa: BLE001 - any unpickling failure means a corrupt file
             raise CheckpointError(f"{path}: cannot be read ({type(err).__name__}: {err})") from None
         self.tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}

@@ -19,6 +19,7 @@ saved with; under another layout the ranks keep their fresh seeds and the contro
 from __future__ import annotations
 
 import contextlib
+import pickle
 import random
 from pathlib import Path
 from typing import Any
@@ -49,11 +50,22 @@ def _model_sharded(actor: Any, chunks: list[torch.nn.Module]) -> dict[str, Any]:
 
 
 def _rng_states(actor: Any) -> dict[str, Any]:
+    """This rank's RNG states as tensors and plain values only, so `torch.load(weights_only=True)` reads them back
+    (a checkpoint is data: loading one must not run code, and a pickle of numpy's state would need unpickling code
+    objects)."""
     from megatron.core import tensor_parallel
 
+    version, python_state, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached_gauss = np.random.get_state()
     states: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {"version": version, "state": torch.tensor(python_state, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gauss),
+        },
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -65,12 +77,35 @@ def _rng_states(actor: Any) -> dict[str, Any]:
 def _set_rng_states(states: dict[str, Any]) -> None:
     from megatron.core import tensor_parallel
 
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    python, numpy_state = states["python"], states["numpy"]
+    random.setstate((python["version"], tuple(int(v) for v in python["state"].tolist()), python["gauss"]))
+    np.random.set_state(
+        (
+            numpy_state["kind"],
+            numpy_state["keys"].numpy().astype(np.uint32),
+            numpy_state["pos"],
+            numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    )
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])
     tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+
+def read_rng_record(path: Path) -> dict[str, Any]:
+    """A rank's RNG record, read without running code (`weights_only=True`); {} if there is none. A record that
+    holds anything but tensors and plain values (another writer's, or a tampered file) is refused, naming the file."""
+    if not path.is_file():
+        return {}
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(
+            f"{path}: RNG states hold objects other than tensors and plain values ({err}); this checkpoint was "
+            "not written by this version of mcore_rl or was altered, and is not unpickled (it could run code)"
+        ) from None
 
 
 def _scheduler(actor: Any) -> Any:
@@ -152,7 +187,7 @@ def load_rank(actor: Any, directory: str) -> dict[str, Any]:
         scheduler.load_state_dict(loaded["scheduler"])
     if actor.ref_chunks:
         load_model_chunks(actor.ref_chunks, actor.pg, root / REFERENCE_DIR)
-    record = torch.load(rng_file(root, actor.rank), weights_only=False) if rng_file(root, actor.rank).is_file() else {}
+    record = read_rng_record(rng_file(root, actor.rank))
     same = record.get("layout") == actor.layout.describe() and record.get("world_size") == actor.world_size
     if same:
         _set_rng_states(record["states"])
