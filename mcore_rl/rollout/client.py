@@ -12,6 +12,10 @@ times; a 4xx answer is the request's fault and raises `RolloutRequestError` at o
 (`finish_reason.type == "abort"`, e.g. a pause in abort mode) is continued: prompt + its tokens so far go out again
 with the remaining token budget, and the pieces are joined (a partial rollout; its weight-version spans say which
 tokens came from which version).
+
+What differs between engine families sits in one small seam, `EngineDialect` (`DIALECTS`, chosen by
+`rollout.engine`): how the n samples of a seeded request are asked for, and where a sample's weight versions come
+from. Everything else (routes, retries, continuation, the control calls) is SGLang's API and shared.
 """
 
 from __future__ import annotations
@@ -44,10 +48,40 @@ def parse_version(version: Any) -> int | str:
     return version
 
 
-def sample_from_response(prompt: list[int], obj: dict[str, Any], num_layers: int | None = None) -> Sample:
+class EngineDialect:
+    """Our embedded server: SGLang's API plus two things real SGLang lacks, which the client may rely on here."""
+
+    name = "hf"
+    #: one request with `n` > 1 and `sampling_seed` s gives its samples seeds s, s+1, ... (the embedded server's
+    #: rule); where false, a seeded request for n samples goes out as n requests with n=1, one seed each
+    seeds_each_of_n = True
+    #: `meta_info.weight_versions`, the [version, start, end) spans of a sample's tokens, is read when present (our
+    #: server tags tokens when a commit lands mid-request); where false only `weight_version` is read
+    reads_version_spans = True
+
+
+class SGLangDialect(EngineDialect):
+    """Real SGLang 0.5.23. It uses `sampling_seed` only with deterministic inference on, and then gives all n samples
+    of a request the same seed: identical samples (so one seed is never sent for n samples). Its answers carry one
+    `weight_version` (the version when the request finished), no spans: each piece of a sample continued after an
+    abort gets one span of its own version, which is what the async staleness check reads."""
+
+    name = "sglang"
+    seeds_each_of_n = False
+    reads_version_spans = False
+
+
+DIALECTS: dict[str, EngineDialect] = {"hf": EngineDialect(), "sglang": SGLangDialect()}
+"""rollout.engine -> its dialect."""
+
+
+def sample_from_response(
+    prompt: list[int], obj: dict[str, Any], num_layers: int | None = None, dialect: EngineDialect = DIALECTS["hf"]
+) -> Sample:
     """One /generate answer -> Sample. Tokens come from `output_token_logprobs` (as slime reads them) when present,
     else from `output_ids`; `routed_experts` (base64 int32) is reshaped to [tokens, layers, top_k] (with
-    `num_layers`) or [tokens, layers * top_k]."""
+    `num_layers`) or [tokens, layers * top_k]. The weight-version spans are the answer's own (`dialect` permitting)
+    or one span of its `weight_version` over all its tokens."""
     meta = obj.get("meta_info") or {}
     entries = meta.get("output_token_logprobs")
     if entries is not None:
@@ -56,7 +90,12 @@ def sample_from_response(prompt: list[int], obj: dict[str, Any], num_layers: int
     else:
         tokens, logprobs = list(obj.get("output_ids") or []), []
     finish = (meta.get("finish_reason") or {}).get("type", "abort")
-    spans = [(parse_version(s["version"]), s["start"], s["end"]) for s in meta.get("weight_versions") or []]
+    version = parse_version(meta.get("weight_version"))
+    listed = meta.get("weight_versions") if dialect.reads_version_spans else None
+    if listed:
+        spans = [(parse_version(s["version"]), s["start"], s["end"]) for s in listed]
+    else:
+        spans = [(version, 0, len(tokens))] if tokens and version is not None else []
     routed = None
     if meta.get("routed_experts") is not None:
         flat = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
@@ -69,7 +108,7 @@ def sample_from_response(prompt: list[int], obj: dict[str, Any], num_layers: int
         response_ids=tokens,
         response_logprobs=logprobs,
         finish_reason=finish,
-        weight_version=parse_version(meta.get("weight_version")),
+        weight_version=version,
         weight_versions=spans,
         routed_experts=routed,
     )
@@ -103,7 +142,12 @@ class RolloutClient:
         backoff_s: float = 0.5,
         max_in_flight: int = 512,
         on_failure: Callable[[], Awaitable[None] | None] | None = None,
+        engine: str = "hf",
     ) -> None:
+        """`engine`: the engine family behind `url` (`DIALECTS`)."""
+        if engine not in DIALECTS:
+            raise ValueError(f"engine {engine!r} is invalid: expected one of {sorted(DIALECTS)}")
+        self.dialect = DIALECTS[engine]
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -213,7 +257,7 @@ class RolloutClient:
         """The n samples of one prompt, as one request (so one engine prefills the prompt once)."""
         extra = {"return_routed_experts": True} if return_routed_experts else {}
         params, body, answers = await self._answers(prompt, 1, n, sampling_params, seed, return_logprob, url, extra)
-        samples = [sample_from_response(prompt, a, num_layers) for a in answers]
+        samples = [sample_from_response(prompt, a, num_layers, self.dialect) for a in answers]
         return await self._continue_aborted(prompt, samples, params, body, seed, num_layers, url)
 
     async def agenerate_group(
@@ -230,7 +274,7 @@ class RolloutClient:
         params, body, answers = await self._answers(prompts, len(prompts), n, sampling_params, seed, return_logprob)
         groups = []
         for i, prompt in enumerate(prompts):
-            samples = [sample_from_response(prompt, a, None) for a in answers[i * n : (i + 1) * n]]
+            samples = [sample_from_response(prompt, a, None, self.dialect) for a in answers[i * n : (i + 1) * n]]
             own = None if seed is None else seed + i * n
             single = dict(body, input_ids=prompt, sampling_params=dict(params, sampling_seed=own))
             groups.append(self._continue_aborted(prompt, samples, params, single, own, None, None))
@@ -253,8 +297,19 @@ class RolloutClient:
         if seed is not None:
             params["sampling_seed"] = seed
         body = {"input_ids": input_ids, "sampling_params": params, "return_logprob": return_logprob, **(extra or {})}
-        answer = await self.agenerate(body, url)
-        answers = answer if isinstance(answer, list) else [answer]
+        if seed is not None and not self.dialect.seeds_each_of_n and n * num_prompts > 1:
+            # one request per sample, each with its own seed (see SGLangDialect); prompt-major like a batched answer
+            prompts = input_ids if num_prompts > 1 or (input_ids and isinstance(input_ids[0], list)) else [input_ids]
+            singles = [
+                dict(body, input_ids=prompt, sampling_params=dict(params, n=1, sampling_seed=seed + i * n + j))
+                for i, prompt in enumerate(prompts)
+                for j in range(n)
+            ]
+            answered = await asyncio.gather(*(self.agenerate(one, url) for one in singles))
+            answers = [a[0] if isinstance(a, list) else a for a in answered]
+        else:
+            answer = await self.agenerate(body, url)
+            answers = answer if isinstance(answer, list) else [answer]
         if len(answers) != n * num_prompts:
             raise RolloutRequestError(
                 f"/generate of {num_prompts} prompt(s) with n={n} answered {len(answers)} samples"
@@ -284,7 +339,9 @@ class RolloutClient:
                     dict(body, input_ids=prompt + sample.response_ids, sampling_params=rest), url
                 )
                 more = more[0] if isinstance(more, list) else more
-                sample = _join(sample, sample_from_response(prompt + sample.response_ids, more, num_layers))
+                sample = _join(
+                    sample, sample_from_response(prompt + sample.response_ids, more, num_layers, self.dialect)
+                )
             samples[j] = sample
         return samples
 

@@ -1,0 +1,100 @@
+"""The client against answers shaped as real SGLang 0.5.23 gives them (no `weight_versions` spans, one
+`weight_version` per answer; `sampling_seed` shared by the n samples of a request), from a small HTTP double that
+records what it was sent.
+
+Run: `.venv/bin/pytest tests/test_sglang_client.py`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+from aiohttp import web
+
+from mcore_rl.rollout.client import RolloutClient
+
+
+class SGLangGenerate:
+    """/generate as SGLang answers it: `n` answers per prompt, `meta_info.weight_version` only. The first answer of
+    the first request ends as an abort after 2 tokens at version "1" when `abort_first` is set; every later answer
+    runs at version "2" then (a pause in abort mode, then a weight update, then the client's continuation)."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.version = "1"
+        self.abort_first = False
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        ids = body["input_ids"]
+        prompts = ids if isinstance(ids[0], list) else [ids]
+        params = body["sampling_params"]
+        answers = []
+        for prompt in prompts:
+            for _ in range(params.get("n", 1)):
+                budget = params["max_new_tokens"]
+                abort = self.abort_first and self.version == "1" and len(self.bodies) == 1 and budget > 2
+                count = 2 if abort else budget
+                tokens = [(prompt[-1] + k + 1) % 50 for k in range(count)]
+                meta = {
+                    "finish_reason": {"type": "abort" if abort else "length"},
+                    "output_token_logprobs": [[-0.5, t, None] for t in tokens],
+                    "weight_version": self.version,
+                }
+                answers.append({"output_ids": tokens, "meta_info": meta})
+                if abort:
+                    self.version = "2"
+        return web.json_response(answers if len(answers) > 1 or isinstance(ids[0], list) else answers[0])
+
+
+@pytest.fixture
+def sglang():
+    double = SGLangGenerate()
+    app = web.Application()
+    app.router.add_post("/generate", double.generate)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    client = RolloutClient(f"http://127.0.0.1:{port}", engine="sglang")
+    yield double, client
+    client.close()
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("groups", [0, 1], ids=["per-prompt", "batched"])
+def test_one_seed_is_never_sent_for_n_samples(sglang, groups) -> None:
+    double, client = sglang
+    client.generate_samples([[1, 2], [3, 4]], 4, {"max_new_tokens": 3}, seed=100, groups=groups)
+    seeded = [b for b in double.bodies if "sampling_seed" in b["sampling_params"]]
+    assert seeded, "the seeds still go out (SGLang's deterministic inference uses them)"
+    for body in seeded:
+        ids = body["input_ids"]
+        assert body["sampling_params"].get("n", 1) == 1 and not isinstance(ids[0], list), body
+    assert sorted(b["sampling_params"]["sampling_seed"] for b in seeded) == list(range(100, 108))
+
+
+def test_unseeded_samples_stay_one_request(sglang) -> None:
+    double, client = sglang
+    client.generate_samples([[1, 2]], 4, {"max_new_tokens": 3}, seed=None)
+    assert len(double.bodies) == 1 and double.bodies[0]["sampling_params"]["n"] == 4
+
+
+def test_versions_of_a_sample_continued_after_an_abort(sglang) -> None:
+    """SGLang reports one version per answer: the client tags each piece with its own, so the async staleness
+    check (`weight_versions`, else `weight_version`) sees the old tokens."""
+    double, client = sglang
+    double.abort_first = True
+    (sample,) = client.generate_samples([[1, 2]], 1, {"max_new_tokens": 5}, seed=None)
+    assert sample.finish_reason == "length" and len(sample.response_ids) == 5
+    assert sample.weight_versions == [(1, 0, 2), (2, 2, 5)]
+    assert sample.weight_version == 2
