@@ -4,6 +4,7 @@ Each check raises `ConfigError` naming the field, file or tensor and what was ex
 exits with code 2 and one message instead of failing minutes later inside a Ray actor:
 
     megatron-core    a release the CPU runtime is verified with (trainer.runtime=cpu)
+    device runtime   trainer.runtime=cuda sees a GPU; no context parallelism (actor/runtime.py: check_runtime)
     run_dir          created (or existing) and writable
     data files       exist and are parquet files (their schema and rows are checked by data/dataset.py next)
     tokenizer        the directory exists
@@ -36,6 +37,9 @@ def check(cfg: RLConfig) -> None:
         problem = megatron_version_problem()
         if problem is not None:
             raise ConfigError(f"trainer.runtime=cpu: {problem}")
+    from mcore_rl.actor.runtime import check_runtime
+
+    check_runtime(cfg)  # runtime=cuda without a GPU, cp > 1 (sequences are not split per CP rank)
     check_run_dir(cfg.trainer.run_dir)
     for path in cfg.data.train_files:
         check_parquet(path)

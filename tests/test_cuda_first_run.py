@@ -25,7 +25,9 @@ def _no_te(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(spec, "transformer_engine_available", lambda: False)
 
 
-@pytest.mark.parametrize("hf", [QWEN3_MOE_TINY, {**DEEPSEEK_TINY, "model_type": "deepseek_v3"}], ids=["qwen3_moe", "dsv3"])
+@pytest.mark.parametrize(
+    "hf", [QWEN3_MOE_TINY, {**DEEPSEEK_TINY, "model_type": "deepseek_v3"}], ids=["qwen3_moe", "dsv3"]
+)
 def test_cuda_without_te_builds_no_te_only_setting(hf, monkeypatch) -> None:
     """runtime=cuda without TE: Megatron's local spec, so no TE-only fusion, no legacy GroupedMLP (which says "Grouped
     GEMM is not available" without TE) and no masked-softmax CUDA extension; one predicate decides (models/spec.py)."""
@@ -59,3 +61,160 @@ def test_dsv3_latent_projections_must_divide_tp_on_cuda_without_te(monkeypatch) 
     hf = HFConfig({**DEEPSEEK_TINY, "model_type": "deepseek_v3", "q_lora_rank": 30})
     with pytest.raises(LayoutError, match="q_lora_rank=30 is not divisible by tp=4"):
         get_family("deepseek_v3").transformer_config(hf, ParallelLayout(tp=4), "cuda", torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------ what goes back, threads
+def test_results_for_the_driver_are_host_tensors() -> None:
+    """A rank's payload (logprobs, values, metrics, nested) reaches the Ray driver as CPU tensors: fake CUDA tensors
+    (FakeTensorMode reports device cuda on a CPU-only machine) stand in for the rank's outputs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from mcore_rl.actor.runtime import to_host
+
+    with FakeTensorMode():
+        logprobs = torch.empty(2, 3, device="cuda")
+        payload = {"metrics": {"actor/lr": 0.1}, "old_logprobs": logprobs, "pair": (logprobs, None)}
+        assert logprobs.device.type == "cuda"
+        out = to_host(payload)
+        assert out["old_logprobs"].device.type == "cpu" and out["pair"][0].device.type == "cpu"
+        assert out["metrics"] == {"actor/lr": 0.1} and out["pair"][1] is None
+
+
+def test_cpu_adam_gets_the_cores_of_its_gpu_rank() -> None:
+    """CPU Adam (offload_fraction > 0) steps on the rank's threads: on CUDA the rank gets its share of the cores, not
+    the CPU runtime's one thread per rank; the environment variable still wins."""
+    from mcore_rl.actor.runtime import threads_per_rank
+
+    assert threads_per_rank("cuda", env={}, cpus=128, local_ranks=8) == 16
+    assert threads_per_rank("cpu", env={}, cpus=128, local_ranks=8) == 1
+    assert threads_per_rank("cuda", env={"MCORE_RL_THREADS_PER_RANK": "3"}, cpus=128, local_ranks=8) == 3
+    from mcore_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="MCORE_RL_THREADS_PER_RANK='x' is invalid"):
+        threads_per_rank("cuda", env={"MCORE_RL_THREADS_PER_RANK": "x"})
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def _cfg(**actor: object):
+    from mcore_rl.config import RLConfig
+
+    cfg = RLConfig()
+    cfg.trainer.runtime = "cuda"
+    for key, value in actor.items():
+        setattr(cfg.actor.layout, key, value)
+    return cfg
+
+
+def test_cuda_without_a_visible_gpu_is_refused() -> None:
+    from mcore_rl.actor.runtime import check_runtime
+    from mcore_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="trainer.runtime=cuda: no GPU is visible"):
+        check_runtime(_cfg(), visible_gpus=0)
+    check_runtime(_cfg(), visible_gpus=1, te=False)
+
+
+@pytest.mark.parametrize("te", [True, False])
+def test_context_parallel_is_refused_naming_the_key(te: bool) -> None:
+    """cp > 1 was passed to Megatron while every CP rank saw whole sequences: wrong logprobs, silently."""
+    from mcore_rl.actor.runtime import check_runtime
+    from mcore_rl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="actor.layout.cp=2 is not supported") as err:
+        check_runtime(_cfg(cp=2), visible_gpus=8, te=te)
+    assert ("needs Transformer Engine" in str(err.value)) is not te
+
+
+@pytest.mark.parametrize(
+    "recompute,needle",
+    [
+        (dict(granularity="full"), "recompute_method must be"),
+        (dict(granularity="full", method="uniform"), "recompute_num_layers must be"),
+        (dict(granularity="everything"), 'must be "full"'),
+        (dict(method="block", num_layers=2), "actor.recompute.method='block' is invalid"),
+        (dict(granularity="selective", num_layers=1), "actor.recompute.num_layers=1 is invalid"),
+    ],
+)
+def test_recompute_settings_megatron_refuses_are_refused(recompute: dict, needle: str) -> None:
+    from mcore_rl.config import ConfigError
+    from mcore_rl.config.model import RecomputeConfig
+
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+        RecomputeConfig(**recompute).validate()
+
+
+def test_recompute_reaches_the_transformer_config() -> None:
+    from mcore_rl.actor.megatron_actor import megatron_overrides
+    from mcore_rl.config import ActorConfig
+    from mcore_rl.config.model import RecomputeConfig
+
+    cfg = ActorConfig(recompute=RecomputeConfig("full", "uniform", 1))
+    cfg.recompute.validate()
+    overrides = megatron_overrides(cfg, "disabled")
+    config = get_family("qwen3_moe").transformer_config(
+        HFConfig(QWEN3_MOE_TINY), ParallelLayout(), "cpu", torch.float32, **overrides
+    )
+    got = (config.recompute_granularity, config.recompute_method, config.recompute_num_layers)
+    assert got == ("full", "uniform", 1)
+
+
+def test_train_cli_refuses_cuda_without_gpu_before_ray() -> None:
+    """`python -m mcore_rl.train trainer.runtime=cuda` on this CPU-only machine: exit 2 naming the key, no Ray."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here")
+    res = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.train", "trainer.runtime=cuda"],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "trainer.runtime=cuda: no GPU is visible" in res.stderr and "Traceback" not in res.stderr
+    assert "Started a local Ray instance" not in res.stdout + res.stderr
+
+
+# ------------------------------------------------------------------------------------------ DeepSeek-V3 in RL
+def _dsv3_rank(rank: int, world: int) -> dict:
+    from mcore_rl.actor.batch import TrainBatch
+    from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.config import ActorConfig, ModelConfig
+
+    hf = {**DEEPSEEK_TINY, "model_type": "deepseek_v3", "num_nextn_predict_layers": 1}
+    actor = MegatronActor(
+        rank, world, ModelConfig(hf_config=hf), ActorConfig(world_size=1, use_ref=False, mini_batches=1)
+    )
+    actor.initialize(("127.0.0.1", 0))  # the harness started torch.distributed
+    torch.manual_seed(0)
+    responses = torch.randint(1, 90, (4, 5))
+    batch = TrainBatch([[3, 4, 5]] * 4, responses, torch.ones(4, 5))
+    logprobs = actor.logprobs(batch).payload  # crashed in Megatron's MTP (labels=None .clone()) before issue 27
+
+    def biases() -> list[torch.Tensor]:
+        return [b.detach().clone() for n, b in actor.chunks[0].named_buffers() if n.endswith("expert_bias")]
+
+    before = biases()
+    batch.tensors.update(old_logprobs=logprobs, advantages=torch.randn(4, 5))
+    metrics = actor.update(batch).payload
+    return dict(logprobs=logprobs, before=before, after=biases(), ok=metrics["actor/update_ok"],
+                mtp=hasattr(actor.chunks[0], "mtp"))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dsv3_run() -> dict:
+    from mcore_rl.parallel.harness import run_on_ranks
+
+    return run_on_ranks(_dsv3_rank, 1)[0]
+
+
+def test_dsv3_with_mtp_layers_computes_logprobs(dsv3_run) -> None:
+    assert dsv3_run["logprobs"].shape == (4, 5) and bool(torch.isfinite(dsv3_run["logprobs"]).all())
+    assert not dsv3_run["mtp"]  # built without MTP for RL, said once in the log
+
+
+def test_dsv3_expert_bias_is_frozen_during_rl_updates(dsv3_run) -> None:
+    """Megatron moved the expert bias 1e-3 per optimizer step by default; RL keeps the released bias."""
+    assert dsv3_run["ok"] == 1.0 and dsv3_run["before"]
+    for before, after in zip(dsv3_run["before"], dsv3_run["after"]):
+        assert torch.equal(before, after)

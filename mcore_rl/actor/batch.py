@@ -70,6 +70,15 @@ class MicroBatch:
     response_mask: torch.Tensor  # [b, R]
     tensors: dict[str, torch.Tensor]
 
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """This micro-batch on `device` (the rank's GPU on CUDA runs), every tensor field and loss input moved."""
+        return MicroBatch(
+            *(t.to(device, non_blocking=True) for t in (self.tokens, self.position_ids, self.targets)),
+            self.gather_index.to(device, non_blocking=True),
+            self.response_mask.to(device, non_blocking=True),
+            {k: v.to(device, non_blocking=True) for k, v in self.tensors.items()},
+        )
+
 
 def sequence_length(batch: TrainBatch) -> int:
     """Longest prompt + response of the batch, + 1 (a target for the last real token)."""
@@ -82,6 +91,7 @@ def micro_batches(
     pad_multiple: int = 1,
     max_tokens: int | None = None,
     min_seq_len: int = 0,
+    device: torch.device | str | None = None,
 ) -> tuple[list[MicroBatch], int]:
     """Cut a batch into micro-batches padded to one common length (a multiple of pad_multiple, e.g. tp for SP).
 
@@ -89,7 +99,9 @@ def micro_batches(
     budget, a micro-batch holds at most max(1, max_tokens // length) samples (and never more than micro_batch_size), so
     long rollouts split into smaller micro-batches instead of running out of memory. `min_seq_len`: pad at least to
     this (the whole batch's `sequence_length` when each data-parallel rank cuts its own shard: expert parallelism's
-    all-gather dispatcher needs one shape on every rank, and multi-turn responses vary in length).
+    all-gather dispatcher needs one shape on every rank, and multi-turn responses vary in length). `device`: where
+    the micro-batches go (the rank's GPU on CUDA runs: the batch arrives from the driver in host memory); built on the
+    CPU either way, where the index arithmetic is cheap.
     """
     response_lengths = batch.response_lengths().tolist()
     seq_len = max(sequence_length(batch), min_seq_len)
@@ -113,5 +125,6 @@ def micro_batches(
         targets = torch.roll(tokens, shifts=-1, dims=1)
         targets[:, -1] = 0
         positions = torch.arange(seq_len).expand(part.size, seq_len).contiguous()
-        out.append(MicroBatch(tokens, positions, targets, gather, part.response_mask, part.tensors))
+        mb = MicroBatch(tokens, positions, targets, gather, part.response_mask, part.tensors)
+        out.append(mb if device is None else mb.to(device))
     return out, seq_len

@@ -48,7 +48,9 @@ def dpo_update(actor: MegatronActor, batch: TrainBatch, beta: float, loss_type: 
             pairs = mini.size // 2
             shard = mini.shard(dp_rank, dp_size)
             # No token budget here: it could cut an odd micro-batch size and split a pair.
-            mbs, seq_len = micro_batches(shard, cfg.micro_batch_size, actor._pad_multiple, None, sequence_length(mini))
+            mbs, seq_len = micro_batches(
+                shard, cfg.micro_batch_size, actor._pad_multiple, None, sequence_length(mini), device=actor.device
+            )
             scale = dp_size * len(mbs)
 
             def loss_fn(mb: MicroBatch, logits: torch.Tensor, pairs: int = pairs, scale: int = scale) -> Any:

@@ -16,6 +16,7 @@ them (last pipeline stage, tp/cp rank 0) tagged with their dp rank.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import pickle
@@ -28,6 +29,7 @@ import torch
 
 from mcore_rl.actor.batch import MicroBatch, TrainBatch, micro_batches, sequence_length
 from mcore_rl.actor.logprobs import vocab_parallel_entropy, vocab_parallel_entropy_grad, vocab_parallel_logprobs
+from mcore_rl.actor.runtime import layout_problem, rank_device, threads_per_rank, to_host
 from mcore_rl.actor.schedule import run_schedule
 from mcore_rl.algorithms import aggregate_loss, get_policy_loss, kl_loss
 from mcore_rl.config import ActorConfig, ModelConfig
@@ -37,6 +39,7 @@ from mcore_rl.parallel.cpu_runtime import mode_suspended
 from mcore_rl.parallel.groups import init_distributed, initialize_model_parallel
 from mcore_rl.resharding.weight_map import WeightMapError, load_hf_weights
 
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 #: loss metric -> the name verl logs it under (actor/pg_clipfrac ...), where the two differ
 _VERL_NAMES = {"clip_frac": "pg_clipfrac", "clip_frac_lower": "pg_clipfrac_lower"}
@@ -70,7 +73,7 @@ class MegatronActor:
         """`actor_cfg` is the role's config: ActorConfig ("actor") or CriticConfig ("critic")."""
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; known: {', '.join(ROLES)}")
-        torch.set_num_threads(int(os.environ.get("MCORE_RL_THREADS_PER_RANK", "1")))
+        torch.set_num_threads(threads_per_rank(runtime))
         self.rank, self.world_size, self.runtime, self.seed = rank, world_size, runtime, seed
         self.cfg, self.model_cfg, self.role = actor_cfg, model_cfg, role
 
@@ -88,10 +91,17 @@ class MegatronActor:
         master_addr, master_port = address
         runtime, actor_cfg, model_cfg = self.runtime, self.cfg, self.model_cfg
         init_distributed(runtime, self.rank, self.world_size, master_addr, master_port)
+        self.device = rank_device(runtime)
         self.layout = actor_cfg.layout.to_layout()
+        from mcore_rl.models.spec import te_in_use
+
+        problem = layout_problem(self.role, self.layout.cp, runtime, te_in_use(runtime))  # pre-flight refuses it too
+        if problem:
+            raise ValueError(problem)
         # routing replay is the policy's (actor.router_replay_mode); a critic routes by its own logits
         self.routing_mode = getattr(actor_cfg, "router_replay_mode", "disabled")
-        hf = HFConfig(_hf_config_dict(model_cfg))
+        config, self._unread = _hf_config_dict(model_cfg, announce=self.rank == 0)
+        hf = HFConfig(config)
         self.spec = ModelSpec(
             hf,
             self.layout,
@@ -99,7 +109,7 @@ class MegatronActor:
             dtype=DTYPES[model_cfg.dtype],
             make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
             max_sequence_length=model_cfg.max_sequence_length,
-            config_overrides={"moe_enable_routing_replay": True} if self.routing_mode != "disabled" else {},
+            config_overrides=megatron_overrides(actor_cfg, self.routing_mode),
         )
         self.pg = initialize_model_parallel(self.layout, seed=model_cfg.init_seed)
         self.vocab_size = hf.req("vocab_size")
@@ -139,9 +149,7 @@ class MegatronActor:
         fp8 = fp8_block_size(reader.config) is not None
         load_hf_weights(self.chunks, self.contexts, self.weight_map, fp8_aware_reader(reader))
         shape = self.spec.family.shape(self.spec.hf)
-        from mcore_rl.models.base import checkpoint_config
-
-        unread = checkpoint_config(path, self.model_cfg.mtp)[2]  # model.mtp=off: MTP tensors held but not read
+        unread = self._unread  # MTP layers: held by the checkpoint, not built for RL (see _hf_config_dict)
         unexpected = [
             n
             for n in reader.names()
@@ -204,7 +212,9 @@ class MegatronActor:
         return self.pg.pp.rank() == self.pg.pp.size() - 1 and self.pg.tp.rank() == 0 and self.pg.cp.rank() == 0
 
     def _result(self, payload: Any) -> RankResult:
-        return RankResult(self.rank, self.pg.dp.rank(), self._holds_output, payload if self._holds_output else None)
+        """What goes back to the driver: host tensors only (runtime.to_host), from the ranks that hold the output."""
+        held = to_host(payload) if self._holds_output else None
+        return RankResult(self.rank, self.pg.dp.rank(), self._holds_output, held)
 
     # ------------------------------------------------------------------------------------------ forward
     def _run_schedule(self, chunks: list, mbs: list[MicroBatch], seq_len: int, loss_fn, forward_only: bool):
@@ -262,6 +272,7 @@ class MegatronActor:
                 self._pad_multiple,
                 self.cfg.max_tokens_per_microbatch,
                 min_seq_len,  # one length on every dp rank (the CPU MoE dispatcher gathers one shape)
+                device=self.device,
             )
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
@@ -288,7 +299,7 @@ class MegatronActor:
         shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
         mbs, seq_len = micro_batches(
             shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch,
-            sequence_length(batch),  # one length on every dp rank
+            sequence_length(batch), device=self.device,  # one length on every dp rank
         )  # fmt: skip
 
         def loss_fn(mb: MicroBatch, output: torch.Tensor):
@@ -305,12 +316,13 @@ class MegatronActor:
         """
         for chunk in self.ddp_chunks:
             chunk.eval()
-        shard = tokens.chunk(self.pg.dp.size())[self.pg.dp.rank()]
+        shard = tokens.chunk(self.pg.dp.size())[self.pg.dp.rank()].to(self.device)
         tp = self.pg.tp.size()
 
         def forward_step(data_iterator: Iterator[torch.Tensor], model: torch.nn.Module):
             ids = next(data_iterator)
-            out = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids), attention_mask=None)
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            out = model(input_ids=ids, position_ids=positions, attention_mask=None)
 
             def gather(logits: torch.Tensor):
                 parts = [torch.empty_like(logits) for _ in range(tp)]
@@ -334,7 +346,7 @@ class MegatronActor:
             chunk.eval()
         batch.tensors["sample_index"] = torch.arange(batch.size)
         shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
-        mbs, seq_len = micro_batches(shard, shard.size, self._pad_multiple)  # one micro-batch: one capture
+        mbs, seq_len = micro_batches(shard, shard.size, self._pad_multiple, device=self.device)  # one capture
         layers = self.spec.hf.req("num_hidden_layers")
         handles, captured = capture_router_choices(self.ddp_chunks, shard.size, layers)
         if replay and self.routing is not None:
@@ -405,7 +417,7 @@ class MegatronActor:
                 with mode_suspended():
                     mbs, seq_len = micro_batches(
                         shard, self.cfg.micro_batch_size, self._pad_multiple, self.cfg.max_tokens_per_microbatch,
-                        sequence_length(mini),  # one length on every dp rank
+                        sequence_length(mini), device=self.device,  # one length on every dp rank
                     )  # fmt: skip
                 scale = dp_size * len(mbs)
 
@@ -604,9 +616,33 @@ def _sum_metrics(outputs: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _hf_config_dict(model_cfg: ModelConfig) -> dict[str, Any]:
-    if model_cfg.path:
-        from mcore_rl.models.base import checkpoint_config
+def megatron_overrides(cfg: Any, routing_mode: str) -> dict[str, Any]:
+    """TransformerConfig fields the worker's config sets on top of the family's translation: routing replay, the expert
+    bias update rate (DeepSeek-V3's aux-loss-free balancing; frozen by default in RL) and activation recompute."""
+    out: dict[str, Any] = {"moe_enable_routing_replay": True} if routing_mode != "disabled" else {}
+    rate = getattr(cfg, "router_bias_update_rate", 0.0)
+    if rate:
+        out["moe_router_bias_update_rate"] = rate
+    recompute = getattr(cfg, "recompute", None)
+    if recompute is not None:
+        out.update(recompute.megatron_fields())
+    return out
 
-        return checkpoint_config(model_cfg.path, model_cfg.mtp)[0]  # MTP off where the checkpoint holds none
-    return dict(model_cfg.hf_config)
+
+def _hf_config_dict(model_cfg: ModelConfig, announce: bool = False) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """(HF config the worker builds from, HF name prefixes of the checkpoint it does not read).
+
+    Multi-token-prediction layers are off in RL: Megatron 0.16.1 computes MTP's loss inside the forward from `labels`
+    (it clones them) and returns a loss instead of logits when given labels, so a logprob forward cannot run with MTP
+    built; its tensors are left unread, and the engines keep the MTP weights they loaded (SGLang's speculative draft).
+    """
+    from mcore_rl.models.base import checkpoint_config, get_family
+
+    if model_cfg.path:
+        config, note, unread = checkpoint_config(model_cfg.path, "off")
+    else:
+        raw = dict(model_cfg.hf_config)
+        config, note, unread = get_family(raw.get("model_type", "<missing>")).resolve_mtp(raw, set(), "off")
+    if note and announce:
+        log.warning("%s; the RL workers do not train MTP layers (the engines keep theirs as loaded)", note)
+    return config, unread

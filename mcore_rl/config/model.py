@@ -54,8 +54,10 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 64  #: Megatron pads the vocab to a multiple of this x tp
     max_sequence_length: int = 512  #: longest prompt + response
     init_seed: int = 1234  #: seed of the random initialisation when path is null
-    #: multi-token-prediction layers of a checkpoint whose config asks for them (DeepSeek-V3): auto = on when the
-    #: checkpoint holds their weights, off when it holds none (transformers' save_pretrained drops them) | on | off
+    #: multi-token-prediction layers of a checkpoint whose config asks for them (DeepSeek-V3), for checkpoint checks
+    #: and conversion: auto = on when the checkpoint holds their weights, off when it holds none (transformers'
+    #: save_pretrained drops them) | on | off. The RL workers never build them (a logprob forward cannot run with
+    #: Megatron 0.16.1's MTP, which needs labels): their tensors stay unread, the engines keep theirs
     mtp: str = "auto"
 
     def validate(self) -> None:
@@ -153,6 +155,51 @@ class OptimConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    """Activation recompute of the Megatron workers: Megatron's recompute_granularity / recompute_method /
+    recompute_num_layers (TransformerConfig), read by the ranks and by the dry run's activation estimate alike."""
+
+    #: null (keep every layer's activations) | full (recompute whole layers in the backward) | selective (recompute
+    #: the core attention only)
+    granularity: str | None = None
+    #: with full: uniform (checkpoint the input of every num_layers layers) | block (recompute the first num_layers
+    #: layers of each pipeline stage, keep the rest)
+    method: str | None = None
+    #: with full: layers per recompute unit (uniform) or recomputed layers per stage (block)
+    num_layers: int | None = None
+
+    def megatron_fields(self) -> dict[str, Any]:
+        """The TransformerConfig fields these settings are."""
+        return dict(
+            recompute_granularity=self.granularity,
+            recompute_method=self.method,
+            recompute_num_layers=self.num_layers,
+        )
+
+    def validate(self, prefix: str = "actor.recompute") -> None:
+        """Settings nothing would read are refused; the rest are checked by Megatron's TransformerConfig itself."""
+        if self.granularity != "full":
+            for name in ("method", "num_layers"):
+                _check(
+                    getattr(self, name) is None,
+                    f"{prefix}.{name}",
+                    getattr(self, name),
+                    f"null unless {prefix}.granularity=full (got {self.granularity!r})",
+                )
+        if self.granularity is None:
+            return
+        if self.num_layers is not None:
+            _positive(f"{prefix}.num_layers", self.num_layers)
+        from megatron.core.transformer import TransformerConfig
+
+        probe = dict(num_layers=max(1, self.num_layers or 1), hidden_size=8, num_attention_heads=1)
+        try:
+            TransformerConfig(**probe, **self.megatron_fields())
+        except (AssertionError, ValueError) as err:
+            raise ConfigError(f"{prefix}: Megatron refuses these recompute settings: {err}") from None
+
+
+@dataclass
 class ActorConfig:
     """The Megatron actor (and its colocated frozen reference)."""
 
@@ -185,6 +232,10 @@ class ActorConfig:
     #: old-logprob forward) | R3 (every policy forward replays the experts the rollout engine routed each token to)
     router_replay_mode: str = "disabled"
     num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    #: MoE expert-bias update per optimizer step (DeepSeek-V3's aux-loss-free balancing, Megatron's
+    #: moe_router_bias_update_rate): 0 keeps the released bias frozen during RL (as slime); Megatron's default is 1e-3
+    router_bias_update_rate: float = 0.0
     #: truncated importance sampling (TIS) cap for samples generated with an older weight version than the one
     #: trained (trainer.async_rollout): w = min(pi_old / pi_rollout, cap) per token; null = no correction
     stale_tis_cap: float | None = 2.0
@@ -218,6 +269,8 @@ class ActorConfig:
         self.layout.validate()
         self.layout.to_layout().check_world_size(self.world_size)
         _check(self.stale_tis_cap is None or self.stale_tis_cap > 0, "actor.stale_tis_cap", self.stale_tis_cap, "> 0")
+        self.recompute.validate()
+        _check(self.router_bias_update_rate >= 0, "actor.router_bias_update_rate", self.router_bias_update_rate, ">= 0")
 
 
 @dataclass

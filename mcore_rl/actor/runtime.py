@@ -1,0 +1,110 @@
+"""Where a Megatron rank's tensors live on each runtime, and the checks a CUDA run needs before any rank starts.
+
+    device = rank_device(runtime)            # cuda:<local> on CUDA runs, cpu on the CPU runtime
+    payload = to_host(payload)               # what goes back to the Ray driver: CPU tensors, always
+    torch.set_num_threads(threads_per_rank(runtime))
+    check_runtime(cfg)                       # pre-flight (mcore_rl/preflight.py): ConfigError naming the key
+
+The batch arrives from the driver in host memory and the micro-batcher moves it to `rank_device` (actor/batch.py);
+what a rank returns (logprobs, values, metrics) goes back to the driver through Ray's object store, which must not
+receive CUDA tensors (the driver has no GPU; unpickling one there fails).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from mcore_rl.config import ConfigError
+
+if TYPE_CHECKING:
+    from mcore_rl.config import RLConfig
+
+#: environment variable that overrides the intra-op threads of a rank (both runtimes)
+THREADS_ENV = "MCORE_RL_THREADS_PER_RANK"
+
+
+def rank_device(runtime: str) -> torch.device:
+    """The device this rank computes on: its current CUDA device (set by parallel/groups.py) or the CPU."""
+    if runtime == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def to_host(obj: Any) -> Any:
+    """`obj` with every tensor inside (dicts, lists, tuples) moved to host memory; other values as they are."""
+    if torch.is_tensor(obj):
+        return obj if obj.device.type == "cpu" else obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_host(v) for v in obj)
+    return obj
+
+
+def threads_per_rank(runtime: str, env: dict[str, str] | None = None, cpus: int | None = None,
+                     local_ranks: int | None = None) -> int:  # fmt: skip
+    """Intra-op threads of one rank: `MCORE_RL_THREADS_PER_RANK` when set; else 1 on the CPU runtime (every rank is a
+    process on the same cores: more threads per rank only oversubscribe them); on CUDA the cores this process may use
+    shared by the node's GPU ranks, since the CPU work there is Megatron's CPU Adam when the optimizer is offloaded
+    (HybridDeviceOptimizer steps the host share with torch on these threads) and host copies."""
+    env = os.environ if env is None else env
+    if env.get(THREADS_ENV):
+        try:
+            value = int(env[THREADS_ENV])
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ConfigError(f"{THREADS_ENV}={env[THREADS_ENV]!r} is invalid: expected an integer >= 1")
+        return value
+    if runtime != "cuda":
+        return 1
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    local_ranks = local_ranks if local_ranks is not None else max(1, torch.cuda.device_count())
+    return max(1, cpus // local_ranks)
+
+
+def cuda_problem(runtime: str, visible_gpus: int | None = None) -> str | None:
+    """Why `trainer.runtime=cuda` cannot start here (no GPU visible), or None."""
+    if runtime != "cuda":
+        return None
+    if visible_gpus is None:
+        visible_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible_gpus == 0:
+        return (
+            "trainer.runtime=cuda: no GPU is visible to this process (torch.cuda.is_available() is false; "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r}); expected a CUDA build of "
+            "torch on a GPU node, or trainer.runtime=cpu"
+        )
+    return None
+
+
+def layout_problem(group: str, cp: int, runtime: str, te: bool) -> str | None:
+    """Why a worker group's context parallelism cannot run (or None). CP lives in Transformer Engine's attention, and
+    the actor does not split sequences per CP rank yet (zigzag split + logprob gather): cp > 1 would compute wrong
+    logprobs silently, so it is refused on every runtime."""
+    if cp <= 1:
+        return None
+    need = "" if te or runtime != "cuda" else " and needs Transformer Engine, which is not importable here"
+    return (
+        f"{group}.layout.cp={cp} is not supported: the actor does not split sequences per context-parallel rank "
+        f"(zigzag split and logprob gather are not implemented){need}; expected {group}.layout.cp=1"
+    )
+
+
+def check_runtime(cfg: RLConfig, visible_gpus: int | None = None, te: bool | None = None) -> None:
+    """Pre-flight of the device runtime and what the workers' settings need from it; ConfigError naming the key."""
+    from mcore_rl.models.spec import te_in_use
+
+    runtime = cfg.trainer.runtime
+    problem = cuda_problem(runtime, visible_gpus)
+    if problem:
+        raise ConfigError(problem)
+    te = te_in_use(runtime) if te is None else te
+    groups = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.critic.enable else [])
+    for name, group in groups:
+        problem = layout_problem(name, group.layout.cp, runtime, te)
+        if problem:
+            raise ConfigError(problem)
