@@ -2,9 +2,11 @@
 default group.
 
 SGLang's `/init_weights_update_group` joins such a group (`master_address`, `master_port`, `rank_offset`,
-`world_size`, `group_name`, `backend`); rank 0 is the sender and hosts the TCP store. The group is built directly
-from a `TCPStore` + `ProcessGroupGloo` / `ProcessGroupNCCL`, so neither side needs `init_process_group` and a process
-can hold several groups (one per pipeline stage) beside its own training groups.
+`world_size`, `group_name`, `backend`) with its `init_custom_process_group` (init_method `tcp://address:port`, rank
+`rank_offset + tp_rank`); rank 0 is the sender and hosts the TCP store. The group is built directly from a `TCPStore`
++ `ProcessGroupGloo` / `ProcessGroupNCCL` under the same store keys as SGLang's side (`sglang_group_store`), so
+neither side needs `init_process_group` and a process can hold several groups (one per pipeline stage) beside its own
+training groups.
 
     group = new_update_group("gloo", "127.0.0.1", 29600, rank=0, world_size=3, group_name="pp0")
     broadcast(group, flat_bucket, src=0)
@@ -54,7 +56,7 @@ def new_update_group(
         raise ValueError("group_name must not be empty")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
-    prefixed = dist.PrefixStore(f"mcore_rl_update/{group_name}/", store)
+    prefixed = sglang_group_store(store, group_name, backend)
     if backend == "gloo":
         # Gloo advertises the address its hostname resolves to, which is loopback on many machines (and in network
         # namespaces): bind it to the local address that routes to the master instead, so peers on other nodes
@@ -66,8 +68,25 @@ def new_update_group(
     else:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
+        options.group_name = group_name  # as torch's _new_process_group_helper sets it
         group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    # torch's _new_process_group_helper (which builds SGLang's side) does this for every gloo and nccl group: build
+    # ours alike
+    group._set_sequence_number_for_group()
     return UpdateGroup(group_name, rank, world_size, backend, group, store)
+
+
+def sglang_group_store(store: dist.Store, group_name: str, backend: str) -> dist.PrefixStore:
+    """`store` under the key prefixes an SGLang engine's side of the group uses, so both sides meet.
+
+    SGLang's `init_custom_process_group` (sglang/srt/utils/common.py, 0.5.23) wraps the rendezvous store in
+    `PrefixStore(group_name)` and hands it to torch's `_new_process_group_helper`, which adds `"{group_name}/"` and
+    then the device of the backend (`"cpu/"` for gloo, the first device gloo serves; `"cuda/"` for nccl). A key `k`
+    is therefore `{group_name}/{group_name}//{device}//k` on the engines (PrefixStore joins with "/"), and the same
+    chain here gives the same keys. tests/test_sglang_receiver_sync.py checks it against SGLang's own function.
+    """
+    device = "cpu" if backend == "gloo" else "cuda"
+    return dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
 
 
 def _local_address(master_address: str, master_port: int) -> str:

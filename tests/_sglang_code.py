@@ -11,9 +11,13 @@ builds `sglang_cpu_receiver.py` from them: SGLang's `init_custom_process_group`,
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import subprocess
 import sys
+import threading
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 SGLANG_DIR = Path(__file__).resolve().parents[1] / ".venv" / "sglang-0.5.23"
@@ -41,3 +45,26 @@ def load_sglang_receiver() -> types.ModuleType:
         del sys.modules[MODULE_NAME]
         raise
     return module
+
+
+@contextlib.contextmanager
+def sglang_receiver_process(tp_rank: int = 0, timeout_s: float = 120.0) -> Iterator[str]:
+    """Run tests/_sglang_receiver.py (an engine rank receiving with SGLang's code) in a child process; yields its URL.
+
+    Skips the calling test, as load_sglang_receiver does, when set-up did not build SGLang's code."""
+    load_sglang_receiver()
+    script = Path(__file__).resolve().parent / "_sglang_receiver.py"
+    child = subprocess.Popen(
+        [sys.executable, str(script), "--tp-rank", str(tp_rank)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        ready = threading.Timer(timeout_s, child.kill)  # a child that never says READY is killed, not waited on
+        ready.start()
+        line = child.stdout.readline()
+        ready.cancel()
+        if not line.startswith("READY "):
+            raise RuntimeError(f"the SGLang receiver did not start (exit {child.poll()}): {line!r}")
+        yield line.split()[1]
+    finally:
+        child.kill()
+        child.wait()

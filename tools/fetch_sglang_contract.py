@@ -70,7 +70,8 @@ RECEIVER_PARTS = (
     (
         "sglang/srt/utils/common.py",
         ("torch_release", "is_npu", "is_musa", "init_custom_process_group", "MultiprocessingSerializer",
-         "_safe_load_torch_storage", "SafeUnpickler"),
+         "SerializedTensorPayload", "_looks_like_pickle_payload", "normalize_serialized_named_tensor_payload",
+         "normalize_serialized_named_tensor_payloads", "_safe_load_torch_storage", "SafeUnpickler"),
     ),
     (
         "sglang/srt/utils/patch_torch.py",
@@ -88,6 +89,7 @@ segment of the file and lines named in the comment above it; tests/test_sglang_r
 
 from __future__ import annotations  # as sglang/srt/utils/common.py
 
+import binascii  # as common.py
 import io  # as common.py
 import pickle  # as common.py
 from dataclasses import dataclass  # as tensor_bucket.py

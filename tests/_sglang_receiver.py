@@ -1,0 +1,172 @@
+"""A rollout-engine rank whose weight-receiving code is SGLang 0.5.23's own, for tests and tools/bench_sync.py.
+
+    python tests/_sglang_receiver.py [--tp-rank 0]        # prints "READY http://127.0.0.1:PORT", then serves
+
+It answers the HTTP calls our sync transports make, and does on each what SGLang's engine does, with SGLang's
+functions (tests/_sglang_code.py loads them from the pinned wheel; nothing here re-implements them):
+
+  POST /init_weights_update_group   WeightUpdater.init_weights_update_group: init_custom_process_group(backend,
+                                    init_method="tcp://address:port", world_size, rank=rank_offset + tp_rank,
+                                    group_name), after a default process group as every SGLang rank has
+  POST /update_weights_from_distributed   receive_weights_from_distributed: FlattenedTensorBucket.empty + one
+                                    torch.distributed.broadcast(src=0, group) for a flattened bucket, else one
+                                    broadcast per tensor
+  POST /update_weights_from_tensor  tokenizer: normalize_serialized_named_tensor_payloads; TP worker:
+                                    monkey_patch_torch_reductions, MultiprocessingSerializer.deserialize(
+                                    payloads[tp_rank]); flattened buckets rebuilt with FlattenedTensorBucket
+  POST /destroy_weights_update_group  torch.distributed.destroy_process_group(group)
+  POST /begin_weight_update, /end_weight_update   accepted (the session itself is not what this checks)
+  POST /dump_received {"path"}      test hook: every tensor received so far (the last copy of each name), as a
+                                    safetensors file, and how many times each name arrived
+
+Where SGLang loads a received tensor into its model (`model.load_weights`), this keeps a copy of it instead, so a
+test can check every byte. CPU (gloo) only; one process is one engine TP rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _sglang_code import load_sglang_receiver  # noqa: E402
+
+sglang = load_sglang_receiver()
+
+
+class Receiver:
+    """What one SGLang TP rank keeps: its update groups and (here) the tensors it would load."""
+
+    def __init__(self, tp_rank: int) -> None:
+        self.tp_rank = tp_rank
+        self.groups: dict[str, Any] = {}
+        self.received: dict[str, torch.Tensor] = {}
+        self.arrivals: dict[str, int] = {}
+        self.lock = threading.Lock()
+        # SGLang asserts torch.distributed.is_initialized() before joining a group: its ranks have a default group
+        fd, path = tempfile.mkstemp(prefix="sglang-receiver-default-")
+        os.close(fd)
+        os.unlink(path)
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+
+    def init_weights_update_group(self, body: dict) -> dict:
+        rank = body["rank_offset"] + self.tp_rank  # WeightUpdater.init_weights_update_group
+        timeout = body.get("timeout_s")
+        self.groups[body["group_name"]] = sglang.init_custom_process_group(
+            backend=body.get("backend", "nccl"),
+            init_method=f"tcp://{body['master_address']}:{body['master_port']}",
+            world_size=body["world_size"],
+            rank=rank,
+            group_name=body["group_name"],
+            **({"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}),
+        )
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_weights_update_group(self, body: dict) -> dict:
+        dist.destroy_process_group(self.groups.pop(body["group_name"]))
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def update_weights_from_distributed(self, body: dict) -> dict:
+        names, dtypes, shapes, group = body["names"], body["dtypes"], body["shapes"], self.groups[body["group_name"]]
+        if body.get("load_format") == "flattened_bucket":  # WeightUpdater._receive_bucketed_weights_from_distributed
+            bucket = sglang.FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+            dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+            self._load(bucket.reconstruct_tensors())
+        else:  # WeightUpdater.receive_weights_from_distributed
+            weights, handles = [], []
+            for name, dtype, shape in zip(names, dtypes, shapes):
+                weight = torch.empty(shape, dtype=getattr(torch, dtype), device="cpu")
+                handles.append(dist.broadcast(weight, src=0, group=group, async_op=True))
+                weights.append((name, weight))
+            for handle in handles:
+                handle.wait()
+            self._load(weights)
+        return {"success": True, "message": "Succeeded to update parameter online."}
+
+    def update_weights_from_tensor(self, body: dict) -> dict:
+        payloads = sglang.normalize_serialized_named_tensor_payloads(body["serialized_named_tensors"])
+        sglang.monkey_patch_torch_reductions()  # TpModelWorker.deserialize_own_rank
+        named = sglang.MultiprocessingSerializer.deserialize(payloads[self.tp_rank])
+        if body.get("load_format") == "flattened_bucket":  # WeightUpdater._update_weights_from_flattened_bucket
+            metadata = [
+                sglang.FlattenedTensorMetadata(
+                    name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx, numel=m.numel
+                )
+                for m in named["metadata"]
+            ]
+            bucket = sglang.FlattenedTensorBucket(flattened_tensor=named["flattened_tensor"], metadata=metadata)
+            self._load(bucket.reconstruct_tensors())
+        else:  # _unwrap_tensor for a bare tensor
+            self._load([(name, tensor.to("cpu")) for name, tensor in named])
+        return {"success": True, "message": "Success"}
+
+    def _load(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        # in SGLang model.load_weights copies each tensor into its parameter before the request answers
+        with self.lock:
+            for name, tensor in named:
+                self.received[name] = tensor.clone()
+                self.arrivals[name] = self.arrivals.get(name, 0) + 1
+
+    def dump_received(self, body: dict) -> dict:
+        from safetensors.torch import save_file
+
+        with self.lock:
+            save_file(dict(self.received), body["path"])
+            return {"success": True, "arrivals": dict(self.arrivals)}
+
+
+def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
+    routes = {
+        "/init_weights_update_group": receiver.init_weights_update_group,
+        "/destroy_weights_update_group": receiver.destroy_weights_update_group,
+        "/update_weights_from_distributed": receiver.update_weights_from_distributed,
+        "/update_weights_from_tensor": receiver.update_weights_from_tensor,
+        "/begin_weight_update": lambda body: {"success": True},
+        "/end_weight_update": lambda body: {"success": True},
+        "/dump_received": receiver.dump_received,
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            route = routes.get(self.path)
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                answer, status = (route(body), 200) if route else ({"success": False, "message": "no route"}, 404)
+            except Exception as err:  # noqa: BLE001 (SGLang answers a failed update with success false)
+                answer, status = {"success": False, "message": f"{type(err).__name__}: {err}"}, 400
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--host", default="127.0.0.1")
+    args = parser.parse_args()
+    server = ThreadingHTTPServer((args.host, 0), _handler(Receiver(args.tp_rank)))
+    print(f"READY http://{args.host}:{server.server_address[1]}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Real actor ranks push weights into SGLang's own receiving code, and into our embedded server, byte for byte.
+
+The trainer side is our sync pipeline on Megatron ranks (gloo), driven as the controller drives it (the test plays
+the controller: it asks the stream leaders for rendezvous addresses, posts `/init_weights_update_group` with the body
+controller/weight_sync.py sends, and has the leaders join). The receiving side is either
+- tests/_sglang_receiver.py in a child process: SGLang 0.5.23's `init_custom_process_group`,
+  `FlattenedTensorBucket` and `MultiprocessingSerializer` (with `monkey_patch_torch_reductions`), from the wheel; or
+- our embedded server (mcore_rl/rollout/server.py),
+and every tensor it received is compared, every byte, with the HF export of the same ranks.
+
+Run: `.venv/bin/pytest tests/test_sglang_receiver_sync.py` (after `make setup`, which extracts SGLang's code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import torch.distributed as dist
+from _sglang_code import sglang_receiver_process
+from safetensors.torch import load_file
+from tiny_models import tiny_qwen3_moe
+
+from mcore_rl.parallel.harness import run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+MOE = tiny_qwen3_moe(vocab_size=70, initializer_range=0.5, max_position_embeddings=64, num_hidden_layers=3)
+TIMEOUT_S = 30  # a rendezvous that cannot meet fails in this time instead of SGLang's 30 min default
+
+
+def _sync_rank(rank: int, world: int, urls: list[str], transport: str, layout: dict, version: int):
+    """One sync of an actor with `layout` into the engines at `urls`; rank 0 returns the HF export of all ranks."""
+    from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
+    from mcore_rl.resharding.weight_map import export_hf_weights
+
+    actor = MegatronActor(
+        rank, world, ModelConfig(hf_config=MOE), ActorConfig(world_size=world, layout=LayoutConfig(**layout))
+    )
+    actor.initialize(("127.0.0.1", 0))  # the harness already started torch.distributed
+    actor.sync_plan(dict(num_engines=len(urls)), 1 << 14, "full")
+    if transport == "distributed":
+        # controller/weight_sync.py::connect: one group per stream, world 1 + engines x ranks, engine i at 1 + i
+        world_size = 1 + len(urls)
+        for name, (host, port) in actor.sync_addresses().items():
+            calls = []
+            for i, url in enumerate(urls):
+                body = {"master_address": host, "master_port": port, "rank_offset": 1 + i, "world_size": world_size,
+                        "group_name": name, "backend": "gloo", "timeout_s": TIMEOUT_S}  # fmt: skip
+                calls.append(
+                    threading.Thread(
+                        target=requests.post,
+                        args=(url + "/init_weights_update_group",),
+                        kwargs={"json": body, "timeout": TIMEOUT_S + 10},
+                    )
+                )
+                calls[-1].start()
+            actor.sync_join(name, host, port, world_size, "gloo", TIMEOUT_S)
+            for call in calls:
+                call.join()
+        dist.barrier()
+    actor.sync_send(version, transport, urls, None, None, 1, TIMEOUT_S)
+    reference = {
+        n: t.clone()
+        for n, t in export_hf_weights(actor.chunks, actor.contexts, actor.weight_map, actor.pg.tp, actor.pg.expt_tp)
+    }
+    parts = [None] * world
+    dist.all_gather_object(parts, reference)
+    return {k: v for p in parts for k, v in p.items()} if rank == 0 else None
+
+
+class SGLangReceivers:
+    """Engines that receive with SGLang's code, one child process each."""
+
+    def __init__(self, count: int, tmp_path: Path) -> None:
+        self._stack = contextlib.ExitStack()
+        self.urls = [self._stack.enter_context(sglang_receiver_process()) for _ in range(count)]
+        self._tmp = tmp_path
+
+    def received(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
+        path = self._tmp / f"received-{i}.safetensors"
+        answer = requests.post(self.urls[i] + "/dump_received", json={"path": str(path)}, timeout=60).json()
+        return load_file(path), answer["arrivals"]
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+class EmbeddedServers:
+    """Our embedded server (in-process threads); what it received is its model's HF state."""
+
+    def __init__(self, count: int, tmp_path: Path) -> None:
+        from mcore_rl.rollout.server import ServerThread, build_server
+
+        self.threads = [ServerThread(build_server(dict(MOE), init_seed=99 + i)) for i in range(count)]
+        self.urls = [t.url for t in self.threads]
+
+    def received(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, int] | None]:
+        return self.threads[i].server.engine.state_dict_hf(), None
+
+    def close(self) -> None:
+        for thread in self.threads:
+            thread.stop()
+
+
+@pytest.fixture(params=["sglang", "embedded"])
+def engines(request, tmp_path):
+    kind = SGLangReceivers if request.param == "sglang" else EmbeddedServers
+    made: list = []
+
+    def make(count: int):
+        made.append(kind(count, tmp_path))
+        return made[-1]
+
+    yield make
+    for engine_set in made:
+        engine_set.close()
+
+
+def _check(engine_set, count: int, reference: dict[str, torch.Tensor]) -> None:
+    for i in range(count):
+        got, arrivals = engine_set.received(i)
+        if arrivals is not None:  # SGLang's receiver counts: every tensor of the export arrived exactly once
+            assert arrivals == {name: 1 for name in reference}, f"engine {i}"
+        missing = sorted(set(reference) - set(got))
+        assert not missing, f"engine {i} never received {missing[:5]}"
+        for name, tensor in reference.items():
+            mine = got[name]
+            assert mine.dtype == tensor.dtype and mine.shape == tensor.shape, (name, mine.dtype, tensor.dtype)
+            assert torch.equal(mine.view(torch.uint8), tensor.contiguous().view(torch.uint8)), f"engine {i}: {name}"
+
+
+LAYOUTS = [("ep2", dict(ep=2), 2), ("tp2", dict(tp=2, sequence_parallel=True), 2)]
+
+
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+@pytest.mark.parametrize("name, layout, world", LAYOUTS, ids=[c[0] for c in LAYOUTS])
+def test_every_byte_arrives(engines, transport, name, layout, world) -> None:
+    """One engine: the rendezvous meets (distributed) or the payload opens (tensor), and every byte is the export's."""
+    engine_set = engines(1)
+    for url in engine_set.urls:
+        assert requests.post(url + "/begin_weight_update", json={}, timeout=30).status_code == 200
+    reference = run_on_ranks(_sync_rank, world, (engine_set.urls, transport, layout, 3))[0]
+    for url in engine_set.urls:
+        assert requests.post(url + "/end_weight_update", json={}, timeout=30).status_code == 200
+    _check(engine_set, 1, reference)
+
+
+def test_two_engines_join_at_their_rank_offsets(engines) -> None:
+    """Two engines in one group (ranks 1 and 2 of 3, as controller/weight_sync.py offsets them) both get every byte."""
+    engine_set = engines(2)
+    for url in engine_set.urls:
+        assert requests.post(url + "/begin_weight_update", json={}, timeout=30).status_code == 200
+    reference = run_on_ranks(_sync_rank, 1, (engine_set.urls, "distributed", {}, 3))[0]
+    for url in engine_set.urls:
+        assert requests.post(url + "/end_weight_update", json={}, timeout=30).status_code == 200
+    _check(engine_set, 2, reference)
