@@ -263,7 +263,11 @@ def test_refused_bucket_keeps_old_weights_and_version(server, bucket, message) -
 def test_update_without_begin_is_refused(server) -> None:
     body = {"serialized_named_tensors": [encode_payload(source_weights(1)[:1], None)]}
     answer = post(server, "/update_weights_from_tensor", body)
-    assert answer.status_code == 400 and "call /begin_weight_update first" in answer.json()["message"]
+    assert answer.status_code == 400
+    assert (
+        answer.json()["message"]
+        == "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+    )
     assert post(server, "/end_weight_update").status_code == 400
 
 
@@ -346,7 +350,9 @@ def test_pause_modes(server, mode) -> None:
         time.sleep(0.2)
         assert not out, "a paused request makes no progress"
         flush = requests.get(server.url + "/flush_cache", headers=AUTH)
-        assert flush.status_code == 400  # requests are in flight (running or retracted to the queue)
+        # as SGLang's is_fully_idle(ignore_waiting=paused): a request paused in place still runs (400); one that a
+        # retract put back in the queue does not count (200)
+        assert flush.status_code == (400 if mode == "in_place" else 200), flush.text
     assert post(server, "/continue_generation").status_code == 200
     thread.join(timeout=30)
     if mode != "abort":

@@ -14,6 +14,7 @@ GenerateResponse, GenerateMetaInfo); tests decode what we produce with those ver
 from __future__ import annotations
 
 import base64
+import math
 import time
 import uuid
 from collections.abc import Callable
@@ -25,6 +26,14 @@ from mcore_rl.rollout.scheduler import GenParams, Sequence
 
 class BadRequest(ValueError):
     """A request the server answers with HTTP 400; the message names the key and what was expected."""
+
+
+#: SGLang's `_SAMPLING_EPS` (srt/sampling/sampling_params.py): a temperature below it samples greedily.
+GREEDY_BELOW = 1e-6
+#: SGLang's MAX_STOP_COUNT: stop strings per request.
+MAX_STOP_COUNT = 32
+#: SGLang's range of sampling_seed (a signed 64-bit integer).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 #: SamplingParams keys we implement.
@@ -81,9 +90,25 @@ def _float(params: dict, key: str, default: float, ok: Callable[[float], bool], 
     value = params.get(key, default)
     if value is None:
         return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not ok(float(value)):
+    # JSON's Infinity/NaN (Python's json reads them) and integers too large for a float are refused too
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise BadRequest(f"sampling_params.{key}={value!r} is invalid: expected {expected}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or not ok(number):
+        raise BadRequest(f"sampling_params.{key}={value!r} is invalid: expected {expected}")
+    return number
+
+
+def _bool(body: dict, key: str, default: bool, prefix: str = "") -> bool:
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(f"{prefix}{key}={value!r} is invalid: expected true or false")
+    return value
 
 
 def parse_sampling_params(params: Any, vocab_size: int) -> tuple[GenParams, int, dict[str, bool]]:
@@ -103,25 +128,36 @@ def parse_sampling_params(params: Any, vocab_size: int) -> tuple[GenParams, int,
                 )
             continue
         raise BadRequest(f"unknown sampling_params key {key!r}; expected one of {sorted(SAMPLING_KEYS)}")
-    stop = params.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) and s for s in stop):
+    stop = params.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"sampling_params.stop={params.get('stop')!r} is invalid: expected a string or strings")
-    stop_ids = params.get("stop_token_ids") or ()
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in stop_ids):
-        raise BadRequest(f"sampling_params.stop_token_ids={stop_ids!r}: expected token ids in [0, {vocab_size})")
+    if len(stop) > MAX_STOP_COUNT:
+        raise BadRequest(f"sampling_params.stop has {len(stop)} strings: at most {MAX_STOP_COUNT} are allowed")
+    stop_ids = params.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids
+    ):
+        raise BadRequest(
+            f"sampling_params.stop_token_ids={params.get('stop_token_ids')!r} is invalid: expected a list of token "
+            f"ids in [0, {vocab_size})"
+        )
     top_k = _int(params, "top_k", -1)
     if top_k == 0 or top_k < -1:
         raise BadRequest(f"sampling_params.top_k={top_k} is invalid: expected -1 (off) or an integer >= 1")
     seed = params.get("sampling_seed")
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise BadRequest(f"sampling_params.sampling_seed={seed!r} is invalid: expected an integer")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX):
+        raise BadRequest(
+            f"sampling_params.sampling_seed={seed!r} is invalid: expected an integer in [-2**63, 2**63 - 1]"
+        )
     for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
-        if not isinstance(params.get(key, False), bool):
-            raise BadRequest(f"sampling_params.{key}={params[key]!r} is invalid: expected true or false")
+        _bool(params, key, False, "sampling_params.")
+    temperature = _float(params, "temperature", 1.0, lambda v: v >= 0, "a finite number >= 0 (0 = greedy)")
+    if temperature < GREEDY_BELOW:  # as SGLang: below 1e-6 is greedy (1/temperature would overflow the logits)
+        temperature = 0.0
     gen = GenParams(
         max_new_tokens=_int(params, "max_new_tokens", 128, low=0),  # 0: prompt logprobs only (scoring)
-        temperature=_float(params, "temperature", 1.0, lambda v: v >= 0, ">= 0 (0 = greedy)"),
+        temperature=temperature,
         top_p=_float(params, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
         top_k=top_k,
         min_p=_float(params, "min_p", 0.0, lambda v: 0 <= v <= 1, "in [0, 1]"),
@@ -136,9 +172,20 @@ def parse_sampling_params(params: Any, vocab_size: int) -> tuple[GenParams, int,
 
 
 def parse_generate(
-    body: Any, *, vocab_size: int, context_length: int, encode: Callable[[str], list[int]] | None
+    body: Any,
+    *,
+    vocab_size: int,
+    context_length: int,
+    encode: Callable[[str], list[int]] | None,
+    max_running_requests: int | None = None,
+    max_queued_requests: int | None = None,
 ) -> tuple[list[Sequence], bool, bool]:
-    """A /generate body -> (sequences in output order, whether the answer is a list, stream)."""
+    """A /generate body -> (sequences in output order, whether the answer is a list, stream).
+
+    Bounds (each refusal names the server flag that raises it): `n` <= `max_running_requests` (the samples of one
+    prompt run together), prompt + `max_new_tokens` <= `context_length` (SGLang's own check), so one prompt costs at
+    most `max_running_requests x context_length` tokens; a request's sequences (prompts x n) <=
+    `max_queued_requests`."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     for key, value in body.items():
@@ -151,6 +198,9 @@ def parse_generate(
         raise BadRequest(f"unknown request key {key!r}; expected one of {sorted(REQUEST_KEYS)}")
     if (body.get("input_ids") is None) == (body.get("text") is None):
         raise BadRequest("give exactly one of input_ids (token ids) and text")
+    stream = _bool(body, "stream", False)
+    routed = _bool(body, "return_routed_experts", False)
+    _bool(body, "return_text_in_logprobs", False)
     if body.get("top_logprobs_num") not in (None, 0):
         raise BadRequest("top_logprobs_num is not supported by the embedded server (leave it unset or 0)")
     if body.get("input_ids") is not None:
@@ -165,6 +215,9 @@ def parse_generate(
             raise BadRequest("text prompts need a tokenizer; this server was started without one (send input_ids)")
         texts = body["text"]
         batched = isinstance(texts, list)
+        for i, text in enumerate(texts if batched else [texts]):
+            if not isinstance(text, str):
+                raise BadRequest(f"text[{i}] is a {type(text).__name__}, expected a string")
         prompts = [encode(t) for t in (texts if batched else [texts])]
     for i, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
@@ -178,14 +231,37 @@ def parse_generate(
     count = len(prompts)
     all_params = _per_prompt(body.get("sampling_params"), count, "sampling_params", lambda v: False)
     shared_params = not isinstance(body.get("sampling_params"), list)
-    want_logprob = _per_prompt(body.get("return_logprob", False), count, "return_logprob", lambda v: False)
+    want_logprob = _per_prompt(body.get("return_logprob") or False, count, "return_logprob", lambda v: False)
     start_len = _per_prompt(body.get("logprob_start_len", -1), count, "logprob_start_len", lambda v: False)
     rids = _per_prompt(body.get("rid"), count, "rid", lambda v: False)
-    routed = bool(body.get("return_routed_experts", False))
+    for i, rid in enumerate(rids):  # /abort_request matches rids as strings
+        if rid is not None and not isinstance(rid, str):
+            raise BadRequest(f"rid={body.get('rid')!r} is invalid: expected a string (or one string per prompt)")
+        if not isinstance(want_logprob[i], bool):
+            raise BadRequest(f"return_logprob={body.get('return_logprob')!r} is invalid: expected true or false")
     routed_start = body.get("routed_experts_start_len", 0)
     seqs: list[Sequence] = []
     for i, prompt in enumerate(prompts):
         gen, n, text_opts = parse_sampling_params(all_params[i], vocab_size)
+        if max_running_requests is not None and n > max_running_requests:
+            raise BadRequest(
+                f"sampling_params.n={n} is more than the {max_running_requests} sequences this server runs at once "
+                "(raise it with --max-running-requests)"
+            )
+        if isinstance(all_params[i], dict) and all_params[i].get("max_new_tokens") is not None:
+            total = len(prompt) + gen.max_new_tokens
+            if total > context_length:  # SGLang's check (tokenizer_manager._validate_one_request)
+                raise BadRequest(
+                    f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+                    f"You requested a total of {total} tokens: {len(prompt)} tokens from the input messages and "
+                    f"{gen.max_new_tokens} tokens for the completion (sampling_params.max_new_tokens; the server's "
+                    "--context-length)"
+                )
+        if max_queued_requests is not None and len(seqs) + n > max_queued_requests:
+            raise BadRequest(
+                f"this request holds more than {max_queued_requests} sequences (prompts x sampling_params.n), the "
+                "most this server queues (raise it with --max-queued-requests)"
+            )
         if not isinstance(start_len[i], int) or start_len[i] < -1 or start_len[i] >= len(prompt):
             raise BadRequest(f"logprob_start_len={start_len[i]!r}: expected -1 (none) or an index into the prompt")
         if not isinstance(routed_start, int) or not 0 <= routed_start <= len(prompt):
@@ -208,7 +284,7 @@ def parse_generate(
             )
             seq.text_options = text_opts  # type: ignore[attr-defined]
             seqs.append(seq)
-    return seqs, batched or len(seqs) > 1, bool(body.get("stream", False))
+    return seqs, batched or len(seqs) > 1, stream
 
 
 def response_object(

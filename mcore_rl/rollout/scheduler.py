@@ -137,6 +137,12 @@ class ContinuousBatcher:
         self._paused = False
         self._stopped = False
         self._thread: threading.Thread | None = None
+        #: sequences taken off the waiting queue by the admission under way (not yet rows): a failing prefill must
+        #: finish them too, or their requests wait forever
+        self._admitting: list[Sequence] = []
+        #: forward passes completed (prefills and decode steps); /health reads it as SGLang's reads the time of the
+        #: scheduler's last output
+        self.progress = 0
         self.stats = {
             "prefill_tokens": 0,
             "cached_tokens": 0,
@@ -252,20 +258,34 @@ class ContinuousBatcher:
                     break
             try:
                 self.step()
-            except Exception as err:  # keep serving: fail what was in flight, reset the batch
+            except Exception as err:  # keep serving: fail what was in flight (being admitted too), reset the batch
                 log.exception("batcher step failed")
                 with self._cond:
-                    victims, self._waiting = [*self._waiting, *self._rows], deque()
+                    victims, self._waiting = [*self._admitting, *self._waiting, *self._rows], deque()
+                self._admitting = []
                 self._rows, self._cache, self._mask, self._pos, self._pending = [], None, None, None, None
+                # SGLang's FINISH_ABORT with a status code: the HTTP layer answers the request with that status
+                finish = {
+                    "type": "abort",
+                    "message": f"engine error: {type(err).__name__}: {err}",
+                    "status_code": 500,
+                    "err_type": "InternalServerError",
+                }
                 for seq in victims:
-                    self._finish(seq, {"type": "abort", "message": f"engine error: {err}"})
+                    if seq.finish is None:
+                        self._finish(seq, dict(finish))
+                    elif seq.on_event is not None:  # finished by the failed step, maybe before it told anyone
+                        seq.on_event(seq)
 
     def step(self) -> None:
         """One scheduling step: pending controls, then (unless paused) admit waiting sequences and decode once."""
         self._run_controls()
         if self._paused:
             return
-        self._admit()
+        try:
+            self._admit()
+        finally:
+            self._admitting = []
         if self._rows:
             self._decode()
 
@@ -290,6 +310,7 @@ class ContinuousBatcher:
                 seq = self._waiting.popleft()
                 if seq.finish is None:
                     new.append(seq)
+            self._admitting = new
         if not new:
             return
         # One prefill per distinct input: the n samples of a prompt (and identical prompts) share it.
@@ -324,6 +345,7 @@ class ContinuousBatcher:
                 seq.routed = routed[row, width - length :].clone()
             if full and seq.return_logprob and seq.logprob_start_len >= 0 and not seq.output_ids:
                 seq.input_logprobs = self._input_logprobs(seq, out.logits[row, width - length :])
+        self.progress += 1
         self.stats["prefill_tokens"] += sum(len(t) for t in unique)
         self.stats["num_prefills"] += 1  # prefill forwards: one per admission of waiting sequences
         self.stats["cached_tokens"] += sum(s.cached_tokens for s in new)
@@ -364,6 +386,7 @@ class ContinuousBatcher:
             for row, seq in enumerate(self._rows):
                 if seq.return_routed_experts and seq.routed is not None:
                     seq.routed = torch.cat([seq.routed, routed[row]])
+        self.progress += 1
         self.stats["decode_steps"] += 1
         self._sample_and_append(out.logits[:, -1], 0)
 

@@ -1,21 +1,23 @@
 """The embedded rollout server: SGLang's HTTP API over the transformers engine, with continuous batching.
 
     python -m mcore_rl.rollout.server --model DIR | --hf-config FILE [--tokenizer DIR] [--host 127.0.0.1]
-        [--port N] [--api-key K] [--dtype float32] [--max-running-requests N] [--context-length N]
+        [--port N] [--api-key K] [--dtype float32] [--max-running-requests N] [--max-queued-requests N]
+        [--context-length N] [--max-request-bytes N]
 
 Routes (SGLang 0.5.x names and JSON shapes): /generate (one request or a batch, `n` samples, logprobs, routed
 experts, SSE streaming), /health, /health_generate, /model_info, /server_info (+ the deprecated get_ names),
-/v1/loads, /abort_request, /pause_generation, /continue_generation, /flush_cache, /begin_weight_update,
-/update_weights_from_tensor, /init_weights_update_group, /update_weights_from_distributed,
-/destroy_weights_update_group, /update_weights_from_disk, /end_weight_update, /update_weight_version,
-/get_weight_version, /get_weights_by_name, /release_memory_occupation, /resume_memory_occupation.
+/v1/loads, /abort_request, /pause_generation, /continue_generation, /flush_cache, and the weight routes of
+`weight_routes.py` (/begin_weight_update ... /end_weight_update, /abort_weight_update, memory release/resume).
 
 ```
-HTTP (aiohttp event loop) --parse_generate--> Sequences --submit--> ContinuousBatcher thread --on_event--> response
+HTTP (aiohttp event loop) --read (<= --max-request-bytes)--> worker thread: JSON, tokenize, parse_generate
+    --> Sequences --submit--> ContinuousBatcher thread --on_event--> response
 weight routes --> WeightReceiver (check + stage) --end_weight_update--> commit between two decode steps
 ```
-Bad requests get 400 with a message naming the key or tensor. It binds 127.0.0.1 unless told otherwise, refuses a
-non-loopback bind without --api-key, and with a key every route but /health needs `Authorization: Bearer <key>`.
+Bad requests get 400 with a message naming the key (and, for a limit, the flag that raises it); nothing a client
+sends is parsed or tokenized on the event loop, so /health answers while a large request is refused. It binds
+127.0.0.1 unless told otherwise, refuses a non-loopback bind without --api-key, and with a key every route but
+/health needs `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import sys
 import threading
+import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any
@@ -38,7 +42,15 @@ from mcore_rl.rollout.engine import HFRolloutEngine
 from mcore_rl.rollout.protocol import BadRequest, parse_generate, response_object
 from mcore_rl.rollout.scheduler import ContinuousBatcher, GenParams, Sequence
 from mcore_rl.rollout.sglang_launcher import is_loopback
-from mcore_rl.rollout.weight_receiver import WeightReceiver, WeightUpdateError, decode_payload, read_safetensors_dir
+from mcore_rl.rollout.weight_receiver import WeightReceiver, WeightUpdateError
+from mcore_rl.rollout.weight_routes import WeightRoutes, field
+
+#: SGLang's HEALTH_CHECK_TIMEOUT (srt/entrypoints/http_server.py), read from the same variable
+HEALTH_CHECK_TIMEOUT_S = float(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
+#: a request body larger than this is refused before it is read whole (--max-request-bytes)
+DEFAULT_MAX_REQUEST_BYTES = 64 << 20
+#: sequences waiting for a batch slot, all requests together (--max-queued-requests; SGLang's is unbounded)
+DEFAULT_MAX_QUEUED_REQUESTS = 4096
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +67,11 @@ logging.getLogger("aiohttp.server").addFilter(_QuietProtocolProbes())
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _ok(message: str = "Success", **extra: Any) -> web.Response:
-    return web.json_response({"success": True, "message": message, **extra})
-
-
-def _refused(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=status)
-
-
 async def _wrap(future: Future) -> Any:
     return await asyncio.wrap_future(future)
 
 
-class EngineServer:
+class EngineServer(WeightRoutes):
     """One engine, its batcher and weight receiver, and the aiohttp application serving them."""
 
     def __init__(
@@ -77,14 +81,25 @@ class EngineServer:
         tokenizer: Any = None,
         model_path: str = "",
         max_running_requests: int = 256,
+        max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
         context_length: int | None = None,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         api_key: str | None = None,
         eos_token_ids: list[int] | None = None,
+        health_check_timeout_s: float = HEALTH_CHECK_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_path = model_path
         self.api_key = api_key
+        self.max_queued_requests = max_queued_requests
+        self.max_request_bytes = max_request_bytes
+        self.health_check_timeout_s = health_check_timeout_s
+        # The most characters one token covers (the longest vocabulary entry): a text longer than the context
+        # length times this cannot fit, and is refused without tokenizing it.
+        vocab = tokenizer.get_vocab() if tokenizer is not None else {}
+        self.max_token_chars = max((len(t) for t in vocab), default=1)
+        self._flushing = False
         eos = eos_token_ids if eos_token_ids is not None else _eos_ids(engine, tokenizer)
         self.batcher = ContinuousBatcher(
             engine,
@@ -101,6 +116,12 @@ class EngineServer:
     def _encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise BadRequest(f"text must be a string, got {type(text).__name__}")
+        most = self.batcher.context_length * self.max_token_chars
+        if len(text) > most:  # certainly too long: refused before the tokenizer spends time and memory on it
+            raise BadRequest(
+                f"text has {len(text)} characters: more than the context length ({self.batcher.context_length} "
+                f"tokens, --context-length) x the longest token ({self.max_token_chars} characters) can hold"
+            )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _decode(self, ids: Any, skip_special_tokens: bool) -> str:
@@ -113,10 +134,10 @@ class EngineServer:
     # ------------------------------------------------------------------ application
     def app(self) -> web.Application:
         """The aiohttp application with every route and the auth/JSON middleware."""
-        app = web.Application(middlewares=[self._middleware], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._middleware], client_max_size=self.max_request_bytes)
         get_post = ("GET", "POST")
         routes: list[tuple[tuple[str, ...], str, Handler]] = [
-            (("GET",), "/health", self.health),
+            (("GET",), "/health", self.health_generate),
             (("GET",), "/health_generate", self.health_generate),
             (("GET",), "/model_info", self.model_info),
             (("GET",), "/get_model_info", self.model_info),
@@ -130,6 +151,7 @@ class EngineServer:
             (("POST",), "/continue_generation", self.continue_generation),
             (get_post, "/flush_cache", self.flush_cache),
             (("POST",), "/begin_weight_update", self.begin_weight_update),
+            (("POST",), "/abort_weight_update", self.abort_weight_update),
             (("POST",), "/end_weight_update", self.end_weight_update),
             (("POST",), "/update_weights_from_tensor", self.update_weights_from_tensor),
             (("POST",), "/init_weights_update_group", self.init_weights_update_group),
@@ -162,45 +184,58 @@ class EngineServer:
         try:
             return await handler(request)
         except BadRequest as err:
-            return web.json_response({"error": {"message": str(err), "code": 400}}, status=400)
+            return _error(str(err), 400)
         except WeightUpdateError as err:
-            return _refused(str(err))
+            return web.json_response({"success": False, "message": str(err)}, status=400)
+        except RecursionError:  # a value nested too deeply for a check or a message (the JSON parse catches its own)
+            return _error("the request nests values too deeply", 400)
 
-    @staticmethod
-    async def _body(request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        """The JSON object of the request (its query for a bodyless GET), parsed off the event loop."""
         if not request.can_read_body:
             return dict(request.query)
-        raw = await request.read()
-        if not raw.strip():
-            return {}
+        if request.content_length is not None and request.content_length > self.max_request_bytes:
+            raise BadRequest(self._too_large(request.content_length))
         try:
-            body = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise BadRequest(f"malformed JSON body: {err}") from err
-        if not isinstance(body, dict):
-            raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as err:  # no Content-Length, or a body longer than it said
+            raise BadRequest(self._too_large(None)) from err
+        return await asyncio.to_thread(_parse_json_object, raw)
+
+    def _too_large(self, size: int | None) -> str:
+        got = f"{size} bytes" if size is not None else "more"
+        return f"the request body has {got}: at most {self.max_request_bytes} are accepted (--max-request-bytes)"
 
     @staticmethod
     def _field(body: dict, key: str, kind: type | tuple[type, ...], default: Any = ..., name: str = "") -> Any:
-        if key not in body or body[key] is None:
-            if default is ...:
-                raise BadRequest(f"missing field {key!r}{name}")
-            return default
-        if not isinstance(body[key], kind) or (kind is int and isinstance(body[key], bool)):
-            expected = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            raise BadRequest(f"field {key!r} is a {type(body[key]).__name__}, expected {expected}")
-        return body[key]
+        return field(body, key, kind, default, name)
+
+    async def _idle(self) -> bool:
+        """SGLang's `is_fully_idle(ignore_waiting=paused)`, read between two scheduler steps: nothing running, and
+        nothing waiting unless generation is paused (requests a retract put back in the queue do not count)."""
+        return await _wrap(
+            self.batcher.call(
+                lambda: not self.batcher.num_running and (self.batcher.paused or not self.batcher.num_waiting)
+            )
+        )
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        seqs, as_list, stream = parse_generate(
+    def _parse_generate(self, body: dict) -> tuple[list[Sequence], bool, bool]:
+        return parse_generate(
             body,
             vocab_size=self.engine.vocab_size,
             context_length=self.batcher.context_length,
             encode=self._encode if self.tokenizer is not None else None,
+            max_running_requests=self.batcher.max_running,
+            max_queued_requests=self.max_queued_requests,
         )
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        # tokenizing and checking run on a worker thread: the event loop keeps answering other requests
+        seqs, as_list, stream = await asyncio.to_thread(self._parse_generate, body)
+        if self.batcher.num_waiting + len(seqs) > self.max_queued_requests:
+            return _error("The request queue is full. (--max-queued-requests)", 503)  # SGLang's message
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[int] = asyncio.Queue()
         index = {id(seq): i for i, seq in enumerate(seqs)}
@@ -216,6 +251,9 @@ class EngineServer:
             if not stream:
                 while any(s.finish is None for s in seqs):
                     await events.get()
+                failed = next((s.finish for s in seqs if _error_status(s.finish)), None)
+                if failed is not None:  # SGLang answers a request its scheduler aborted with a status by that status
+                    return _error(failed["message"], _error_status(failed))
                 version = self._version()
                 out = [response_object(s, i, decode, text_logprobs, version) for i, s in enumerate(seqs)]
                 return web.json_response(out if as_list else out[0])
@@ -241,27 +279,38 @@ class EngineServer:
                 if seq.finish is None:
                     self.batcher.abort(seq.rid, "client disconnected")
 
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
-
     async def health_generate(self, request: web.Request) -> web.Response:
-        if self.batcher.paused or self.batcher.num_running:
-            return web.Response(status=200)  # busy or paused: alive, nothing to prove with an extra request
+        """SGLang's /health and /health_generate (the same handler there, with SGLang's default
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION): 200 once the scheduler produces any output after the probe
+        began, which a one-token request (input [0]) makes sure of when nothing else runs; 503 when nothing comes
+        within the health-check timeout, as while generation is paused or memory is released: requests wait then,
+        the probe's too."""
+        start = self.batcher.progress
         loop = asyncio.get_running_loop()
         done = asyncio.Event()
-        seq = Sequence(
-            "health_generate",
-            [0],
-            GenParams(max_new_tokens=1, temperature=0.0),
-            on_event=lambda s: s.finish is not None and loop.call_soon_threadsafe(done.set),
-        )
-        self.batcher.submit([seq])
+        probe: Sequence | None = None
+        deadline = loop.time() + self.health_check_timeout_s
         try:
-            await asyncio.wait_for(done.wait(), timeout=20)
-        except asyncio.TimeoutError:
-            self.batcher.abort(seq.rid)
+            while loop.time() < deadline:
+                if self.batcher.progress > start or (probe is not None and probe.finish is not None):
+                    return web.Response(status=200 if probe is None or not _error_status(probe.finish) else 503)
+                if probe is None and not self.batcher.paused:
+                    # SGLang's probe waits while paused and is sent once the pause ends
+                    probe = Sequence(
+                        f"HEALTH_CHECK_{uuid.uuid4().hex}",
+                        [0],
+                        GenParams(max_new_tokens=1, temperature=0.0),
+                        on_event=lambda s: s.finish is not None and loop.call_soon_threadsafe(done.set),
+                    )
+                    self.batcher.submit([probe])
+                try:  # the scheduler has no event for "progress": poll, as SGLang's handler does (every 1 s)
+                    await asyncio.wait_for(done.wait(), timeout=0.05)
+                except asyncio.TimeoutError:
+                    pass
             return web.Response(status=503)
-        return web.Response(status=200 if seq.finish.get("type") != "abort" else 503)
+        finally:
+            if probe is not None and probe.finish is None:
+                self.batcher.abort(probe.rid, "health check answered")
 
     def _version(self) -> str:
         return str(self.engine.weight_version)
@@ -319,7 +368,7 @@ class EngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await self._body(request)
-        abort_all = bool(body.get("abort_all", False))
+        abort_all = self._field(body, "abort_all", bool, False)
         rid = self._field(body, "rid", str, "")
         if not abort_all and not rid:
             raise BadRequest("give rid (a request id) or abort_all=true")
@@ -338,172 +387,64 @@ class EngineServer:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        # No prefix cache outlives a request here; like SGLang, refuse while requests are in flight.
-        busy = self.batcher.num_running + self.batcher.num_waiting
-        if busy:
-            return web.Response(status=400, text=f"Cache not flushed: {busy} requests are running or waiting.\n")
-        return web.Response(status=200, text="Cache flushed.\n")
-
-    # ------------------------------------------------------------------ weights
-    async def begin_weight_update(self, request: web.Request) -> web.Response:
-        await self._body(request)
-        return _ok(await asyncio.to_thread(self.receiver.begin))  # waits for a dropped session's copies
-
-    async def _stage(self, body: dict, named_fn: Callable[[], list[tuple[str, torch.Tensor]]]) -> web.Response:
-        version = self._field(body, "weight_version", (str, int), None)
-        if not self.receiver.session_open:
-            raise WeightUpdateError("no weight update session: call /begin_weight_update first")
-
-        def stage() -> int:
-            try:
-                named = named_fn()
-            except Exception as err:  # a payload that cannot be read spoils the session like a refused tensor
-                self.receiver.fail(str(err))
-                raise WeightUpdateError(f"bucket refused, old weights kept: {err}") from err
-            return self.receiver.stage(named, version)
-
-        count = await asyncio.to_thread(stage)
-        if body.get("abort_all_requests"):
-            await _wrap(self.batcher.abort(None, "aborted for a weight update"))
-        return _ok(f"staged {count} tensors")
-
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        payloads = self._field(body, "serialized_named_tensors", list)
-        if not payloads or not isinstance(payloads[0], (str, bytes)):
-            raise BadRequest("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
-        load_format = self._field(body, "load_format", str, None)
-        # One TP rank here: SGLang's rank r reads element r, so this server reads element 0.
-        return await self._stage(body, lambda: decode_payload(payloads[0], load_format))
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        from mcore_rl.parallel.update_group import new_update_group
-
-        body = await self._body(request)
-        address = self._field(body, "master_address", str)
-        port = self._field(body, "master_port", int)
-        rank = self._field(body, "rank_offset", int)
-        world = self._field(body, "world_size", int)
-        name = self._field(body, "group_name", str, "weight_update_group")
-        backend = self._field(body, "backend", str, "nccl")
-        # not in SGLang's request: how long a broadcast of this group may wait for its sender (a dead sender's
-        # bucket fails after it, and the session with it)
-        timeout_s = float(self._field(body, "timeout_s", (int, float), 300.0))
-        if backend == "nccl" and self.engine.device.type != "cuda":
-            backend = "gloo"  # this engine holds CPU tensors; gloo is the CPU broadcast backend
+        """SGLang's /flush_cache: 200 when the scheduler is idle (requests that a pause retracted to the queue do
+        not count), else 400; with `?timeout=S` it waits up to S seconds for idle. There is no prefix cache here
+        to drop (no KV outlives its request), so a flush is the idle check only."""
+        raw = request.query.get("timeout", "0")
         try:
-            group = await asyncio.to_thread(new_update_group, backend, address, port, rank, world, name, timeout_s)
-        except (ValueError, RuntimeError) as err:
-            return _refused(f"could not join update group {name!r} at {address}:{port}: {err}")
-        self.receiver.groups[name] = group
-        return _ok(f"joined update group {name!r} as rank {rank} of {world} ({backend})")
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        name = self._field(await self._body(request), "group_name", str, "weight_update_group")
-        if self.receiver.groups.pop(name, None) is None:
-            return _refused(f"no update group {name!r}")
-        return _ok(f"left update group {name!r}")
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        names = self._field(body, "names", list)
-        dtypes = self._field(body, "dtypes", list)
-        shapes = self._field(body, "shapes", list)
-        group = self._field(body, "group_name", str, "weight_update_group")
-        load_format = self._field(body, "load_format", str, None)
-        if not self.receiver.session_open:  # refuse before joining the broadcast: the sender will time out
-            raise WeightUpdateError("no weight update session: call /begin_weight_update first")
-        return await self._stage(
-            body, lambda: self.receiver.receive_distributed(names, dtypes, shapes, group, load_format)
+            timeout = float(raw)
+        except ValueError:
+            timeout = -1.0
+        if not math.isfinite(timeout) or timeout < 0:
+            raise BadRequest(f"timeout={raw!r} is invalid: expected a number of seconds >= 0")
+        if self._flushing:
+            return web.Response(status=400, text="Another flush_cache is already in progress.")
+        self._flushing = True
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            idle = await self._idle()
+            while not idle and timeout > 0 and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+                idle = await self._idle()
+        finally:
+            self._flushing = False
+        if idle:
+            return web.Response(
+                status=200,
+                text="Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+                "requests, the operation will not be performed.)\n",
+            )
+        return web.Response(
+            status=400, text="Timed out waiting for idle state." if timeout > 0 else "Flush cache failed.\n"
         )
 
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        path = self._field(body, "model_path", str)
-        if self.receiver.session_open:
-            return await self._stage(body, lambda: read_safetensors_dir(path))
-        self.receiver.begin()  # outside a session a disk update is its own session, committed at once
-        try:
-            await self._stage(body, lambda: read_safetensors_dir(path))
-        except WeightUpdateError:
-            self.receiver.discard()
-            raise
-        return await self._commit()
 
-    async def end_weight_update(self, request: web.Request) -> web.Response:
-        await self._body(request)
-        return await self._commit()
+def _parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body -> its JSON object; BadRequest for anything else (bad UTF-8, bad JSON, nesting too deep)."""
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"the request body is not valid UTF-8 JSON: {err}") from err
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"malformed JSON body: {err}") from err
+    except RecursionError as err:
+        raise BadRequest("malformed JSON body: values nested too deeply") from err
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
 
-    async def _commit(self) -> web.Response:
-        staged = await asyncio.to_thread(self.receiver.take_commit)  # waits for buckets still being copied
 
-        def commit() -> None:
-            staged.apply()
-            if staged.version is not None:
-                self.engine.weight_version = staged.version
+def _error(message: str, status: int) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}}, status=status)
 
-        await _wrap(self.batcher.call(commit))
-        return _ok(f"committed {staged.count} tensors", weight_version=self._version())
 
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        version = str(self._field(body, "new_version", (str, int)))
-        if body.get("abort_all_requests", True):
-            await _wrap(self.batcher.abort(None, "aborted for a weight version update"))
-        await _wrap(self.batcher.call(lambda: setattr(self.engine, "weight_version", version)))
-        return _ok(f"Weight version updated to {version}", new_version=version)
-
-    async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        name = self._field(body, "name", str)
-        size = int(self._field(body, "truncate_size", (int, str), 100))
-        tensor = self.engine.state_dict_hf().get(name)
-        if tensor is None:
-            raise BadRequest(f"unknown tensor {name!r}: expected an HF checkpoint name of this model")
-        return web.json_response(tensor[:size].float().tolist())
-
-    def _tags(self, body: dict) -> set[str]:
-        tags = self._field(body, "tags", list, ["weights", "kv_cache"])
-        unknown = set(tags) - {"weights", "kv_cache", "cuda_graph"}
-        if unknown:
-            raise BadRequest(f"unknown memory tags {sorted(unknown)}; expected weights, kv_cache, cuda_graph")
-        return set(tags)
-
-    async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = self._tags(await self._body(request))
-        if self.batcher.num_running + self.batcher.num_waiting:
-            return _refused("requests are in flight: pause generation (mode abort or retract) before releasing memory")
-
-        def release() -> None:
-            if "weights" in tags and not self._released:
-                self.receiver.release()  # the staging and receive buffers kept for the next update go too
-                for name, param in self.engine.model.named_parameters():
-                    self._released[name] = param.shape
-                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            if "kv_cache" in tags:
-                self._kv_released = True
-            if self._released or self._kv_released:
-                self.batcher._paused = True  # nothing runs on released memory; requests wait for resume
-
-        await _wrap(self.batcher.call(release))
-        return _ok(f"released {sorted(tags)}")
-
-    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = self._tags(await self._body(request))
-
-        def resume() -> None:
-            if "weights" in tags and self._released:
-                # The values are gone (as with SGLang's memory saver): the next weight update refills them.
-                for name, param in self.engine.model.named_parameters():
-                    param.data = torch.zeros(self._released[name], dtype=param.dtype, device=param.device)
-                self._released.clear()
-            if "kv_cache" in tags:
-                self._kv_released = False
-            if not self._released and not self._kv_released:
-                self.batcher._paused = False
-
-        await _wrap(self.batcher.call(resume))
-        return _ok(f"resumed {sorted(tags)}")
+def _error_status(finish: dict[str, Any] | None) -> int:
+    """The HTTP status of an abort that carries one (SGLang's FINISH_ABORT.status_code, 400..599), else 0."""
+    status = (finish or {}).get("status_code")
+    return status if finish and finish.get("type") == "abort" and isinstance(status, int) and 400 <= status < 600 else 0
 
 
 def _eos_ids(engine: HFRolloutEngine, tokenizer: Any) -> list[int]:
@@ -551,6 +492,9 @@ def build_server(
     api_key: str | None = None,
     weight_version: str = "default",
     init_seed: int = 0,
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    health_check_timeout_s: float = HEALTH_CHECK_TIMEOUT_S,
 ) -> EngineServer:
     """An EngineServer for a checkpoint dir or an HF config dict (random weights; a sync fills them)."""
     engine = HFRolloutEngine(model, dtype=dtype, device=device, init_seed=init_seed)
@@ -572,8 +516,11 @@ def build_server(
         tokenizer=tok,
         model_path=model if isinstance(model, str) else "",
         max_running_requests=max_running_requests,
+        max_queued_requests=max_queued_requests,
         context_length=context_length,
+        max_request_bytes=max_request_bytes,
         api_key=api_key,
+        health_check_timeout_s=health_check_timeout_s,
     )
 
 
@@ -589,12 +536,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument(
+        "--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, help="sequences waiting, in all"
+    )
     parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
     parser.add_argument("--weight-version", default="default")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if args.max_running_requests < 1:
-        parser.error(f"--max-running-requests {args.max_running_requests} is invalid: expected an integer >= 1")
+    for flag in ("max_running_requests", "max_queued_requests", "max_request_bytes"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: expected an integer >= 1")
     if not is_loopback(args.host) and not args.api_key:
         parser.error(f"--host {args.host} is not a loopback address: binding it needs --api-key")
     try:
@@ -619,6 +571,8 @@ def main(argv: list[str] | None = None) -> None:
             context_length=args.context_length,
             api_key=args.api_key,
             weight_version=args.weight_version,
+            max_queued_requests=args.max_queued_requests,
+            max_request_bytes=args.max_request_bytes,
         )
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

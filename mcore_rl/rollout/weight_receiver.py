@@ -1,7 +1,7 @@
 """The receiving end of weight sync inside the embedded server: payload decoding, staging and the atomic commit.
 
 ```
-/begin_weight_update                      open a session (a session left open by a dead sender is discarded)
+/begin_weight_update                      open a session; refused while one is open (as SGLang 0.5.23 refuses it)
 /update_weights_from_tensor | _distributed | _disk
     payload -> named tensors -> every name/shape checked against the model -> copied into the parameter's shadow
     (a tensor shaped like the parameter; not yet visible)
@@ -9,6 +9,8 @@
                                           swaps storage with its shadow, a partly written one has those regions
                                           copied in; weight_version set. A session with a refused bucket commits
                                           nothing (old weights and version stay)
+/abort_weight_update                      (ours, not SGLang's) drop the open session without committing: how the
+                                          controller frees an engine whose sender died mid-push
 ```
 The shadows cost up to one model's bytes on the engine and buy atomicity without stopping generation while buckets
 stream in: requests keep decoding on the old weights until the commit, and no token mixes versions. The commit moves
@@ -42,6 +44,11 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 
 class WeightUpdateError(ValueError):
     """A refused weight update; the server answers 400 with `{"success": false, "message": ...}`."""
+
+
+# SGLang 0.5.23's messages (srt/managers/scheduler_components/weight_updater.py), which clients may match
+NO_SECOND_SESSION = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
 
 
 def decode_payload(payload: str | bytes, load_format: str | None) -> NamedTensors:
@@ -195,12 +202,24 @@ class WeightReceiver:
         return 0 if session is None else len(session.names)
 
     def begin(self) -> str:
+        """Open a session; WeightUpdateError while one is open (SGLang's message), so a second sender can neither
+        drop the first one's session nor have its tensors committed by the first one's end_weight_update."""
         with self._lock:
-            dropped = "" if self._session is None else f" (discarded an unfinished session of {self.staged_count})"
-            self._end_session()
+            if self._session is not None:
+                raise WeightUpdateError(NO_SECOND_SESSION)
             self._session = _Session()
             self._mapped_last, self._mapped = self._mapped, {}  # what neither this session nor the last used goes
-        return "weight update session opened" + dropped
+        return "Success"
+
+    def abort(self) -> str:
+        """Drop the open session without committing (after its running copies end); WeightUpdateError if none is
+        open. The staged tensors are discarded and the shadows kept for the next session."""
+        with self._lock:
+            if self._session is None:
+                raise WeightUpdateError(NO_SESSION)
+            count = len(self._session.names)
+            self._end_session()
+        return f"weight update session aborted: {count} staged tensors discarded, weights and version unchanged"
 
     def _shadow(self, key: str) -> torch.Tensor:  # with the lock held
         live = self.engine.parameter(key)
@@ -217,7 +236,7 @@ class WeightReceiver:
         with self._lock:
             session = self._session
             if session is None:
-                raise WeightUpdateError("no weight update session: call /begin_weight_update first")
+                raise WeightUpdateError(NO_SESSION)
             if session.failed is not None:
                 raise WeightUpdateError(f"this session already had a refused bucket ({session.failed}); begin again")
             named_in, named = named, list(named)
@@ -279,7 +298,7 @@ class WeightReceiver:
             session = self._session
             self._end_session()
             if session is None:
-                raise WeightUpdateError("no weight update session: call /begin_weight_update first")
+                raise WeightUpdateError(NO_SESSION)
             if session.failed is not None:
                 raise WeightUpdateError(f"a bucket of this session was refused ({session.failed}); nothing committed")
             shadows = {key: self._shadows.pop(key, None) for key in session.written}
