@@ -21,8 +21,10 @@ import pytest
 from mcore_rl.config import SGLangConfig
 from mcore_rl.rollout.sglang_launcher import (
     _OWNED_FLAGS,
+    FP8_QUANTIZATION_CONFIG,
     SGLangServerActor,
     build_launch_command,
+    engine_model_dir,
     sglang_unavailable_reason,
 )
 
@@ -171,6 +173,8 @@ def test_every_emitted_flag_exists_in_sglang(sglang_flags: set[str]) -> None:
             max_running_requests=8,
             context_length=64,
             dist_init_addr="10.0.0.1:5000",
+            return_routed_experts=True,
+            fp8=True,
         )
         emitted |= {arg for arg in cmd if arg.startswith("--")}
     assert emitted - sglang_flags == set()
@@ -324,3 +328,40 @@ def test_real_sglang_server_serves_health_and_generate(tmp_path: Path) -> None:
     finally:
         actor.stop()
     assert _wait_gone(actor.pid())
+
+
+def test_r3_asks_sglang_for_routed_experts() -> None:
+    """Without --enable-return-routed-experts SGLang answers no routed_experts (R3 routing replay needs them)."""
+    assert "--enable-return-routed-experts" in _launch(SGLangConfig(), return_routed_experts=True)
+    assert "--enable-return-routed-experts" not in _launch(SGLangConfig())
+
+
+def test_fp8_engine_declares_blockwise_fp8(tmp_path: Path) -> None:
+    """sync.fp8 sends 128x128-blockwise e4m3 + weight_scale_inv: the engine must build FP8 parameters for them."""
+    assert _flags(_launch(SGLangConfig(), fp8=True))["--quantization"] == "fp8"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 2}))
+    (ckpt / "tokenizer.json").write_text("{}")
+    assert engine_model_dir(str(ckpt), str(tmp_path / "engine")) == str(ckpt), "nothing to change: used as it is"
+    out = Path(engine_model_dir(str(ckpt), str(tmp_path / "engine"), fp8=True))
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"] == FP8_QUANTIZATION_CONFIG
+    assert config["quantization_config"]["weight_block_size"] == [128, 128] and config["num_hidden_layers"] == 2
+    assert (out / "tokenizer.json").resolve() == (ckpt / "tokenizer.json").resolve()
+    assert "quantization_config" not in json.loads((ckpt / "config.json").read_text()), "the checkpoint is untouched"
+    from_dict = Path(engine_model_dir({"model_type": "qwen3_moe"}, str(tmp_path / "d"), fp8=False))
+    assert json.loads((from_dict / "config.json").read_text()) == {"model_type": "qwen3_moe"}
+
+
+def test_engine_on_a_multi_node_cluster_binds_the_node_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a multi-node Ray cluster the router and the actor ranks may be elsewhere: loopback would reach their own
+    node. The node's address needs the API key."""
+    import mcore_rl.rollout.sglang_launcher as launcher
+
+    monkeypatch.setattr(launcher, "_node_ip", lambda: "10.1.2.3")
+    actor = SGLangServerActor(SGLangConfig(), "/ckpt/hf", "bfloat16", "key", None, None, bind_node_ip=True)
+    assert actor.host == "10.1.2.3"
+    assert SGLangServerActor(SGLangConfig(), "/ckpt/hf", "bfloat16", None, None, None).host == "127.0.0.1"
+    with pytest.raises(ValueError, match="api_key is required"):
+        SGLangServerActor(SGLangConfig(), "/ckpt/hf", "bfloat16", None, None, None, bind_node_ip=True)

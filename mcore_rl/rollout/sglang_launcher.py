@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -35,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from typing import Any
 
 from mcore_rl.config import SGLangConfig
 from mcore_rl.parallel.groups import free_port
@@ -76,6 +78,18 @@ _OWNED_FLAGS: dict[str, str] = {
     "--node-rank": "--node-rank",
     "--dist-init-addr": "--dist-init-addr",
     "--nccl-init-addr": "--dist-init-addr",
+    "--enable-return-routed-experts": "--enable-return-routed-experts",
+    "--quantization": "--quantization",
+}
+
+#: what an engine's config.json declares when sync.fp8 sends 128x128-blockwise e4m3 weights + weight_scale_inv (the
+#: layout of DeepSeek-V3's and Qwen3's FP8 checkpoints; SGLang's Fp8Config reads it and builds e4m3 parameters with
+#: a scale per block, so the pushed bytes land in FP8 parameters, not in bf16 ones)
+FP8_QUANTIZATION_CONFIG: dict[str, object] = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
 }
 
 _HEALTH_POLL_S = 1.0  # between /health attempts while the server loads weights and captures CUDA graphs
@@ -104,10 +118,16 @@ def build_launch_command(
     context_length: int | None = None,
     node_rank: int = 0,
     dist_init_addr: str | None = None,
+    return_routed_experts: bool = False,
+    fp8: bool = False,
     python: str = sys.executable,
     entry: Sequence[str] = SGLANG_ENTRY,
 ) -> list[str]:
     """The argv that starts node `node_rank` of one SGLang engine: `[python, *entry, --model-path, ..., *extra_args]`.
+
+    `return_routed_experts` (R3 routing replay) adds `--enable-return-routed-experts` (without it SGLang answers no
+    `routed_experts`); `fp8` adds `--quantization fp8`, and the model directory's config.json must then declare
+    `FP8_QUANTIZATION_CONFIG` (`engine_model_dir` writes it).
 
     DP attention uses SGLang 0.5.23's `--attn-dp-size N` (its replacement for the deprecated
     `--dp-size N --enable-dp-attention`; `--dp-size` alone now means N whole replicas). Raises ValueError naming the
@@ -143,6 +163,10 @@ def build_launch_command(
         cmd += ["--max-running-requests", str(max_running_requests)]
     if context_length is not None:
         cmd += ["--context-length", str(context_length)]
+    if return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    if fp8:
+        cmd += ["--quantization", "fp8"]
     if cfg.nnodes > 1:
         cmd += ["--nnodes", str(cfg.nnodes), "--node-rank", str(node_rank), "--dist-init-addr", str(dist_init_addr)]
 
@@ -154,6 +178,32 @@ def build_launch_command(
                 f"(as {_OWNED_FLAGS[flag]}) from rollout.sglang and the model/rollout config; set it there instead"
             )
     return cmd + list(cfg.extra_args)
+
+
+def engine_model_dir(model: str | dict[str, Any], out_dir: str, fp8: bool = False) -> str:
+    """The directory an SGLang engine loads: `model` itself (a checkpoint directory) when nothing changes, else
+    `out_dir` with a config.json (the HF config of a `model` dict, or the checkpoint's) that declares
+    `FP8_QUANTIZATION_CONFIG` when `fp8`, beside links to the checkpoint's other files (tokenizer, weights)."""
+    if isinstance(model, str) and not fp8:
+        return model
+    if isinstance(model, str):
+        with open(os.path.join(model, "config.json")) as f:
+            config = json.load(f)
+    else:
+        config = dict(model)
+    if fp8:
+        config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    os.makedirs(out_dir, exist_ok=True)
+    if isinstance(model, str):
+        for name in os.listdir(model):
+            link = os.path.join(out_dir, name)
+            if name != "config.json" and not os.path.lexists(link):
+                os.symlink(os.path.abspath(os.path.join(model, name)), link)
+    tmp = os.path.join(out_dir, f"config.json.tmp.{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, "config.json"))
+    return out_dir
 
 
 def sglang_unavailable_reason() -> str | None:
@@ -215,13 +265,17 @@ class SGLangServerActor:
         dist_init_addr: str | None = None,
         log_dir: str | None = None,
         *,
+        bind_node_ip: bool = False,
+        return_routed_experts: bool = False,
+        fp8: bool = False,
         python: str = sys.executable,
         entry: Sequence[str] = SGLANG_ENTRY,
     ) -> None:
         self.cfg, self.node_rank, self.log_dir = cfg, node_rank, log_dir
-        # One-node engines stay on loopback (the router and weight sync run on the same node); a multi-node engine's
-        # ranks must reach each other, so they bind the node's address and need the key.
-        self.host = "127.0.0.1" if cfg.nnodes == 1 else _node_ip()
+        # A one-node engine on a one-node cluster stays on loopback. On a multi-node Ray cluster the router and the
+        # actor ranks that push weights may run on other nodes, and a multi-node engine's ranks must reach each
+        # other: then it binds the node's address, guarded by the per-run API key (build_launch_command insists).
+        self.host = _node_ip() if bind_node_ip or cfg.nnodes > 1 else "127.0.0.1"
         self._launch_kwargs = dict(
             model_path=model_path,
             api_key=api_key,
@@ -230,6 +284,8 @@ class SGLangServerActor:
             context_length=context_length,
             node_rank=node_rank,
             dist_init_addr=dist_init_addr,
+            return_routed_experts=return_routed_experts,
+            fp8=fp8,
             python=python,
             entry=tuple(entry),
         )

@@ -1,0 +1,140 @@
+"""The engine pool's health probes and memory bookkeeping (controller/engine_state.py) against an HTTP double of
+SGLang 0.5.23's semantics: /health generates a token (answers after a delay) and does not answer while generation is
+paused; /resume_memory_occupation of a tag never released raises KeyError in the scheduler (`offload_tags.remove`),
+after which the engine is dead.
+
+Run: `.venv/bin/pytest tests/test_engine_state.py`
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import pytest
+from aiohttp import web
+
+from mcore_rl.controller.engine_state import MEMORY_TAGS, EngineHealth, ReleasedMemory
+from mcore_rl.rollout.client import RolloutClient
+
+
+class SGLangLifecycle:
+    """/health, /pause_generation, /continue_generation and the memory routes, as SGLang answers them."""
+
+    def __init__(self, health_delay_s: float = 0.05) -> None:
+        self.health_delay_s = health_delay_s
+        self.paused = asyncio.Event()
+        self.probes = 0
+        self.offload_tags: set[str] = set()
+        self.dead = False
+
+    async def health(self, request: web.Request) -> web.Response:
+        self.probes += 1
+        if self.dead:
+            return web.Response(status=503)
+        while self.paused.is_set():  # the health request waits in the scheduler's queue like any other
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(self.health_delay_s)  # SGLang: at least 1 s (HEALTH_CHECK_TIMEOUT loop)
+        return web.Response(status=200)
+
+    async def pause(self, request: web.Request) -> web.Response:
+        self.paused.set()
+        return web.json_response({"status": "ok"})
+
+    async def release(self, request: web.Request) -> web.Response:
+        self.offload_tags.update((await request.json())["tags"])
+        return web.json_response({})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        for tag in (await request.json())["tags"]:
+            try:
+                self.offload_tags.remove(tag)
+            except KeyError:
+                self.dead = True  # the scheduler raised; SGLang's process dies
+                return web.Response(status=500, text=f"KeyError: {tag!r}")
+        return web.json_response({})
+
+
+@pytest.fixture
+def engine():
+    double = SGLangLifecycle()
+    app = web.Application()
+    app.router.add_get("/health", double.health)
+    app.router.add_post("/pause_generation", double.pause)
+    app.router.add_post("/release_memory_occupation", double.release)
+    app.router.add_post("/resume_memory_occupation", double.resume)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    client = RolloutClient(f"http://127.0.0.1:{port}", engine="sglang")
+    yield double, client, f"http://127.0.0.1:{port}"
+    client.close()
+    loop.call_soon_threadsafe(double.paused.clear)
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+
+
+def test_no_probe_while_a_push_holds_generation_paused(engine) -> None:
+    double, client, url = engine
+    health = EngineHealth(client, timeout_s=0.3, failures=1)
+    with health.quiet("weight push"):
+        client.post(url, "/pause_generation", {"mode": "abort"})
+        for _ in range(3):  # the monitor's ticks during a long push
+            assert client.run(health.dead([url])) == []
+    assert double.probes == 0, "a probe during the push would wait in the paused scheduler and time out"
+
+
+def test_one_failed_probe_does_not_kill_an_engine(engine) -> None:
+    double, client, url = engine
+    health = EngineHealth(client, timeout_s=0.3, failures=3)
+    double.health_delay_s = 1.0  # slower than the probe's limit (a busy engine)
+    assert client.run(health.dead([url])) == []
+    assert client.run(health.dead([url])) == []
+    double.health_delay_s = 0.0
+    assert client.run(health.dead([url])) == [], "a good probe resets the count"
+    double.health_delay_s = 1.0
+    verdicts = [client.run(health.dead([url])) for _ in range(3)]
+    assert verdicts == [[], [], [url]], "dead after three failed probes in a row"
+
+
+def test_an_engine_whose_port_refuses_is_dead_at_once(engine) -> None:
+    _, client, _ = engine
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{s.getsockname()[1]}"
+    health = EngineHealth(client, timeout_s=1.0, failures=3)
+    assert client.run(health.dead([gone])) == [gone]
+
+
+def test_colocated_start_resumes_only_what_was_released(engine) -> None:
+    """The colocated hand-over at start (resume weights -> push -> resume KV cache) on an engine that never released
+    anything: no call reaches it; after a release of every tag (CUDA graphs too) each resume takes back its own."""
+    double, client, url = engine
+    memory = ReleasedMemory(client, EngineHealth(client, timeout_s=1.0, failures=1))
+    memory.resume([url], ["weights"])
+    memory.resume([url], ["kv_cache", "cuda_graph"])
+    assert not double.dead, "resuming tags never released kills SGLang's scheduler"
+    memory.release([url])
+    assert double.offload_tags == set(MEMORY_TAGS) == {"weights", "kv_cache", "cuda_graph"}
+    memory.resume([url], ["weights"])
+    assert double.offload_tags == {"kv_cache", "cuda_graph"}
+    memory.resume([url], ["kv_cache", "cuda_graph"])
+    assert double.offload_tags == set() and not double.dead
+
+
+def test_released_memory_holds_probes_off(engine) -> None:
+    """A probe after a release would run a forward on released weights."""
+    double, client, url = engine
+    health = EngineHealth(client, timeout_s=1.0, failures=1)
+    memory = ReleasedMemory(client, health)
+    memory.release([url])
+    assert client.run(health.dead([url])) == [] and double.probes == 0
+    memory.resume([url], ["weights", "kv_cache", "cuda_graph"])
+    assert client.run(health.dead([url])) == [] and double.probes == 1
