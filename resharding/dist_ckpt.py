@@ -120,6 +120,7 @@ def load_model_chunks(chunks: list[torch.nn.Module], pg_collection: Any, directo
     """
     from megatron.core import dist_checkpointing
 
+    check_metadata_is_data(directory)
     metadata = {"dp_cp_group": pg_collection.dp_cp}
     names = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     sharded = {name: c.sharded_state_dict(metadata=metadata) for name, c in zip(names, chunks)}
@@ -393,10 +394,13 @@ class MetadataUnpickler(pickle.Unpickler):
 
     _CLASSES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
                 "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")  # fmt: skip
+    _PLANNER = ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")
     _BUILTINS = ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice")
     ALLOWED = frozenset(
         {("torch.distributed.checkpoint.metadata", n) for n in _CLASSES}
         | {("builtins", n) for n in _BUILTINS}
+        # Megatron's saves also keep the save plans (its cached-metadata path); enums and dataclasses of plain data
+        | {("torch.distributed.checkpoint.planner", n) for n in _PLANNER}
         | {
             ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
             ("torch.serialization", "_get_layout"),
@@ -415,6 +419,29 @@ class MetadataUnpickler(pickle.Unpickler):
         raise UnsafeMetadata(f"names {module}.{name}, which torch_dist metadata does not hold")
 
 
+def read_metadata(directory: str | Path) -> Any:
+    """A torch_dist checkpoint's `.metadata`, through `MetadataUnpickler`; CheckpointError naming the file if it is
+    missing, corrupt, or names anything but torch's metadata classes."""
+    path = Path(directory) / METADATA_NAME
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (not a torch_dist checkpoint)")
+    try:
+        with open(path, "rb") as f:
+            return MetadataUnpickler(f).load()
+    except UnsafeMetadata as err:
+        raise CheckpointError(f"{path}: {err}; not loaded (unpickling it could run code)") from None
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means a corrupt file
+        raise CheckpointError(f"{path}: cannot be read ({type(err).__name__}: {err})") from None
+
+
+def check_metadata_is_data(directory: str | Path) -> None:
+    """Refuse a torch_dist checkpoint whose `.metadata` names anything but torch's metadata classes, before Megatron's
+    loader reads it: torch's FileSystemReader unpickles that file without restriction, so a replaced one would run
+    code. (A file swapped between this check and the load is outside what a check can stop: the checkpoint
+    directory itself must be trusted, as in Megatron.)"""
+    read_metadata(directory)
+
+
 class ChunkReader:
     """Reads regions of a torch_dist checkpoint's tensors, assembling whatever chunks cover them."""
 
@@ -422,16 +449,7 @@ class ChunkReader:
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.dir = Path(directory)
-        path = self.dir / METADATA_NAME
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing (not a torch_dist checkpoint)")
-        try:
-            with open(path, "rb") as f:
-                metadata = MetadataUnpickler(f).load()
-        except UnsafeMetadata as err:
-            raise CheckpointError(f"{path}: {err}; not loaded (unpickling it could run code)") from None
-        except Exception as err:  # noqa: BLE001 - any unpickling failure means a corrupt file
-            raise CheckpointError(f"{path}: cannot be read ({type(err).__name__}: {err})") from None
+        metadata = read_metadata(self.dir)
         self.tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self._storage = {
             (index.fqn, None if index.offset is None else tuple(index.offset)): info

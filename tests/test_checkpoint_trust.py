@@ -77,3 +77,14 @@ def test_real_torch_dist_metadata_still_reads(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-W", "ignore", "-c", code, str(tmp_path)], check=True)
     reader = ChunkReader(tmp_path)
     assert set(reader.tensors) == {"w", "b"}
+
+
+def test_megatron_load_is_preceded_by_the_metadata_check(tmp_path: Path) -> None:
+    """Megatron's loader (torch's FileSystemReader) unpickles .metadata freely: the actor's load path checks it first."""
+    from mcore_rl.resharding.dist_ckpt import load_model_chunks
+
+    marker = tmp_path / "ran"
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Runs(f"touch {marker}")))
+    with pytest.raises(CheckpointError, match="could run code"):
+        load_model_chunks([], SimpleNamespace(dp_cp=None), tmp_path)
+    assert not marker.exists()

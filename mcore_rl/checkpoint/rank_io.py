@@ -159,7 +159,7 @@ def load_rank(actor: Any, directory: str) -> dict[str, Any]:
     Returns {"rng_restored": bool}."""
     from megatron.core import dist_checkpointing
 
-    from mcore_rl.resharding.dist_ckpt import load_model_chunks
+    from mcore_rl.resharding.dist_ckpt import check_metadata_is_data, load_model_chunks
 
     root = Path(directory)
     load_model_chunks(actor.chunks, actor.pg, root / MODEL_DIR)
@@ -167,6 +167,7 @@ def load_rank(actor: Any, directory: str) -> dict[str, Any]:
     _allocate_state(actor.optimizer)
     current = actor.optimizer.sharded_state_dict(model, is_loading=True, metadata=_metadata(actor))
     leaves = _sharded_leaves(current)
+    check_metadata_is_data(root / OPTIMIZER_DIR)
     loaded = dist_checkpointing.load({"optimizer": leaves}, str(root / OPTIMIZER_DIR))
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
 
