@@ -234,13 +234,14 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
         micro_batch=cfg.actor.micro_batch_size,
         seq_len=cfg.model.max_sequence_length,
         plan=plan,
+        recompute=cfg.actor.recompute,
         use_ref=cfg.actor.use_ref,
         params=rank_params(hf, lay.to_layout(), cfg.model.make_vocab_size_divisible_by, cfg.model.dtype),
         engine=engine,
     )
     report.lines.append(
         f"memory per GPU (estimate; micro_batch={cfg.actor.micro_batch_size}, seq={cfg.model.max_sequence_length}, "
-        "full recompute):"
+        f"recompute={cfg.actor.recompute.granularity or 'off'}):"
     )
     report.lines.append(est.describe())
     if est.total > limit:
@@ -256,6 +257,26 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
 
 
 # ------------------------------------------------------------------------------------------------- the sbatch script
+
+
+#: Environment of GPU runs (defaults: a value already in the environment or given with --env wins):
+#: - CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron's TP/SP overlap orders its communication kernels by launch order, which
+#:   needs one hardware queue (Megatron-LM, slime and verl all set it).
+#: - PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True: RL batches change length every step; expandable segments keep
+#:   the allocator from fragmenting across them (and colocated offload/onload).
+#: - NCCL_CUMEM_ENABLE=0: what SGLang and vLLM set in their processes; the weight-sync groups join the trainer's NCCL to
+#:   theirs, and both sides must agree on the memory NCCL registers.
+#: - TORCH_NCCL_AVOID_RECORD_STREAMS=1: frees collective buffers at once instead of at the next stream sync.
+#: - MCORE_RL_DIST_TIMEOUT_S / TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: a collective may wait for a peer reading its part of a
+#:   1.3 TB checkpoint (DeepSeek-V3 FP8 dequantised on load): an hour, not torch's 10 minutes.
+GPU_ENV = {
+    "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    "NCCL_CUMEM_ENABLE": "0",
+    "TORCH_NCCL_AVOID_RECORD_STREAMS": "1",
+    "MCORE_RL_DIST_TIMEOUT_S": "3600",
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": "3600",
+}
 
 
 def comm_env(args: argparse.Namespace) -> dict[str, str]:
@@ -340,6 +361,9 @@ def render_script(args: argparse.Namespace, overrides: list[str], run_dir: str) 
     if args.account:
         directives.append(f"#SBATCH --account={args.account}")
     exports = "\n".join(f"export {k}={q(v)}" for k, v in comm_env(args).items()) or "# (no NCCL/Gloo settings given)"
+    exports += "\n# GPU run defaults (launch/submit.py: GPU_ENV)\n" + "\n".join(
+        f"export {k}=${{{k}:-{v}}}" for k, v in GPU_ENV.items() if k not in comm_env(args)
+    )
     python = sys.executable
     ray_bin = os.path.join(os.path.dirname(python), "ray")
     train = " ".join(q(a) for a in [python, "-m", "mcore_rl.train", *overrides])
@@ -478,6 +502,8 @@ def submit(script: str) -> int:
 def run_local(args: argparse.Namespace, overrides: list[str]) -> int:
     """Run the driver here without Slurm (it starts its own local Ray), with the same NCCL/Gloo environment."""
     env = dict(os.environ, **comm_env(args))
+    for key, value in GPU_ENV.items():
+        env.setdefault(key, value)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "mcore_rl.train", *overrides]
     print("submit: local run:", " ".join(shlex.quote(c) for c in cmd), flush=True)

@@ -40,13 +40,17 @@ def init_distributed(
     world_size: int,
     master_addr: str,
     master_port: int,
-    timeout_s: float = 600.0,
+    timeout_s: float | None = None,
     local_rank: int | None = None,
 ) -> None:
     """Start torch.distributed for this rank (idempotent) and prepare the runtime's device.
 
     On `cpu` this installs the CPU patches first (see cpu_runtime.py); on `cuda` it binds the rank to its local GPU.
+    `timeout_s`: how long a collective waits for its peers; None = `MCORE_RL_DIST_TIMEOUT_S` (launch/submit.py sets
+    an hour on GPU runs: a peer may be reading its part of a 1.3 TB checkpoint), else torch's 10 minutes.
     """
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("MCORE_RL_DIST_TIMEOUT_S", "600"))
     if runtime == "cpu":
         from mcore_rl.parallel.cpu_runtime import enable_cpu_runtime
 

@@ -218,3 +218,81 @@ def test_dsv3_expert_bias_is_frozen_during_rl_updates(dsv3_run) -> None:
     assert dsv3_run["ok"] == 1.0 and dsv3_run["before"]
     for before, after in zip(dsv3_run["before"], dsv3_run["after"]):
         assert torch.equal(before, after)
+
+
+# ------------------------------------------------------------------------------------------ the job's environment
+def test_sbatch_script_sets_the_gpu_environment_with_overridable_defaults(tmp_path) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1, expandable segments, NCCL's cumem off as the engines set it, an hour for
+    collectives (a 1.3 TB checkpoint read); each a default that an exported value or --env overrides."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "launch"))
+    import submit
+
+    args = submit.build_parser().parse_args(
+        ["--nodes", "1", "--gpus-per-node", "8", "--partition", "p", "--time", "1:00:00", "--job-name", "j",
+         "--env", "NCCL_CUMEM_ENABLE=1"]
+    )  # fmt: skip
+    script = submit.render_script(args, [], str(tmp_path))
+    exports = "\n".join(line for line in script.splitlines() if line.startswith("export "))
+    probe = "echo $CUDA_DEVICE_MAX_CONNECTIONS $PYTORCH_CUDA_ALLOC_CONF $NCCL_CUMEM_ENABLE $MCORE_RL_DIST_TIMEOUT_S"
+    env = {k: v for k, v in os.environ.items() if k not in submit.GPU_ENV}
+    out = subprocess.run(["bash", "-c", exports + "\n" + probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "expandable_segments:True", "1", "3600"]
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"  # the user's own value wins
+    out = subprocess.run(["bash", "-c", exports + "\n" + probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split()[0] == "8"
+
+
+def test_dist_timeout_comes_from_the_environment(monkeypatch) -> None:
+    import torch.distributed as dist
+
+    from mcore_rl.parallel import groups
+
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: seen.update(kw))
+    monkeypatch.setattr("mcore_rl.parallel.cpu_runtime.enable_cpu_runtime", lambda: None)
+    monkeypatch.setenv("MCORE_RL_DIST_TIMEOUT_S", "3600")
+    monkeypatch.setenv("MASTER_ADDR", "")  # init_distributed sets both; monkeypatch restores them
+    monkeypatch.setenv("MASTER_PORT", "")
+    groups.init_distributed("cpu", 0, 1, "127.0.0.1", 1)
+    assert seen["timeout"].total_seconds() == 3600
+
+
+# ------------------------------------------------------------------------------------------ the dry run's estimate
+def test_activation_estimate_reads_actor_recompute() -> None:
+    """The dry run assumed full recompute whatever the ranks ran; it now reads actor.recompute, the setting the ranks
+    pass to Megatron: keeping every activation costs more than block recompute, which costs more than uniform."""
+    from mcore_rl.config.model import RecomputeConfig
+    from mcore_rl.models.estimate import activation_bytes
+
+    hf = dict(hidden_size=1024, num_hidden_layers=16, vocab_size=1000)
+    act = lambda rc: activation_bytes(hf, 1, 1, 1, 1, 4096, recompute=rc)  # noqa: E731
+    kept, block, uniform = (
+        act(None),
+        act(RecomputeConfig("full", "block", 8)),
+        act(RecomputeConfig("full", "uniform", 1)),
+    )
+    assert kept > block > uniform
+    tokens, h = 4096, 1024
+    # uniform x 1: each layer's bf16 input + one layer's working set + fp32 logits and their grad
+    assert uniform == 16 * 2 * tokens * h + 34 * tokens * h + tokens * 1000 * 8
+    assert act(RecomputeConfig("selective")) == kept  # flash attention keeps no s^2 scores to save
+
+
+def test_estimate_is_below_the_workers_layer() -> None:
+    """models/estimate.py receives the optimizer plan from its caller; it imports nothing from mcore_rl.actor."""
+    import ast
+    from pathlib import Path
+
+    import mcore_rl.models.estimate as estimate
+
+    tree = ast.parse(Path(estimate.__file__).read_text())
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in modules if m and m.startswith("mcore_rl.actor")]

@@ -147,14 +147,16 @@ def test_actor_config_reads_the_stage_keys_and_names_them() -> None:
 
 
 def test_memory_estimate_uses_the_largest_stage() -> None:
+    from mcore_rl.actor.optimizer import OptimizerPlan
     from mcore_rl.models.estimate import estimate_memory
 
     hf = dict(
         hidden_size=64, num_hidden_layers=61, num_attention_heads=4, vocab_size=1000, intermediate_size=128,
         n_routed_experts=8, moe_intermediate_size=32, first_k_dense_replace=3, num_experts_per_tok=2,
     )  # fmt: skip
-    even = estimate_memory(hf, 64, tp=1, pp=4, ep=8)
-    uneven = estimate_memory(hf, 64, tp=1, pp=4, ep=8, first_stage_layers=16, last_stage_layers=15)
+    plan = OptimizerPlan(distributed=True, offload_fraction=0.0, dtype="bfloat16")
+    even = estimate_memory(hf, 64, tp=1, pp=4, ep=8, plan=plan)
+    uneven = estimate_memory(hf, 64, tp=1, pp=4, ep=8, first_stage_layers=16, last_stage_layers=15, plan=plan)
     # the largest stage holds 16 of the 61 layers, not 61/4
     assert uneven.params_per_rank == pytest.approx(even.params_per_rank * 16 / (61 / 4))
     assert uneven.activations > even.activations

@@ -16,25 +16,44 @@ with uneven first/last stages (`first_stage_layers` / `last_stage_layers`) the l
 
 Memory per GPU (bytes): the per-parameter bytes of weights, fp32 grads and the optimizer (fp32 masters + Adam state,
 sharded over dp by the distributed optimizer, partly on the host when offloaded) come from the run's
-`OptimizerPlan` (mcore_rl/actor/optimizer.py), the same object the Megatron ranks build from; parameters per rank come
+`OptimizerPlan` (mcore_rl/actor/optimizer.py), the same object the Megatron ranks build from, passed in by the caller
+(this module sits below the workers and imports nothing of theirs); parameters per rank come
 from the meta-device model at the actor's layout (`rank_params`: padded vocabulary and every norm included), so the
 figures are what the ranks allocate. On top: a frozen reference copy when actor.use_ref, an activation allowance
-(`activation_bytes`), a fixed allowance for the CUDA context and NCCL buffers, and a colocated rollout engine's
-share (`EngineShare`: its weights and KV cache, `rollout.sglang.mem_fraction_static` of the GPU).
+(`activation_bytes`, from the run's `actor.recompute`, the setting the ranks pass to Megatron), a fixed allowance for
+the CUDA context and NCCL buffers, and a colocated rollout engine's share (`EngineShare`: its weights and KV cache,
+`rollout.sglang.mem_fraction_static` of the GPU).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mcore_rl.parallel.layout import ParallelLayout
 
-if TYPE_CHECKING:
-    from mcore_rl.actor.optimizer import OptimizerPlan
-
 GIB = 1024**3
+
+
+class OptimizerPlan(Protocol):
+    """What the estimate reads of the actor's optimizer plan (mcore_rl/actor/optimizer.py: OptimizerPlan)."""
+
+    dtype: str
+
+    def rank_bytes(self, params: float, dp: int) -> Any:
+        """weights / grads / optimizer_device / optimizer_host bytes of `params` parameters sharded over `dp`."""
+        ...
+
+    def describe(self) -> str: ...
+
+
+class Recompute(Protocol):
+    """What the estimate reads of `actor.recompute` (mcore_rl/config/model.py: RecomputeConfig)."""
+
+    granularity: str | None
+    method: str | None
+    num_layers: int | None
 
 
 @dataclass(frozen=True)
@@ -291,20 +310,37 @@ def activation_bytes(
     vpp: int = 1,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    recompute: Recompute | None = None,
 ) -> float:
-    """Activation allowance of one rank, assuming full activation recomputation (what large-MoE RL recipes use).
+    """Activation allowance of one rank under `recompute` (None: Megatron's default, every activation kept).
 
-    Stored: each layer's bf16 input, for the layers of the largest stage, for the pp micro-batches in flight under
-    1F1B (the first stage holds pp of them); plus one layer's working set during recompute (~34 s b h bytes / tp,
-    Korthikanti et al., with sequence parallelism) and the fp32 logits of the output layer (vocab split by tp).
+    A layer's activations are ~34 s b h bytes / tp (Korthikanti et al., bf16, sequence parallelism, flash attention:
+    no s^2 term, so selective recompute of the core attention saves nothing here); its input alone is 2 s b h / tp.
+    Full recompute keeps the input of each recompute unit (uniform: every num_layers layers; block: the first
+    num_layers layers of the stage, the rest keep everything) and rebuilds one unit's activations in the backward.
+    Layers of the largest stage, times the pp micro-batches in flight on the first stage under 1F1B (interleaving adds
+    ~1/vpp more); plus the fp32 logits of the output layer and their softmax grad (vocab split by tp).
     """
+    import math
+
     h = int(hf["hidden_size"])
     layers = int(hf["num_hidden_layers"])
     tokens = micro_batch * seq_len / cp
     stage_layers = layers / stage_pp_divisor(layers, pp, vpp, first_stage_layers, last_stage_layers)
-    # stage layers x pp micro-batches in flight on the first stage (interleaving adds ~1/vpp more)
-    stored = stage_layers * pp * (1 + (1 / vpp if vpp > 1 else 0)) * tokens * h * 2 / tp
-    working = 34 * tokens * h / tp
+    in_flight = pp * (1 + (1 / vpp if vpp > 1 else 0))
+    full_layer, layer_input = 34 * tokens * h / tp, 2 * tokens * h / tp
+    granularity = recompute.granularity if recompute is not None else None
+    if granularity == "full":
+        unit = recompute.num_layers or 1
+        if recompute.method == "block":
+            kept = max(0.0, stage_layers - unit)
+            stored = in_flight * (min(unit, stage_layers) * layer_input + kept * full_layer)
+            working = full_layer
+        else:  # uniform
+            stored = in_flight * math.ceil(stage_layers / unit) * layer_input
+            working = unit * full_layer
+    else:
+        stored, working = in_flight * stage_layers * full_layer, 0.0
     logits = tokens * int(hf["vocab_size"]) * 4 * 2 / tp  # logits + their softmax grad
     return stored + working + logits
 
@@ -320,7 +356,9 @@ def estimate_memory(
     vpp: int | None = None,
     micro_batch: int = 1,
     seq_len: int = 4096,
-    plan: OptimizerPlan | None = None,
+    *,
+    plan: OptimizerPlan,
+    recompute: Recompute | None = None,
     use_ref: bool = True,
     overhead_gib: float = 4.0,
     first_stage_layers: int | None = None,
@@ -328,12 +366,10 @@ def estimate_memory(
     params: RankParams | None = None,
     engine: EngineShare | None = None,
 ) -> MemoryEstimate:
-    """Per-GPU memory of one actor rank (see the module doc); bytes per parameter from `plan` (default: bf16, the
-    distributed optimizer), parameters per rank from `params` (`rank_params`; without it, the closed-form count of
-    `count_params`: dense / (tp*pp) + experts / (ep*etp*pp), pp being num_layers / layers on the largest stage)."""
-    from mcore_rl.actor.optimizer import OptimizerPlan
-
-    plan = plan or OptimizerPlan(distributed=True, offload_fraction=0.0, dtype="bfloat16")
+    """Per-GPU memory of one actor rank (see the module doc); bytes per parameter from `plan` (the run's
+    `optimizer_plan`), activations under `recompute` (the run's `actor.recompute`), parameters per rank from `params`
+    (`rank_params`; without it, the closed-form count of `count_params`: dense / (tp*pp) + experts / (ep*etp*pp), pp
+    being num_layers / layers on the largest stage)."""
     etp = tp if etp is None else etp
     if params is None:
         counts = count_params(hf)
@@ -352,7 +388,7 @@ def estimate_memory(
         optimizer_host=dense.optimizer_host + expert.optimizer_host,
         reference=dense.weights + expert.weights if use_ref else 0.0,
         activations=activation_bytes(
-            hf, tp, pp, cp, micro_batch, seq_len, vpp or 1, first_stage_layers, last_stage_layers
+            hf, tp, pp, cp, micro_batch, seq_len, vpp or 1, first_stage_layers, last_stage_layers, recompute
         ),
         overhead=overhead_gib * GIB,
         dp=dp,
