@@ -495,4 +495,4 @@ def test_unreadable_or_misaligned_buckets_are_refused_and_spoil_the_session(serv
     }
     answer = requests.post(server.url + "/update_weights_from_tensor", json=body)
     assert answer.status_code == 400 and "tensor 'b' starts at byte 14" in answer.json()["message"]
-    control(server, "/begin_weight_update")  # leave no spoiled session behind
+    control(server, "/abort_weight_update")  # leave no spoiled session behind (a second begin is refused)
