@@ -3,19 +3,29 @@
     exit 0    the run finished; <run_dir>/summary.json written
     exit 2    any user error (unknown or `+`-added config key, bad value, missing file, bad checkpoint or dataset,
               a reward function that fails): one `config error: ...` / `error: ...` message, never a traceback
+              a full disk (`error: No space left on device writing <file>`), with nothing half-written
     exit 130  interrupted (Ctrl-C): one line saying where it stopped
-    exit 1    a bug or an infrastructure failure: the traceback, for a report
+    exit 143  terminated (SIGTERM: scancel, a Slurm time limit, `kill`): one line saying where it stopped; the
+              engines and ranks are stopped by the run's own clean-up, as after Ctrl-C
+    exit 1    a bug or an infrastructure failure: the traceback, for a report; also training that diverged
+              (a non-finite loss or grad norm, metrics/logger.py: `error: ... step N ...`, no traceback), and a
+              SystemExit from inside the run (a library's or a reward's sys.exit is not a finished run)
 
-Every ending but success leaves <run_dir>/FAILED holding the message (written to a temporary file, then renamed), so a
-run dir never looks like a finished run when it is not; a new run in the same dir removes a stale one.
+Every ending but success leaves <run_dir>/FAILED holding the message (written to a temporary file, then renamed; on a
+full disk an empty FAILED, never a leftover temporary file), so a run dir never looks like a finished run when it is
+not; a new run in the same dir removes a stale one. SIGTERM's marker is written in the signal handler, before the
+clean-up that a scheduler's SIGKILL may cut short.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import signal
 import sys
+import threading
 import traceback
 import typing
 from collections.abc import Callable
@@ -24,6 +34,8 @@ from typing import Any
 from mcore_rl.config import ConfigError, RLConfig
 
 FAILED = "FAILED"
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_SIGINT_SEEN = threading.Event()  # a real Ctrl-C, as against a KeyboardInterrupt some code raised itself
 _INTERNAL_EXIT = False  # set when exit 1 is ours (a bug), so Hydra's own exit 1 (bad override) can become 2
 
 
@@ -69,6 +81,22 @@ def cli(main: Callable[[], None], argv: list[str] | None = None) -> None:
         raise
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived (scancel, a scheduler's time limit, `kill`). A BaseException, as KeyboardInterrupt, so no
+    `except Exception` on the way swallows it, and the run's `finally` blocks stop its engines and ranks."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the grad norm stopped being finite for longer than trainer.max_nonfinite_steps allows (raised by
+    metrics/logger.py): exit 1 with this message alone, as the traceback of the logger would say nothing more."""
+
+
+def sigint_received() -> bool:
+    """Whether this process got a real Ctrl-C (SIGINT) since run_guarded started: a KeyboardInterrupt raised by other
+    code (a reward function's) is that code's failure, not the user's interrupt."""
+    return _SIGINT_SEEN.is_set()
+
+
 def run_guarded(cfg: RLConfig, run: Callable[[RLConfig], dict[str, float]]) -> None:
     """Run the job with the exit codes of the module docstring; writes summary.json or FAILED."""
     import ray
@@ -79,34 +107,91 @@ def run_guarded(cfg: RLConfig, run: Callable[[RLConfig], dict[str, float]]) -> N
     from mcore_rl import watchdog
 
     guard = watchdog.start()  # noqa: F841 - held open for the life of the driver; its end is the watchdog's signal
+    _install_signal_handlers(cfg)
     try:
         summary = run(cfg)
+        _atomic_write(os.path.join(run_dir, "summary.json"), json.dumps(summary))
     except KeyboardInterrupt:
         where = _where_stopped(cfg)
         _mark_failed(run_dir, f"interrupted (Ctrl-C) {where}")
         print(f"\ninterrupted {where}; run dir {run_dir}", file=sys.stderr)
         sys.exit(130)
+    except Terminated:  # the marker is already written (_install_signal_handlers)
+        _exit_terminated(cfg, marked=True)
+    except TrainingDiverged as err:
+        _mark_failed(run_dir, f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
+        _INTERNAL_EXIT = True
+        sys.exit(1)
     except Exception as err:  # noqa: BLE001 - every ending is reported and marked
         user = _user_error(err, ray)
-        message = f"error: {_cause(err)}" if user else traceback.format_exc()
+        message = f"error: {_user_message(err)}" if user else traceback.format_exc()
         _mark_failed(run_dir, message)
         print(message, file=sys.stderr)
         if not user:
             _INTERNAL_EXIT = True
         sys.exit(2 if user else 1)
-    _atomic_write(os.path.join(run_dir, "summary.json"), json.dumps(summary))
+    except BaseException as err:  # SystemExit (of a library, a reward) or GeneratorExit from inside: not a finished run
+        if isinstance(err, SystemExit) and err.code == signal.SIGTERM:
+            # ray.init (2.x, worker.py) replaces our SIGTERM handler with one that calls sys.exit(15)
+            _exit_terminated(cfg, marked=False)
+        message = f"error: the run stopped before finishing\n{traceback.format_exc()}"
+        _mark_failed(run_dir, message)
+        print(message, file=sys.stderr)
+        _INTERNAL_EXIT = True
+        sys.exit(1)
+
+
+def _exit_terminated(cfg: RLConfig, marked: bool) -> None:
+    where = _where_stopped(cfg)
+    if not marked:
+        _mark_failed(cfg.trainer.run_dir, f"terminated (SIGTERM) {where}")
+    print(f"\nterminated (SIGTERM) {where}; run dir {cfg.trainer.run_dir}", file=sys.stderr)
+    sys.exit(128 + signal.SIGTERM)
+
+
+def _install_signal_handlers(cfg: RLConfig) -> None:
+    """SIGTERM: write the FAILED marker at once (a scheduler follows with SIGKILL after its grace period, which may
+    cut the clean-up short), then raise Terminated in the main thread; a second SIGTERM during the clean-up ends the
+    process (the default action). SIGINT: note that it came (sigint_received), then Python's KeyboardInterrupt."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers can only be set from the main thread (a test calling run_guarded from a thread)
+
+    def on_term(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _mark_failed(cfg.trainer.run_dir, f"terminated (SIGTERM) {_where_stopped(cfg)}")
+        raise Terminated()
+
+    def on_int(signum: int, frame: Any) -> None:
+        _SIGINT_SEEN.set()
+        signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_term)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an ignored SIGINT ignored
+        signal.signal(signal.SIGINT, on_int)
 
 
 def _user_error(err: BaseException, ray: Any) -> bool:
     """Bad input: config, files, checkpoints, datasets, reward functions (raised here or inside a Ray worker)."""
     if isinstance(err, ray.exceptions.RayTaskError):
         err = err.cause if err.cause is not None else err
+    if isinstance(err, OSError) and err.errno in _DISK_FULL:
+        return True
     return isinstance(err, (ConfigError, ValueError, FileNotFoundError, PermissionError, NotADirectoryError))
 
 
 def _cause(err: BaseException) -> str:
     cause = getattr(err, "cause", None)
     return str(cause) if cause is not None else str(err)
+
+
+def _user_message(err: BaseException) -> str:
+    """The one line for a user error; a full disk names the file and what to do."""
+    cause = getattr(err, "cause", None) or err
+    if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
+        where = f" writing {cause.filename}" if cause.filename else ""
+        return f"{cause.strerror}{where}; free space there, or point trainer.run_dir at a disk with room"
+    return _cause(err)
 
 
 def _where_stopped(cfg: RLConfig) -> str:
@@ -123,18 +208,33 @@ def _where_stopped(cfg: RLConfig) -> str:
 
 
 def _atomic_write(path: str, text: str) -> None:
+    """`text` to `path` whole or not at all: a failed write (a full disk) removes its temporary file."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError as err:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if err.filename is None:  # a write or close error names no file: name the one meant
+            raise OSError(err.errno, err.strerror, path) from None
+        raise
 
 
 def _mark_failed(run_dir: str, message: str) -> None:
+    if not os.path.isdir(run_dir):
+        return
+    path = os.path.join(run_dir, FAILED)
     try:
-        if os.path.isdir(run_dir):
-            _atomic_write(os.path.join(run_dir, FAILED), message.rstrip() + "\n")
+        _atomic_write(path, message.rstrip() + "\n")
     except OSError:
-        pass  # an unwritable run dir is itself the error being reported
+        try:  # a full disk still has room for an empty file (an inode, no data block): the run dir is marked
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+        except OSError:
+            pass  # an unwritable run dir is itself the error being reported
 
 
 def _clear_failed(run_dir: str) -> None:

@@ -124,6 +124,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             total_steps=cfg.trainer.steps,
             first_step=state.step + 1,
             wandb=_wandb_settings(cfg),
+            max_nonfinite_steps=cfg.trainer.max_nonfinite_steps,  # a NaN loss stops the run (exit 1)
         )
         flops = FlopsModel.for_run(cfg, _hf_config(cfg), actor.ranks[0].get("device_name"))
         validator = Validator.from_config(cfg, tokenizer, engines, producer.score)

@@ -190,3 +190,52 @@ def test_batch_reward_fn_seam_is_called_once_and_validated():
 def test_mismatched_input_lengths_are_refused():
     with pytest.raises(ValueError, match="differ in length"):
         RewardManager(build_reward_fn()).score(["a", "b"], ["s"], ["a", "b"])
+
+
+# ------------------------------------------------------------------------ rewards that end the process (issue 30)
+def _exits(**_):
+    import sys
+
+    sys.exit(0)
+
+
+def _interrupts(**_):
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+@pytest.mark.parametrize("fn,message", [(_exits, r"called sys.exit\(0\)"),
+                                        (_interrupts, "raised KeyboardInterrupt \\(no Ctrl-C was pressed\\)")])  # fmt: skip
+def test_sys_exit_or_keyboard_interrupt_in_a_reward_is_the_rewards_error(fn, message, num_threads):
+    """A reward's sys.exit(0) ended the run with exit 0 and no marker; its KeyboardInterrupt read as Ctrl-C."""
+    manager = RewardManager(fn, num_threads=num_threads)
+    with pytest.raises(RewardFunctionError, match=f"_.*on row 0 \\(data_source='s'\\) {message}"):
+        manager.score(["a", "b"], ["s", "s"], ["1", "1"])
+
+
+def test_a_real_ctrl_c_inside_a_reward_still_interrupts(monkeypatch):
+    import mcore_rl.lifecycle as lifecycle
+
+    monkeypatch.setattr(lifecycle, "sigint_received", lambda: True)
+    with pytest.raises(KeyboardInterrupt):
+        RewardManager(_interrupts).score(["a"], ["s"], ["1"])
+
+
+def test_a_score_beyond_float_range_is_the_rewards_error():
+    manager = RewardManager(lambda **_: 10**400)
+    with pytest.raises(RewardFunctionError, match="expected a finite score"):
+        manager.score(["a"], ["s"], ["1"])
+
+
+def test_each_call_gets_its_own_extra_info():
+    """Rewards shared one extra_info dict across the n samples of a prompt (and across epochs)."""
+    seen = []
+
+    def mutating(extra_info=None, **_):
+        extra_info["calls"] = extra_info.get("calls", 0) + 1
+        seen.append(extra_info["calls"])
+        return 0.0
+
+    info = {"index": 3}
+    RewardManager(mutating).score(["a"] * 4, ["s"] * 4, ["1"] * 4, [info] * 4)
+    assert seen == [1, 1, 1, 1] and info == {"index": 3}

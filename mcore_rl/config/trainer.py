@@ -68,6 +68,9 @@ class TrainerConfig:
     keep_last: int | None = 2  #: checkpoints kept (older ones deleted after each save); null = keep all
     #: auto (the latest checkpoint in <run_dir>/checkpoints, else a new run) | a checkpoint dir | null (a new run)
     resume: str | None = None
+    #: steps in a row whose loss or grad norm may be NaN/inf before the run stops with exit 1 naming the step and the
+    #: metric (metrics/logger.py); 0 = stop at the first
+    max_nonfinite_steps: int = 0
 
     def validate(self) -> None:
         from mcore_rl.controller.placement import PLACEMENTS
@@ -109,6 +112,11 @@ class TrainerConfig:
         )
         if self.keep_last is not None:
             _positive("trainer.keep_last", self.keep_last)
+        _check(
+            isinstance(self.max_nonfinite_steps, int) and not isinstance(self.max_nonfinite_steps, bool)
+            and self.max_nonfinite_steps >= 0,
+            "trainer.max_nonfinite_steps", self.max_nonfinite_steps, "an integer >= 0 (0 = stop at the first)",
+        )  # fmt: skip
         _check(self.resume is None or bool(str(self.resume).strip()), "trainer.resume", self.resume,
                "auto, a checkpoint directory, or null")  # fmt: skip
 

@@ -99,7 +99,9 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
         sync = WeightSync(actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, hf_config)
         version = 1
         sync.push(version)
-        log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"))
+        log = MetricsLogger(
+            os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), max_nonfinite_steps=cfg.trainer.max_nonfinite_steps
+        )
         eos = [tokenizer.eos_token_id]
         start = time.time()
         for step in range(1, cfg.trainer.steps + 1):

@@ -28,8 +28,21 @@ class JsonlBackend:
             open(self.path, "w").close()
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        """Append one line whole or not at all: a failed write (a full disk) cuts the file back to where it was, as
+        a cut line would make the whole file unreadable as JSON lines; the OSError then names the file."""
+        line = (json.dumps({"step": step, **metrics}) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            start = os.lseek(fd, 0, os.SEEK_END)
+            view = memoryview(line)
+            try:
+                while view:  # a nearly full disk takes part of a write, then refuses the rest
+                    view = view[os.write(fd, view) :]
+            except OSError as err:
+                os.ftruncate(fd, start)
+                raise OSError(err.errno, err.strerror, self.path) from None
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         pass

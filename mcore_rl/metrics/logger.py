@@ -6,12 +6,18 @@
     log.write(step, metrics)                            # console line + jsonl + TensorBoard + wandb
     log.summary(seconds)                 # prints `summary: reward_first=... reward_last=... steps=... seconds=...`
 
+A loss (`*_loss`) or grad norm (`*/grad_norm`) that is not finite on more than `max_nonfinite_steps` steps in a row
+stops the run (lifecycle.TrainingDiverged, exit 1) naming the step and the metric, after that step's line is written:
+a run that trains on NaN must not end as a success. A NaN grad norm alone is not counted: the actor reports NaN when
+it computes none (clip_grad=0); NaN weights show in the next step's loss.
+
 The console prints one line per step with the headline metrics (every metric goes to the files); on a terminal a
 tqdm bar below the lines shows steps done, ETA, seconds per step and the latest score and response length.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -60,10 +66,15 @@ class MetricsLogger:
         total_steps: int | None = None,
         first_step: int = 1,
         wandb: dict[str, Any] | None = None,
+        max_nonfinite_steps: int = 0,
     ) -> None:
         """`path`: the jsonl file (its folder is the run dir, where tensorboard/ and wandb/ go). `history`: the
         summary metric of the steps already done (a resumed run), appended to in place; the jsonl file is started
-        afresh only when there is none. `wandb`: project, name, mode and config for the wandb backend."""
+        afresh only when there is none. `wandb`: project, name, mode and config for the wandb backend.
+        `max_nonfinite_steps` (trainer.max_nonfinite_steps): steps in a row with a non-finite loss or grad norm that
+        are tolerated (see the module docstring)."""
+        self.max_nonfinite_steps = max_nonfinite_steps
+        self._nonfinite_run = 0
         run_dir = os.path.dirname(os.path.abspath(path))
         os.makedirs(run_dir, exist_ok=True)
         self.path = path
@@ -108,6 +119,29 @@ class MetricsLogger:
                     self.bar.update(1)
             else:
                 print(line, flush=True)
+        self._check_finite(step, metrics)
+
+    def _check_finite(self, step: int, metrics: dict[str, Any]) -> None:
+        """Count a step whose loss or grad norm is not finite; raise once more than max_nonfinite_steps are in a row."""
+        bad = [
+            f"{key}={value}"
+            for key, value in metrics.items()
+            if isinstance(value, float) and not math.isfinite(value)
+            and (key.endswith("_loss") or (key.endswith("/grad_norm") and not math.isnan(value)))
+        ]  # fmt: skip
+        if not bad:
+            self._nonfinite_run = 0
+            return
+        self._nonfinite_run += 1
+        if self._nonfinite_run > self.max_nonfinite_steps:
+            from mcore_rl.lifecycle import TrainingDiverged
+
+            self.close()
+            raise TrainingDiverged(
+                f"training diverged at step {step}: {', '.join(bad)} (not finite on {self._nonfinite_run} step(s) in "
+                f"a row, trainer.max_nonfinite_steps={self.max_nonfinite_steps}); expected finite values: lower "
+                f"actor.optim.lr, check the rewards and data, or raise trainer.max_nonfinite_steps to tolerate it"
+            )
 
     def close(self) -> None:
         """Flush and close every backend and the bar (idempotent)."""

@@ -8,11 +8,15 @@
 
 A reward function that returns None, NaN, a string, or a dict without "score" stops the step with an error naming
 the function, the data_source, the row and the value, because a silently wrong reward poisons advantages for the
-whole batch. A function that raises is reported the same way, with the original exception chained.
+whole batch. A function that raises is reported the same way, with the original exception chained; so is one that
+calls sys.exit or raises KeyboardInterrupt itself (a real Ctrl-C still stops the run: lifecycle.sigint_received).
+Each call gets its own deep copy of its row's extra_info: a function that edits it cannot change what the next sample,
+the next epoch or another function sees.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import threading
@@ -54,6 +58,23 @@ class RewardOutput:
     """Per-row values of every non-"score" key that dict returns carried; None where a row lacked the key."""
     metrics: dict[str, float] = field(default_factory=dict)
     """Summary for logging: mean score overall and per data_source, means of numeric extras, timeout count."""
+
+
+def _real_ctrl_c(exc: BaseException) -> bool:
+    """A KeyboardInterrupt that a real Ctrl-C raised inside the call: re-raised as it is, so the run stops as
+    interrupted (the user's, not the function's)."""
+    from mcore_rl.lifecycle import sigint_received
+
+    return isinstance(exc, KeyboardInterrupt) and sigint_received()
+
+
+def _ended(exc: SystemExit | KeyboardInterrupt, where: str) -> RewardFunctionError:
+    """A reward's sys.exit or its own KeyboardInterrupt as its failure (RewardFunctionError: a user error, exit 2)."""
+    if isinstance(exc, KeyboardInterrupt):
+        what = "raised KeyboardInterrupt (no Ctrl-C was pressed)"
+    else:
+        what = f"called sys.exit({exc.code!r})"
+    return RewardFunctionError(f"{where} {what}; a reward function must return a score, not end the process")
 
 
 def _function_name(fn: Any) -> str:
@@ -112,7 +133,13 @@ class RewardManager:
 
         timeouts = 0
         if isinstance(self.fn, BatchRewardFn):
-            results = list(self.fn.score_batch(data_sources, solution_strs, ground_truths, extra_infos))
+            infos = [copy.deepcopy(info) for info in extra_infos]  # see the module docstring
+            try:
+                results = list(self.fn.score_batch(data_sources, solution_strs, ground_truths, infos))
+            except (SystemExit, KeyboardInterrupt) as exc:
+                if _real_ctrl_c(exc):
+                    raise
+                raise _ended(exc, f"{self.name}.score_batch") from exc
             if len(results) != n:
                 raise RewardFunctionError(f"{self.name}.score_batch returned {len(results)} results for {n} rows")
         else:
@@ -152,15 +179,18 @@ class RewardManager:
         """A zero-argument call for one row that wraps user exceptions with the row's context."""
 
         def call() -> RewardResult:
+            info = copy.deepcopy(extra_info)  # see the module docstring
             try:
-                return fn(
-                    data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info
-                )
+                return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=info)
             except Exception as exc:
                 raise RewardFunctionError(
                     f"reward function {self.name} raised on row {row} (data_source={data_source!r}): "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
+            except (SystemExit, KeyboardInterrupt) as exc:
+                if _real_ctrl_c(exc):
+                    raise
+                raise _ended(exc, f"reward function {self.name} on row {row} (data_source={data_source!r})") from exc
 
         return call
 
@@ -242,7 +272,10 @@ class RewardManager:
                 f"{where} returned {value!r} of type {type(value).__name__}; "
                 "expected a finite float or a dict with a finite float 'score'"
             )
-        score = float(value)
+        try:
+            score = float(value)
+        except OverflowError:  # an int beyond float's range (10**400)
+            score = math.inf
         if not math.isfinite(score):
             raise RewardFunctionError(f"{where} returned {value!r}; expected a finite score")
         return score, extras

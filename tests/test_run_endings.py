@@ -1,0 +1,185 @@
+"""Runs that fail must not end as successes (issue 30, item 5): every ending of `lifecycle.run_guarded` but a finished
+run leaves <run_dir>/FAILED and a non-zero exit code, and nothing half-written.
+
+The fast cases run the real `run_guarded` in a child process around a small job function (the endings under test are
+the lifecycle's, not the RL loop's); the slow ones start the real CLI as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def guarded(run_dir: Path, body: str, timeout: float = 120, wait_for: Path | None = None, sig: int | None = None):
+    """`run_guarded` in a child process with `def job(cfg): <body>` as the run; optionally send `sig` once `wait_for`
+    exists. Returns the finished process."""
+    run_dir.mkdir(parents=True, exist_ok=True)  # as pre-flight makes it before the run starts
+    code = textwrap.dedent(
+        """
+        import json, os, sys, time
+        from mcore_rl.config import RLConfig
+        from mcore_rl.lifecycle import run_guarded
+        from mcore_rl.metrics.logger import MetricsLogger
+
+        cfg = RLConfig()
+        cfg.trainer.run_dir = sys.argv[1]
+        cfg.trainer.steps = 5
+
+        def job(cfg):
+        """
+    ) + textwrap.indent(textwrap.dedent(body), " " * 4) + "\nrun_guarded(cfg, job)\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    if sig is not None:
+        deadline = time.time() + timeout
+        while not wait_for.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(sig)
+    proc.out, proc.err = proc.communicate(timeout=timeout)
+    return proc
+
+
+# ------------------------------------------------------------------------------------------------ SIGTERM
+def test_sigterm_leaves_a_failed_marker_and_exit_143(tmp_path) -> None:
+    """Slurm's scancel and time limit send SIGTERM: the run dir must say the run did not finish."""
+    run_dir = tmp_path / "run"
+    proc = guarded(run_dir, """
+        log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), loggers=["jsonl"])
+        log.write(1, {"critic/score/mean": 0.5})
+        open(os.path.join(cfg.trainer.run_dir, "ready"), "w").close()
+        try:
+            time.sleep(60)
+        finally:  # the run's clean-up still runs (engines, ranks)
+            open(os.path.join(cfg.trainer.run_dir, "cleaned"), "w").close()
+    """, wait_for=run_dir / "ready", sig=signal.SIGTERM)  # fmt: skip
+    assert proc.returncode == 143, proc.err[-3000:]
+    assert "Traceback" not in proc.err and "terminated (SIGTERM) after step 1 of 5" in proc.err
+    assert (run_dir / "FAILED").read_text().startswith("terminated (SIGTERM) after step 1 of 5")
+    assert (run_dir / "cleaned").exists() and not (run_dir / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------ sys.exit inside
+def test_sys_exit_0_inside_the_run_is_not_a_success(tmp_path) -> None:
+    proc = guarded(tmp_path / "run", "sys.exit(0)")
+    assert proc.returncode == 1, proc.err[-3000:]
+    assert "the run stopped before finishing" in proc.err and "SystemExit" in proc.err
+    assert (tmp_path / "run" / "FAILED").exists() and not (tmp_path / "run" / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------ NaN
+def test_non_finite_loss_stops_the_run_with_exit_1_naming_step_and_metric(tmp_path) -> None:
+    proc = guarded(tmp_path / "run", """
+        log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), loggers=["jsonl"])
+        log.write(1, {"actor/pg_loss": 0.1, "actor/grad_norm": 2.0})
+        log.write(2, {"actor/pg_loss": float("nan"), "actor/grad_norm": float("inf")})
+        return {"steps": 2}
+    """)  # fmt: skip
+    assert proc.returncode == 1, proc.err[-3000:]
+    assert "Traceback" not in proc.err
+    assert "training diverged at step 2: actor/pg_loss=nan, actor/grad_norm=inf" in proc.err
+    assert "trainer.max_nonfinite_steps=0" in proc.err
+    assert (tmp_path / "run" / "FAILED").read_text().startswith("error: training diverged at step 2")
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # the bad step is on record
+
+
+def test_max_nonfinite_steps_tolerates_that_many_in_a_row(tmp_path) -> None:
+    from mcore_rl.lifecycle import TrainingDiverged
+    from mcore_rl.metrics.logger import MetricsLogger
+
+    nan = float("nan")
+    log = MetricsLogger(str(tmp_path / "m.jsonl"), loggers=["jsonl"], max_nonfinite_steps=1)
+    log.write(1, {"actor/pg_loss": nan})
+    log.write(2, {"actor/pg_loss": 0.3})  # a finite step resets the count
+    log.write(3, {"critic/vf_loss": float("-inf")})
+    log.write(4, {"actor/grad_norm": nan, "actor/pg_loss": 0.1})  # NaN grad norm: none computed (clip_grad=0)
+    log.write(5, {"actor/kl_loss": nan})
+    with pytest.raises(TrainingDiverged, match="at step 6: actor/pg_loss=inf .*on 2 step"):
+        log.write(6, {"actor/pg_loss": float("inf")})
+
+
+# ------------------------------------------------------------------------------------------------ full disk
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs (root only): writes past it fail with ENOSPC as on a full disk."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:  # fmt: skip
+        pytest.skip("mounting a small tmpfs needs root (CAP_SYS_ADMIN)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_full_disk_while_writing_metrics(small_disk) -> None:
+    """No traceback, exit 2 naming the file, no FAILED.tmp.<pid>, no cut metrics line, the run dir marked FAILED."""
+    run_dir = small_disk / "run"
+    proc = guarded(run_dir, """
+        log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), loggers=["jsonl"])
+        log.write(1, {"critic/score/mean": 0.5})
+        with open(os.path.join(cfg.trainer.run_dir, "filler"), "wb", buffering=0) as f:  # fill to the last byte
+            try:
+                while True:
+                    f.write(b"x" * 4096)
+            except OSError:
+                pass
+        log.write(2, {"critic/score/mean": 0.5, "big": "y" * 20000})  # part of it fits in the file's last page
+        return {"steps": 2}
+    """)  # fmt: skip
+    assert proc.returncode == 2, proc.err[-3000:]
+    assert "Traceback" not in proc.err
+    assert f"No space left on device writing {run_dir}/metrics.jsonl" in proc.err
+    names = sorted(p.name for p in run_dir.iterdir())
+    assert "FAILED" in names and not [n for n in names if ".tmp." in n], names
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1]
+
+
+def test_failed_marker_on_a_full_disk_is_an_empty_file_and_no_temporary(small_disk) -> None:
+    from mcore_rl.lifecycle import _mark_failed
+
+    with open(small_disk / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"x" * 4096)
+        except OSError:
+            pass
+    _mark_failed(str(small_disk), "error: something")
+    assert (small_disk / "FAILED").exists() and not list(small_disk.glob("*.tmp.*"))
+
+
+# ------------------------------------------------------------------------------------------------ real runs
+def train(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mcore_rl.train", "data.batch_size=2", "rollout.n=2",
+                           "actor.mini_batches=1", *overrides], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_lr_inf_stops_with_exit_1_naming_the_step(tmp_path) -> None:
+    res = train("trainer.steps=4", "actor.optim.lr=inf", f"trainer.run_dir={tmp_path}")
+    assert res.returncode == 1, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "training diverged at step" in res.stderr
+    assert (tmp_path / "FAILED").exists() and not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_reward_calling_sys_exit_is_the_rewards_failure(tmp_path) -> None:
+    reward = tmp_path / "r.py"
+    reward.write_text("import sys\ndef score(**kwargs):\n    sys.exit(0)\n")
+    res = train("trainer.steps=2", f"reward.path={reward}", "reward.name=score", f"trainer.run_dir={tmp_path}/run")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "called sys.exit(0)" in res.stderr and "score" in res.stderr
+    assert (tmp_path / "run" / "FAILED").exists() and not (tmp_path / "run" / "summary.json").exists()
