@@ -218,3 +218,33 @@ def test_loader_refuses_state_from_a_different_dataset_or_seed():
         PromptLoader([{"index": i} for i in range(10)], batch_size=2, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="missing"):
         loader.load_state_dict({"epoch": 0})
+
+
+# --- issue 30: another dataset of the same size, and prompts that train on nothing ------------------------------
+
+
+def test_resume_onto_other_data_files_of_the_same_size_is_refused(tmp_path, tokenizer):
+    a = _write(tmp_path / "a.parquet", [_good_row("repeat: 1", "1"), _good_row("repeat: 2", "2")])
+    b = _write(tmp_path / "b.parquet", [_good_row("repeat: 3", "3"), _good_row("repeat: 4", "4")])
+    moved = tmp_path / "moved.parquet"
+    moved.write_bytes(open(a, "rb").read())
+    state = PromptLoader(PromptDataset(a, tokenizer, 64), batch_size=1, seed=0).state_dict()
+    PromptLoader(PromptDataset(str(moved), tokenizer, 64), batch_size=1, seed=0).load_state_dict(state)  # same bytes
+    with pytest.raises(ValueError, match="loader state was saved for other data files"):
+        PromptLoader(PromptDataset(b, tokenizer, 64), batch_size=1, seed=0).load_state_dict(state)
+    older = {k: v for k, v in state.items() if k != "data_fingerprint"}  # a checkpoint written before the fingerprint
+    PromptLoader(PromptDataset(b, tokenizer, 64), batch_size=1, seed=0).load_state_dict(older)
+
+
+def test_prompts_of_unknown_characters_or_without_a_user_message_warn_with_the_fraction(tmp_path, tokenizer, caplog):
+    system_only = dict(_good_row(), prompt=[{"role": "system", "content": "you answer digits"}])
+    rows = [_good_row("REPEAT: ÄÖÜ ÄÖÜ ÄÖÜ ÄÖÜ"), _good_row(), _good_row(), system_only]
+    with caplog.at_level("WARNING", logger="mcore_rl.data.dataset"):
+        PromptDataset(_write(tmp_path / "d.parquet", rows), tokenizer, 64)
+    text = caplog.text
+    assert "1 of 4 prompts (25%)" in text and "mostly the tokenizer's unknown token '<unk>'" in text
+    assert "1 of 4 prompts (25%)" in text and "have no user message" in text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mcore_rl.data.dataset"):
+        PromptDataset(_write(tmp_path / "good.parquet", [_good_row(), _good_row()]), tokenizer, 64)
+    assert not caplog.text

@@ -18,6 +18,8 @@ Every item is a dict: `index` (position in the dataset), `prompt_token_ids`, `ra
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import os
 import random
@@ -203,6 +205,13 @@ class PromptDataset(Sequence[dict[str, Any]]):
         if not self._items:
             raise ValueError(f"no prompts left in {self.paths} (read {len(rows)}, dropped {self.num_dropped})")
 
+        _warn_suspicious(rows, token_ids, tokenizer, self.paths)
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """sha256 of the data files' bytes, in order (see `data_fingerprint`)."""
+        return data_fingerprint(self.paths)
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -211,6 +220,53 @@ class PromptDataset(Sequence[dict[str, Any]]):
         if isinstance(index, slice):
             return [dict(item) for item in self._items[index]]  # type: ignore[return-value]
         return dict(self._items[index])
+
+
+def data_fingerprint(paths: Sequence[str]) -> str:
+    """The identity of a list of data files: sha256 over their bytes in order (not their names, so a moved copy is
+    the same data). A resume compares it: another dataset of the same size would give the saved position another
+    meaning."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")  # file boundaries count: [ab] is not [a, b]
+    return digest.hexdigest()
+
+
+def _warn_suspicious(
+    rows: list[dict[str, Any]], token_ids: list[list[int]], tokenizer: Any, paths: list[str]
+) -> None:
+    """Warn (once per dataset, with the fraction) about prompts that train on nothing useful: mostly the tokenizer's
+    unknown token (a tokenizer that does not match the data), or a chat with no user message (only a system one)."""
+    unk = getattr(tokenizer, "unk_token_id", None)
+    if unk is not None:
+        mostly_unknown = sum(1 for ids in token_ids if ids and 2 * sum(t == unk for t in ids) > len(ids))
+        if mostly_unknown:
+            logger.warning(
+                "%d of %d prompts (%.0f%%) in %s are mostly the tokenizer's unknown token %r: the tokenizer does not "
+                "cover their characters (another language or alphabet?); expected a tokenizer that matches the data",
+                mostly_unknown, len(token_ids), 100 * mostly_unknown / len(token_ids), paths, tokenizer.unk_token,
+            )  # fmt: skip
+    no_user = sum(1 for row in rows if not any(m["role"] == "user" for m in row["raw_prompt"]))
+    if no_user:
+        logger.warning(
+            "%d of %d prompts (%.0f%%) in %s have no user message (only system or assistant ones): the model is "
+            "asked nothing; expected a chat with a user turn",
+            no_user, len(rows), 100 * no_user / len(rows), paths,
+        )  # fmt: skip
+
+
+def check_same_data(saved: str | None, current: str | None) -> None:
+    """Refuse a resume onto other data files (ValueError); a side without a fingerprint (an older checkpoint, a
+    dataset that is not files) is not compared."""
+    if saved is not None and current is not None and saved != current:
+        raise ValueError(
+            f"loader state was saved for other data files (sha256 {saved[:12]}..., data.train_files now hash to "
+            f"{current[:12]}...); resuming would hand out other prompts at the saved position: expected the files "
+            "the run started with, or a new run (trainer.resume=null and another trainer.run_dir)"
+        )
 
 
 class PromptLoader(Iterator[list[dict[str, Any]]]):
@@ -292,11 +348,13 @@ class PromptLoader(Iterator[list[dict[str, Any]]]):
             "seed": self.seed,
             "shuffle": self.shuffle,
             "dataset_size": len(self.dataset),
+            "data_fingerprint": getattr(self.dataset, "fingerprint", None),  # data_fingerprint; None: not files
         }
 
     def load_state_dict(self, state: dict[str, int | bool]) -> None:
-        """Resume at a saved position. Refuses a state saved for another dataset size, seed or shuffle setting,
-        because the saved index would then point into a different order."""
+        """Resume at a saved position. Refuses a state saved for another dataset size, seed or shuffle setting, or
+        other data files (when both sides know their fingerprint), because the saved index would then point into a
+        different order."""
         missing = {"epoch", "index", "seed", "shuffle", "dataset_size"} - set(state)
         if missing:
             raise ValueError(f"loader state is missing {sorted(missing)}; got keys {sorted(state)}")
@@ -306,6 +364,7 @@ class PromptLoader(Iterator[list[dict[str, Any]]]):
                     f"loader state was saved with {key}={state[key]!r} but this loader has {key}={current!r}; "
                     "resuming would not continue the same order"
                 )
+        check_same_data(state.get("data_fingerprint"), getattr(self.dataset, "fingerprint", None))
         if not 0 <= int(state["index"]) <= len(self.dataset) or int(state["epoch"]) < 0:
             raise ValueError(f"loader state position out of range: epoch={state['epoch']}, index={state['index']}")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
