@@ -48,14 +48,16 @@ def load_sglang_receiver() -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def sglang_receiver_process(tp_rank: int = 0, timeout_s: float = 120.0) -> Iterator[str]:
+def sglang_receiver_process(tp_rank: int = 0, defer_copy_s: float = 0.0, timeout_s: float = 120.0) -> Iterator[str]:
     """Run tests/_sglang_receiver.py (an engine rank receiving with SGLang's code) in a child process; yields its URL.
 
     Skips the calling test, as load_sglang_receiver does, when set-up did not build SGLang's code."""
     load_sglang_receiver()
     script = Path(__file__).resolve().parent / "_sglang_receiver.py"
     child = subprocess.Popen(
-        [sys.executable, str(script), "--tp-rank", str(tp_rank)], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(script), "--tp-rank", str(tp_rank), "--defer-copy-s", str(defer_copy_s)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         ready = threading.Timer(timeout_s, child.kill)  # a child that never says READY is killed, not waited on

@@ -1,6 +1,6 @@
 """A rollout-engine rank whose weight-receiving code is SGLang 0.5.23's own, for tests and tools/bench_sync.py.
 
-    python tests/_sglang_receiver.py [--tp-rank 0]        # prints "READY http://127.0.0.1:PORT", then serves
+    python tests/_sglang_receiver.py [--tp-rank 0] [--defer-copy-s 0]   # prints "READY http://HOST:PORT", serves
 
 It answers the HTTP calls our sync transports make, and does on each what SGLang's engine does, with SGLang's
 functions (tests/_sglang_code.py loads them from the pinned wheel; nothing here re-implements them):
@@ -20,7 +20,7 @@ functions (tests/_sglang_code.py loads them from the pinned wheel; nothing here 
                                     safetensors file, and how many times each name arrived
 
 Where SGLang loads a received tensor into its model (`model.load_weights`), this keeps a copy of it instead, so a
-test can check every byte. CPU (gloo) only; one process is one engine TP rank.
+test can check every byte. One process is one engine TP rank; the group is gloo, payloads may be CUDA IPC handles.
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ sglang = load_sglang_receiver()
 class Receiver:
     """What one SGLang TP rank keeps: its update groups and (here) the tensors it would load."""
 
-    def __init__(self, tp_rank: int) -> None:
+    def __init__(self, tp_rank: int, defer_copy_s: float = 0.0) -> None:
         self.tp_rank = tp_rank
+        self.defer_copy_s = defer_copy_s
+        self.pending: list[threading.Thread] = []
         self.groups: dict[str, Any] = {}
         self.received: dict[str, torch.Tensor] = {}
         self.arrivals: dict[str, int] = {}
@@ -106,21 +108,29 @@ class Receiver:
                 for m in named["metadata"]
             ]
             bucket = sglang.FlattenedTensorBucket(flattened_tensor=named["flattened_tensor"], metadata=metadata)
-            self._load(bucket.reconstruct_tensors())
-        else:  # _unwrap_tensor for a bare tensor
-            self._load([(name, tensor.to("cpu")) for name, tensor in named])
+            named = bucket.reconstruct_tensors()
+        if self.defer_copy_s:
+            # SGLang answers after a CPU barrier while its copies out of CUDA IPC memory may still be queued: this
+            # answers first and reads the tensors (kept referenced, as SGLang's queued copies keep them) later
+            load = threading.Timer(self.defer_copy_s, self._load, args=(named,))
+            load.start()
+            self.pending.append(load)
+        else:
+            self._load(named)
         return {"success": True, "message": "Success"}
 
     def _load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         # in SGLang model.load_weights copies each tensor into its parameter before the request answers
         with self.lock:
             for name, tensor in named:
-                self.received[name] = tensor.clone()
+                self.received[name] = tensor.to("cpu", copy=True)
                 self.arrivals[name] = self.arrivals.get(name, 0) + 1
 
     def dump_received(self, body: dict) -> dict:
         from safetensors.torch import save_file
 
+        for load in self.pending:
+            load.join()
         with self.lock:
             save_file(dict(self.received), body["path"])
             return {"success": True, "arrivals": dict(self.arrivals)}
@@ -162,8 +172,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--defer-copy-s", type=float, default=0.0, help="answer tensor updates first, copy this later")
     args = parser.parse_args()
-    server = ThreadingHTTPServer((args.host, 0), _handler(Receiver(args.tp_rank)))
+    server = ThreadingHTTPServer((args.host, 0), _handler(Receiver(args.tp_rank, args.defer_copy_s)))
     print(f"READY http://{args.host}:{server.server_address[1]}", flush=True)
     server.serve_forever()
 
