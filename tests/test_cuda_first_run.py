@@ -296,3 +296,50 @@ def test_estimate_is_below_the_workers_layer() -> None:
     modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not [m for m in modules if m and m.startswith("mcore_rl.actor")]
+
+
+# ------------------------------------------------------------------------------------------ offload
+def _offload_rank(rank: int, world: int) -> dict:
+    from mcore_rl.actor.batch import TrainBatch
+    from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.actor.offload import offload_targets, target_bytes
+    from mcore_rl.config import ActorConfig, ModelConfig, OptimConfig
+
+    cfg = ActorConfig(world_size=1, use_ref=True, mini_batches=1, optim=OptimConfig(distributed=True))
+    actor = MegatronActor(rank, world, ModelConfig(hf_config=QWEN3_MOE_TINY, dtype="bfloat16"), cfg)
+    actor.initialize(("127.0.0.1", 0))
+    batch = TrainBatch([[3, 4, 5]] * 2, torch.randint(1, 90, (2, 4)), torch.ones(2, 4))
+    batch.tensors.update(old_logprobs=torch.zeros(2, 4), advantages=torch.randn(2, 4))
+    actor.update(batch)  # Adam's state exists from the first step on
+    params = sum(p.numel() for chunk in actor.chunks for p in chunk.parameters())
+    return dict(params=params, bytes=target_bytes(offload_targets(actor)))
+
+
+def test_offload_finds_the_distributed_optimizers_fp32_masters() -> None:
+    """Offload looked for Float16Optimizer's fp32_from_float16_groups only: the distributed optimizer's fp32 master
+    shards (4 bytes a parameter, its largest single piece of state) stayed on the GPU. Counted on a CPU actor (bf16,
+    distributed optimizer, dp=1: the shards are whole); the moves themselves need CUDA (gpu test, tools/gpu_smoke)."""
+    from mcore_rl.parallel.harness import run_on_ranks
+
+    got = run_on_ranks(_offload_rank, 1)[0]
+    params, moved = got["params"], got["bytes"]
+    assert moved["master_params"] == 4 * params
+    assert moved["optimizer_state"] == 8 * params  # exp_avg + exp_avg_sq, fp32
+    assert moved["reference"] == 2 * params
+    assert moved["ddp_buffers"] >= (2 + 4) * params  # bf16 params + fp32 grads (Megatron pads its buckets)
+
+
+def test_offloaded_optimizer_overlaps_its_host_copies(monkeypatch) -> None:
+    """actor.optim.offload_fraction > 0: Megatron's HybridDeviceOptimizer with D2H/H2D overlapped with the CPU step.
+    TE's version is what 0.16.1's precision-aware optimizer asks for; a stand-in answers it on this TE-less machine."""
+    import megatron.core.utils
+
+    from mcore_rl.actor.optimizer import optimizer_plan
+    from mcore_rl.config import OptimConfig
+
+    from packaging.version import Version
+
+    monkeypatch.setattr(megatron.core.utils, "get_te_version", lambda: Version("2.9"))
+    optim = OptimConfig(distributed=True, offload_fraction=1.0)
+    config = optimizer_plan(optim, "bfloat16", "cuda").optimizer_config(optim)
+    assert config.optimizer_cpu_offload and config.overlap_cpu_optimizer_d2h_h2d

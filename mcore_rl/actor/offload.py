@@ -1,8 +1,10 @@
 """Colocated placement: an actor rank's training state leaves the GPU while the engines generate, and comes back.
 
-    moved = offload(actor)   # parameters + gradient buffers (Megatron DDP's flat buffers), optimizer state,
-                             # the frozen reference -> pinned host memory; GPU storage freed
+    moved = offload(actor)   # parameters + gradient buffers (Megatron DDP's flat buffers), optimizer state, fp32
+                             # masters (the distributed optimizer's shards or Float16Optimizer's copies), the frozen
+                             # reference -> host memory; the weight-sync buffers freed; GPU storage released
     moved = onload(actor)    # the same tensors back, into the same storages (every view stays valid)
+    targets = offload_targets(actor)   # what a phase can leave behind, by kind (tests count it on CPU)
 
 Megatron's DDP keeps every parameter and main_grad as a view of a few flat buffers (`param_data`, `grad_data` per
 bucket group), so the buffers' storages are resized to 0 and back instead of re-pointing each parameter: views,
@@ -20,29 +22,56 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def _flat_buffers(actor: Any) -> list[torch.Tensor]:
-    out = []
+def _optimizers(actor: Any) -> list[Any]:
+    return list(getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]))
+
+
+def offload_targets(actor: Any) -> dict[str, list]:
+    """Everything of the rank's training state that generation does not need, by kind:
+
+    ddp_buffers      Megatron DDP's flat param_data / grad_data buffers (tensors whose storage is resized)
+    optimizer_state  (state dict, key) of every optimizer state tensor (Adam's moments), swapped in place
+    master_params    fp32 master parameters: the distributed optimizer's `shard_fp32_from_float16_groups`,
+                     Float16OptimizerWithFloat16Params' `fp32_from_float16_groups` (fp32 models have none: their
+                     masters are views of the param buffer, moved with it)
+    reference        the frozen reference model's parameters
+    """
+    buffers = []
     for ddp in actor.ddp_chunks:
         for buffer in list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", [])):
-            for name in ("param_data", "grad_data"):
-                tensor = getattr(buffer, name, None)
-                if tensor is not None and tensor.is_cuda:
-                    out.append(tensor)
-    return out
-
-
-def _optimizer_tensors(actor: Any) -> list[tuple[dict, str]]:
-    """(state dict, key) of every optimizer state tensor (Adam's moments), so it can be swapped in place."""
-    out = []
-    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+            buffers.extend(t for t in (getattr(buffer, "param_data", None), getattr(buffer, "grad_data", None))
+                           if t is not None)  # fmt: skip
+    state, masters = [], []
+    for opt in _optimizers(actor):
         inner = getattr(opt, "optimizer", None)
-        for state in inner.state.values() if inner is not None else []:
-            out.extend((state, k) for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0)
-    return out
+        for values in inner.state.values() if inner is not None else []:
+            state.extend((values, k) for k, v in values.items() if torch.is_tensor(v) and v.dim() > 0)
+        for name in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
+            masters.extend(p for group in getattr(opt, name, None) or [] for p in group if p is not None)
+    reference = [p for chunk in actor.ref_chunks for p in chunk.parameters()]
+    return {"ddp_buffers": buffers, "optimizer_state": state, "master_params": masters, "reference": reference}
+
+
+def target_bytes(targets: dict[str, list]) -> dict[str, int]:
+    """Bytes of each kind of `offload_targets`."""
+    size = lambda t: t.numel() * t.element_size()  # noqa: E731
+    return {
+        "ddp_buffers": sum(size(t) for t in targets["ddp_buffers"]),
+        "optimizer_state": sum(size(c[k]) for c, k in targets["optimizer_state"]),
+        "master_params": sum(size(p) for p in targets["master_params"]),
+        "reference": sum(size(p) for p in targets["reference"]),
+    }
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """A pinned host copy (asynchronous D2H: the caller synchronises once for all of them)."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host
 
 
 def offload(actor: Any) -> dict[str, int]:
-    """Move the rank's training state to host memory; returns {"bytes": moved}."""
+    """Move the rank's training state to host memory; returns {"bytes": moved, <kind>: bytes, "sync_buffers": freed}."""
     if actor.runtime != "cuda":
         if not getattr(actor, "_offload_logged", False):
             log.warning("actor offload: CPU runtime, the state is already in host memory (no-op)")
@@ -50,33 +79,27 @@ def offload(actor: Any) -> dict[str, int]:
         return {"bytes": 0}
     if getattr(actor, "_offloaded", None):
         return {"bytes": 0}
-    moved, saved = 0, []
-    for tensor in _flat_buffers(actor):
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        saved.append((tensor, host))
-        moved += tensor.numel() * tensor.element_size()
-    torch.cuda.synchronize()
+    targets = offload_targets(actor)
+    saved = [(t, _host(t)) for t in targets["ddp_buffers"] if t.is_cuda and t.untyped_storage().size()]
+    for container, key in targets["optimizer_state"]:
+        if container[key].is_cuda:
+            container[key] = _host(container[key])
+    for param in targets["master_params"] + targets["reference"]:
+        if param.data.is_cuda:
+            param.data = _host(param.data)
+    torch.cuda.synchronize()  # every D2H copy done before the GPU storage goes
     for tensor, _ in saved:
         tensor.untyped_storage().resize_(0)
-    for container, key in _optimizer_tensors(actor):
-        value = container[key]
-        if value.is_cuda:
-            moved += value.numel() * value.element_size()
-            container[key] = value.to("cpu", non_blocking=True)
-    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        for group in getattr(opt, "fp32_from_float16_groups", []):
-            for param in group:
-                moved += param.numel() * param.element_size()
-                param.data = param.data.to("cpu", non_blocking=True)
-    for chunk in actor.ref_chunks:
-        for param in chunk.parameters():
-            moved += param.numel() * param.element_size()
-            param.data = param.data.to("cpu", non_blocking=True)
-    torch.cuda.synchronize()
+    out = {"bytes": 0, **target_bytes(targets)}
+    out["bytes"] = sum(out[k] for k in ("ddp_buffers", "optimizer_state", "master_params", "reference"))
+    sync = getattr(actor, "_sync", None)
+    executor = getattr(sync, "executor", None)
+    if executor is not None:  # the weight-sync buckets: reallocated by the next sync (actor/sync_sender.py)
+        out["sync_buffers"] = int(getattr(executor, "resident_bytes", 0))
+        executor.release()
     torch.cuda.empty_cache()
     actor._offloaded = saved
-    return {"bytes": moved}
+    return out
 
 
 def onload(actor: Any) -> dict[str, int]:
@@ -90,17 +113,13 @@ def onload(actor: Any) -> dict[str, int]:
         tensor.untyped_storage().resize_(host.numel() * host.element_size())
         tensor.copy_(host, non_blocking=True)
         moved += host.numel() * host.element_size()
-    for container, key in _optimizer_tensors(actor):
+    targets = offload_targets(actor)
+    for container, key in targets["optimizer_state"]:
         if not container[key].is_cuda:
             moved += container[key].numel() * container[key].element_size()
             container[key] = container[key].to(device, non_blocking=True)
-    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        for group in getattr(opt, "fp32_from_float16_groups", []):
-            for param in group:
-                param.data = param.data.to(device, non_blocking=True)
-                moved += param.numel() * param.element_size()
-    for chunk in actor.ref_chunks:
-        for param in chunk.parameters():
+    for param in targets["master_params"] + targets["reference"]:
+        if not param.data.is_cuda:
             param.data = param.data.to(device, non_blocking=True)
             moved += param.numel() * param.element_size()
     torch.cuda.synchronize()

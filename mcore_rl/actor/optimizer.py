@@ -96,10 +96,14 @@ class OptimizerPlan:
                     "precision-aware optimizer), which is not importable here; expected 0"
                 )
             # HybridDeviceOptimizer holds the fp32 masters itself: Megatron requires the precision-aware path.
+            # overlap_cpu_optimizer_d2h_h2d: the grads' D2H and the updated params' H2D copies run on side streams,
+            # parameter group by group, overlapping the CPU Adam step (as slime runs it); off, each step waits for
+            # every copy in turn.
             offload = dict(
                 optimizer_cpu_offload=True,
                 optimizer_offload_fraction=self.offload_fraction,
                 use_precision_aware_optimizer=True,
+                overlap_cpu_optimizer_d2h_h2d=True,
             )
         return OptimizerConfig(
             optimizer="adam",
