@@ -333,11 +333,10 @@ def test_offloaded_optimizer_overlaps_its_host_copies(monkeypatch) -> None:
     """actor.optim.offload_fraction > 0: Megatron's HybridDeviceOptimizer with D2H/H2D overlapped with the CPU step.
     TE's version is what 0.16.1's precision-aware optimizer asks for; a stand-in answers it on this TE-less machine."""
     import megatron.core.utils
+    from packaging.version import Version
 
     from mcore_rl.actor.optimizer import optimizer_plan
     from mcore_rl.config import OptimConfig
-
-    from packaging.version import Version
 
     monkeypatch.setattr(megatron.core.utils, "get_te_version", lambda: Version("2.9"))
     optim = OptimConfig(distributed=True, offload_fraction=1.0)
