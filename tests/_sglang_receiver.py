@@ -16,8 +16,8 @@ functions (tests/_sglang_code.py loads them from the pinned wheel; nothing here 
                                     payloads[tp_rank]); flattened buckets rebuilt with FlattenedTensorBucket
   POST /destroy_weights_update_group  torch.distributed.destroy_process_group(group)
   POST /begin_weight_update, /end_weight_update   accepted (the session itself is not what this checks)
-  POST /dump_received {"path"}      test hook: every tensor received so far (the last copy of each name), as a
-                                    safetensors file, and how many times each name arrived
+  POST /dump_received {"path", "names"?}  test hook: the tensors received so far (the last copy of each name; all,
+                                    or those of `names`) as a safetensors file, and how many times each arrived
 
 Where SGLang loads a received tensor into its model (`model.load_weights`), this keeps a copy of it instead, so a
 test can check every byte. One process is one engine TP rank; the group is gloo, payloads may be CUDA IPC handles.
@@ -52,6 +52,7 @@ class Receiver:
         self.tp_rank = tp_rank
         self.defer_copy_s = defer_copy_s
         self.pending: list[threading.Thread] = []
+        self.weight_version: str | None = None  # SGLang moves it when an update request names one
         self.groups: dict[str, Any] = {}
         self.received: dict[str, torch.Tensor] = {}
         self.arrivals: dict[str, int] = {}
@@ -119,11 +120,18 @@ class Receiver:
             self._load(named)
         return {"success": True, "message": "Success"}
 
+    def end_weight_update(self, body: dict) -> dict:
+        return {"success": True, "weight_version": self.weight_version}
+
     def _load(self, named: list[tuple[str, torch.Tensor]]) -> None:
         # in SGLang model.load_weights copies each tensor into its parameter before the request answers
         with self.lock:
             for name, tensor in named:
-                self.received[name] = tensor.to("cpu", copy=True)
+                held = self.received.get(name)
+                if held is not None and held.shape == tensor.shape and held.dtype == tensor.dtype:
+                    held.copy_(tensor)  # into the tensor it replaces, as into a parameter
+                else:
+                    self.received[name] = tensor.to("cpu", copy=True)
                 self.arrivals[name] = self.arrivals.get(name, 0) + 1
 
     def dump_received(self, body: dict) -> dict:
@@ -132,8 +140,9 @@ class Receiver:
         for load in self.pending:
             load.join()
         with self.lock:
-            save_file(dict(self.received), body["path"])
-            return {"success": True, "arrivals": dict(self.arrivals)}
+            names = body.get("names") or list(self.received)
+            save_file({name: self.received[name] for name in names if name in self.received}, body["path"])
+            return {"success": True, "arrivals": dict(self.arrivals), "count": len(self.received)}
 
 
 def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
@@ -143,7 +152,7 @@ def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
         "/update_weights_from_distributed": receiver.update_weights_from_distributed,
         "/update_weights_from_tensor": receiver.update_weights_from_tensor,
         "/begin_weight_update": lambda body: {"success": True},
-        "/end_weight_update": lambda body: {"success": True},
+        "/end_weight_update": receiver.end_weight_update,
         "/dump_received": receiver.dump_received,
     }
 
@@ -153,6 +162,8 @@ def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 answer, status = (route(body), 200) if route else ({"success": False, "message": "no route"}, 404)
+                if route and body.get("weight_version") is not None and answer.get("success"):
+                    receiver.weight_version = str(body["weight_version"])
             except Exception as err:  # noqa: BLE001 (SGLang answers a failed update with success false)
                 answer, status = {"success": False, "message": f"{type(err).__name__}: {err}"}, 400
             data = json.dumps(answer).encode()

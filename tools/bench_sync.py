@@ -3,6 +3,7 @@
     python tools/bench_sync.py                      # >= 1 GB DeepSeek-V3-shaped model, both layouts, 3 transports
     python tools/bench_sync.py --layouts pp2ep2 --transports tensor --bucket-mb 32 --repeats 5
     python tools/bench_sync.py --quick              # tiny model: a smoke run of every step (figures meaningless)
+    python tools/bench_sync.py --transports distributed,sglang_code --layouts tp2ep2 --size-gb 0.25 --repeats 3
 
 Four spawned gloo ranks (`mcore_rl.parallel.harness.run_on_ranks`) hold a randomly initialised MegatronActor of a
 synthetic DeepSeek-V3 (fp32; hidden 1024, MLA with q/kv LoRA ranks, layer 0 dense, then MoE layers of 48 experts,
@@ -20,6 +21,11 @@ as tests/test_sync_pipeline.py does:
             (first, last, smallest TP/ETP-gathered) read back with /get_weights_by_name equal the rank's export.
             shard_aware runs for the distributed transport only: a one-rank engine keeps every byte of every tensor,
             so its receivers, and the bytes moved, are those of full.
+            sglang_code is the distributed transport into SGLang 0.5.23's own receiving code instead of the
+            embedded engine (tests/_sglang_receiver.py in a child process: init_custom_process_group, one broadcast
+            into FlattenedTensorBucket.empty per bucket, each tensor copied into the one it replaces); checked per
+            attempt: it holds as many tensors as the plan sends, and the same handful equal the export. It runs
+            when `make setup` has built SGLang's code, and its raw figure is the distributed one.
     raw     the bare medium on the plan's bytes, between buffers faulted in before the clock starts:
               distributed  one gloo broadcast from one rank process to another (new_update_group)
               tensor       one copy into a shared-memory tensor + the engine's staging copy out of it: the two
@@ -70,6 +76,8 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.resharding.sync.transports import encode_payload, http_post
+
+TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
 
 GB = 1e9
 MB = 1 << 20
@@ -195,6 +203,25 @@ def _verify(url: str, reference: dict[str, torch.Tensor], sign: int) -> list[str
     return problems
 
 
+def _verify_sglang(url: str, reference: dict[str, torch.Tensor], sign: int, work_dir: str, rank: int) -> tuple:
+    """The SGLang-code receiver's copies of `reference`'s tensors against sign x the export, and (rank 0) how many
+    tensors it holds. Ranks take turns: each dumps its own names."""
+    from safetensors.torch import load_file
+
+    problems, count = [], -1
+    for turn in range(dist.get_world_size()):
+        if turn == rank:
+            path = os.path.join(work_dir, f"sglang-received-{rank}.safetensors")
+            answer = http_post(url + "/dump_received", {"path": path, "names": sorted(reference)}, None, TIMEOUT_S)
+            got, count = load_file(path), answer["count"]
+            os.remove(path)
+            for name, tensor in reference.items():
+                if name not in got or not torch.equal(got[name], tensor if sign > 0 else -tensor):
+                    problems.append(f"{name}: the SGLang-code receiver differs")
+        dist.barrier()
+    return problems, count
+
+
 def _median(attempts: list[dict[str, Any]], key: str) -> dict[str, Any]:
     return sorted(attempts, key=lambda a: a[key])[(len(attempts) - 1) // 2]
 
@@ -215,7 +242,7 @@ class RawTransfer:
             self.data = torch.full((nbytes,), 7, dtype=torch.uint8)
             if "tensor" in transports:
                 self.shared = torch.zeros(nbytes, dtype=torch.uint8).share_memory_()
-        if "distributed" in transports:
+        if {"distributed", "sglang_code"} & set(transports):
             port = [free_port() if rank == 0 else 0]
             dist.broadcast_object_list(port, src=0)
             if rank == 1:
@@ -224,7 +251,7 @@ class RawTransfer:
                 self.group = new_update_group("gloo", "127.0.0.1", port[0], rank, 2, "bench-raw", TIMEOUT_S)
 
     def seconds(self, transport: str) -> dict[str, float]:
-        out = getattr(self, "_" + transport)()
+        out = getattr(self, "_" + ("distributed" if transport == "sglang_code" else transport))()
         dist.barrier()
         return out
 
@@ -324,9 +351,12 @@ def bench_rank(
     work_dir: str,
     repeats: int,
     to_driver: Any,
+    sglang_url: str | None = None,
 ) -> dict[str, Any]:
     """One actor rank of one layout: plan, then per (transport, mode) `repeats` x (raw transfer, sync), then the v1
-    export, which goes to the driver through `to_driver` (a spawn-context queue, as the harness sends results)."""
+    export, which goes to the driver through `to_driver` (a spawn-context queue, as the harness sends results).
+    `sglang_url` is the SGLang-code receiver that the sglang_code runs sync into."""
+    urls = {t: sglang_url if t == "sglang_code" else url for t, _ in runs}  # where each transport's fence goes
     actor = _actor(rank, world, hf, layout)
     digest = actor.sync_plan(ENGINES, bucket_bytes, "full")
     digests: list[Any] = [None] * world
@@ -338,8 +368,10 @@ def bench_rank(
     reference = {name: t.clone() for name, t in _export(actor) if name in check}
     transports = sorted({t for t, _ in runs})
     raw = RawTransfer(rank, plan.nbytes, transports, work_dir)
-    if "distributed" in transports:
-        _join_groups(actor, url)  # once per layout, as a job does at start-up
+    groups: dict[str, dict[str, Any]] = {}  # per transport, the leader's update groups (same streams, two engines)
+    for transport in sorted({"distributed", "sglang_code"} & set(transports)):
+        actor._sender().groups = groups[transport] = {}
+        _join_groups(actor, urls[transport])  # once per layout, as a job does at start-up
     if "tensor" in transports:
         encode_payload([("warm-up", torch.zeros(1))], None)  # starts torch_shm_manager: once per process, ~0.2 s
     records, sign, version = [], 1, 0
@@ -352,9 +384,16 @@ def bench_rank(
             _negate(actor)
             sign, version = -sign, version + 1
             disk_dir = os.path.join(work_dir, f"sync-{version}")
-            record = _fence(actor, rank, url, transport, version, disk_dir)
+            if transport in groups:
+                actor._sender().groups = groups[transport]
+            medium = "distributed" if transport == "sglang_code" else transport
+            record = _fence(actor, rank, urls[transport], medium, version, disk_dir)
             record["raw"] = raw_figures
-            problems = _verify(url, reference, sign)
+            if transport == "sglang_code":
+                problems, count = _verify_sglang(sglang_url, reference, sign, work_dir, rank)
+                record["committed"] = count if rank == 0 else -1
+            else:
+                problems = _verify(url, reference, sign)
             everyone: list[Any] = [None] * world
             dist.all_gather_object(everyone, (record["stats"], problems, len(reference)))
             if rank == 0:
@@ -367,10 +406,10 @@ def bench_rank(
                 attempts.append(record)
         if rank == 0:
             records.append({"transport": transport, "mode": mode, "attempts": attempts})
-    if "distributed" in transports:
+    for transport in {"distributed", "sglang_code"} & set(transports):
         for name in actor.sync_addresses():
-            http_post(url + "/destroy_weights_update_group", {"group_name": name}, None, TIMEOUT_S)
-        actor.sync_drop_groups()
+            http_post(urls[transport] + "/destroy_weights_update_group", {"group_name": name}, None, TIMEOUT_S)
+    actor.sync_drop_groups()
     del raw
     # v1: begin, every rank exports full HF tensors, they travel to the driver pickled, the driver pushes them
     _negate(actor)
@@ -497,6 +536,7 @@ def run_layout(
     runs: list[tuple[str, str]],
     bucket_bytes: int,
     repeats: int,
+    sglang_url: str | None = None,
 ) -> dict[str, Any]:
     """All syncs of one layout on 4 fresh ranks, v1 driven from here; returns the figures."""
     from mcore_rl.parallel.harness import rank_context, run_on_ranks
@@ -508,7 +548,7 @@ def run_layout(
     driver.start()
     work_dir = tempfile.mkdtemp(prefix="bench_sync-")
     try:
-        args = (hf, layout, url, runs, bucket_bytes, work_dir, repeats, to_driver)
+        args = (hf, layout, url, runs, bucket_bytes, work_dir, repeats, to_driver, sglang_url)
         results = run_on_ranks(bench_rank, WORLD, args, timeout_s=1800)
     finally:
         ranks_gone.set()
@@ -533,9 +573,9 @@ def run_layout(
     }
     sessions = iter(profile.sessions)  # one per fence, in order, then v1's
     for run in info["runs"]:
-        for attempt in run["attempts"]:
-            attempt["engine"] = next(sessions, {})
-    if v1["last_sync_problems"] and info["runs"]:
+        for attempt in run["attempts"]:  # the SGLang-code receiver is not profiled
+            attempt["engine"] = {} if run["transport"] == "sglang_code" else next(sessions, {})
+    if v1["last_sync_problems"] and info["runs"] and info["runs"][-1]["transport"] != "sglang_code":
         info["runs"][-1]["attempts"][-1]["problems"] += [f"(every tensor) {p}" for p in v1["last_sync_problems"][:5]]
     info["raw"] = {}  # per transport: the median of the attempts measured before its syncs
     for transport in {run["transport"] for run in info["runs"]}:
@@ -563,8 +603,8 @@ def _row(layout: str, info: dict[str, Any], run: dict[str, Any]) -> dict[str, An
 def _print_raw_and_v1(info: dict[str, Any]) -> None:
     n, raw, v1 = info["nbytes"], info["raw"], info["v1"]
     parts = []
-    if "distributed" in raw:
-        r = raw["distributed"]
+    if "distributed" in raw or "sglang_code" in raw:
+        r = raw.get("distributed") or raw["sglang_code"]
         parts.append(f"distributed {r['seconds']:.2f} s = {n / GB / r['seconds']:.2f} GB/s (one gloo broadcast, two "
                      "processes)")  # fmt: skip
     if "tensor" in raw:
@@ -605,6 +645,11 @@ def _print_profile(run: dict[str, Any], row: dict[str, Any]) -> None:
         f"staging {eng.get('stage_s', 0):.2f}) = {total:.2f} cpu-s of {cores * attempt['seconds']:.2f} core-s\n"
         f"      resident between syncs: largest rank {resident / MB:.1f} MB (its reused bucket and gather buffers); "
         f"engine {eng.get('resident_bytes', 0) / MB:.1f} MB (reused staging and receive buffers)"
+        + (
+            "\n      (engine figures: the SGLang-code receiver runs in its own process, not profiled)"
+            if not eng
+            else ""
+        )
     )
 
 
@@ -650,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-gb", type=float, default=1.0, help="fp32 parameter bytes of the model, at least")
     parser.add_argument("--bucket-mb", type=float, default=None, help="sync bucket in MB (default 64; --quick 0.0625)")
     parser.add_argument("--layouts", default="tp2ep2,pp2ep2", help=f"comma-separated, of {','.join(LAYOUTS)}")
-    parser.add_argument("--transports", default="distributed,tensor,disk", help="comma-separated")
+    parser.add_argument("--transports", default="distributed,tensor,disk,sglang_code", help="comma-separated")
     parser.add_argument("--repeats", type=int, default=3, help="attempts per sync and raw rate (the median is kept)")
     parser.add_argument("--quick", action="store_true", help="a tiny model: a smoke run of the whole benchmark")
     args = parser.parse_args(argv)
@@ -658,13 +703,14 @@ def main(argv: list[str] | None = None) -> int:
     transports = [x for x in args.transports.split(",") if x]
     if bad := [x for x in layouts if x not in LAYOUTS]:
         parser.error(f"unknown layouts {bad}; expected some of {list(LAYOUTS)}")
-    if bad := [x for x in transports if x not in ("distributed", "tensor", "disk")]:
-        parser.error(f"unknown transports {bad}; expected some of distributed, tensor, disk")
+    if bad := [x for x in transports if x not in ("distributed", "tensor", "disk", "sglang_code")]:
+        parser.error(f"unknown transports {bad}; expected some of distributed, tensor, disk, sglang_code")
     bucket_mb = args.bucket_mb if args.bucket_mb is not None else (0.0625 if args.quick else 64.0)
     bucket_bytes = int(bucket_mb * MB)
-    runs = [(t, "full") for t in transports]
+    # sglang_code first: the embedded engine then holds the last sync when v1 checks it
+    runs = [(t, "full") for t in sorted(transports, key=lambda t: t != "sglang_code")]
     if "distributed" in transports:
-        runs.insert(transports.index("distributed") + 1, ("distributed", "shard_aware"))
+        runs.insert(runs.index(("distributed", "full")) + 1, ("distributed", "shard_aware"))
 
     from transformers.utils import logging as hf_logging
 
@@ -678,6 +724,15 @@ def main(argv: list[str] | None = None) -> int:
         f"experts, vocab {hf['vocab_size']}); bucket {bucket_mb:g} MB; runs {runs}",
         flush=True,
     )
+    import contextlib
+    import sys
+
+    sys.path.insert(0, TESTS)
+    from _sglang_code import RECEIVER_PATH, sglang_receiver_process
+
+    if "sglang_code" in transports and not RECEIVER_PATH.is_file():
+        print(f"sglang_code skipped: {RECEIVER_PATH} is missing (`make setup` builds it)")
+        runs = [r for r in runs if r[0] != "sglang_code"]
     server = ServerThread(build_server(dict(hf), init_seed=99))
     profile = EngineProfile(server.server.receiver)
     rows: list[dict[str, Any]] = []
@@ -685,7 +740,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for layout in layouts:
             start = time.perf_counter()
-            info = run_layout(layout, hf, server, profile, runs, bucket_bytes, args.repeats)
+            with contextlib.ExitStack() as stack:  # a fresh SGLang-code receiver per layout, as a fresh engine
+                sglang_url = None
+                if any(t == "sglang_code" for t, _ in runs):
+                    sglang_url = stack.enter_context(sglang_receiver_process())
+                info = run_layout(layout, hf, server, profile, runs, bucket_bytes, args.repeats, sglang_url)
             infos.append(info)
             rows += report(layout, info)
             print(f"({layout} took {time.perf_counter() - start:.0f} s in all)", flush=True)
