@@ -207,6 +207,9 @@ def megatron_common_fields(layout: ParallelLayout, dtype: torch.dtype, runtime: 
         persist_layer_norm=te,
         apply_rope_fusion=te,
         gradient_accumulation_fusion=False,
+        # The local core attention takes its softmax in the model dtype unless told otherwise; transformers' eager
+        # attention, SGLang's and TE's kernels take it in fp32. No effect on fp32 models.
+        attention_softmax_in_fp32=True,
     )
 
 
