@@ -160,3 +160,47 @@ def test_two_engines_join_at_their_rank_offsets(engines) -> None:
     for url in engine_set.urls:
         assert requests.post(url + "/end_weight_update", json={}, timeout=30).status_code == 200
     _check(engine_set, 2, reference)
+
+
+def _sglang_nccl_rank(port: int, out) -> None:  # noqa: ANN001 (a spawn queue)
+    """SGLang's side of an NCCL update group on cuda:1, as WeightUpdater.init_weights_update_group joins it."""
+    import datetime
+
+    from _sglang_code import load_sglang_receiver
+
+    sglang = load_sglang_receiver()
+    torch.cuda.set_device(1)
+    dist.init_process_group("gloo", init_method=f"file:///tmp/sglang-default-group-{port}", rank=0, world_size=1)
+    group = sglang.init_custom_process_group(
+        backend="nccl", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1, group_name="pp0-dense",
+        timeout=datetime.timedelta(seconds=TIMEOUT_S),
+    )  # fmt: skip
+    tensor = torch.zeros(1 << 20, dtype=torch.bfloat16, device="cuda:1")
+    dist.broadcast(tensor, src=0, group=group)
+    out.put(tensor.float().sum().item())
+
+
+@pytest.mark.gpu
+def test_nccl_rendezvous_meets_sglang_init_custom_process_group() -> None:
+    """Our leader (cuda:0) and SGLang's function (cuda:1, another process) form one NCCL group and broadcast."""
+    import multiprocessing
+
+    from mcore_rl.parallel.groups import free_port
+    from mcore_rl.parallel.update_group import broadcast, new_update_group
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL refuses two ranks of one communicator on one GPU: needs 2 GPUs")
+    port, context = free_port(), multiprocessing.get_context("spawn")
+    out = context.Queue()
+    child = context.Process(target=_sglang_nccl_rank, args=(port, out))
+    child.start()
+    try:
+        torch.cuda.set_device(0)
+        group = new_update_group("nccl", "127.0.0.1", port, 0, 2, "pp0-dense", TIMEOUT_S)
+        broadcast(group, torch.ones(1 << 20, dtype=torch.bfloat16, device="cuda:0"))
+        torch.cuda.synchronize()
+        assert out.get(timeout=TIMEOUT_S) == float(1 << 20)
+    finally:
+        child.join(TIMEOUT_S)
+        if child.is_alive():
+            child.kill()
