@@ -21,6 +21,7 @@ import torch.distributed as dist
 from mcore_rl.parallel.update_group import UpdateGroup, new_update_group
 from mcore_rl.resharding.sync.execute import SyncExecutor
 from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
+from mcore_rl.resharding.sync.order import InGlobalOrder, global_order
 from mcore_rl.resharding.sync.plan import EngineLayout, SyncPlan, build_plan
 from mcore_rl.resharding.sync.transports import DiskTransport, DistributedTransport, TensorTransport
 
@@ -33,6 +34,7 @@ class SyncSender:
         self.plan_: SyncPlan | None = None
         self.executor: SyncExecutor | None = None
         self.groups: dict[str, UpdateGroup] = {}
+        self._sends = 0  # syncs run so far (the same count on every rank): names each one's keys in the store
 
     def plan(self, engines: dict[str, int], bucket_bytes: int, mode: str, fp8: bool = False) -> str:
         """Compute the plan (collective over the actor's world); returns its digest."""
@@ -113,11 +115,18 @@ class SyncSender:
         if self.executor is None:
             raise RuntimeError("weight sync has no plan yet: call sync_plan first")
         device = torch.device("cuda", torch.cuda.current_device()) if self.actor.runtime == "cuda" else "cpu"
+        self._sends += 1
         if transport == "distributed":
             sink: Any = DistributedTransport(
                 self.groups, engine_urls, api_key=api_key, weight_version=str(version), timeout_s=timeout_s,
                 device=device,
             )  # fmt: skip
+            # the leaders take turns in one global order of buckets: engines serve update requests one at a time,
+            # each blocking in its broadcast (resharding/sync/order.py)
+            plan = self._plan()
+            led = {s.index for s in plan.streams if s.leader == self.actor.rank}
+            store = dist.distributed_c10d._get_default_store()
+            sink = InGlobalOrder(sink, global_order(plan), led, store, f"mcore_rl_sync/{self._sends}", timeout_s)
         elif transport == "tensor":
             sink = TensorTransport(
                 engine_urls, api_key=api_key, weight_version=str(version), ranks_per_engine=ranks_per_engine,
