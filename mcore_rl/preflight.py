@@ -43,6 +43,14 @@ def check(cfg: RLConfig) -> None:
     check_run_dir(cfg.trainer.run_dir)
     for path in cfg.data.train_files:
         check_parquet(path)
+    check_loggers(list(cfg.trainer.loggers))
+    from mcore_rl.reward.sources import check_data_sources
+
+    check_data_sources(cfg)  # every data_source of the train and val files has a scorer (or reward.path is set)
+    if cfg.trainer.resume is not None or cfg.trainer.save_every:
+        from mcore_rl.checkpoint.manager import check_resume
+
+        check_resume(cfg)  # a resume target that is not a compatible checkpoint; saves over another run's
     if cfg.model.tokenizer and not os.path.isdir(cfg.model.tokenizer):
         raise ConfigError(f"model.tokenizer={cfg.model.tokenizer!r}: no such directory")
     check_ray_cpus(cfg)
@@ -62,6 +70,17 @@ def check_run_dir(run_dir: str) -> None:
             f"trainer.run_dir={run_dir!r} is not a writable directory ({err.strerror or err}); expected a path "
             "where the run can write its metrics and artifacts"
         ) from None
+
+
+def check_loggers(loggers: list[str]) -> None:
+    """Each of trainer.loggers has its package installed here (the config names them; this machine has them)."""
+    from mcore_rl.metrics.backends import missing_packages
+
+    for name, package in missing_packages(loggers).items():
+        raise ConfigError(
+            f"trainer.loggers={loggers!r} is invalid here: the {name} logger needs the {package!r} package, which is "
+            f"not installed (pip install {package}); expected it installed or {name!r} removed"
+        )
 
 
 def check_parquet(path: str) -> None:

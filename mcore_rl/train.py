@@ -46,7 +46,9 @@ def setup_data(cfg: RLConfig) -> tuple[Any, Any, str]:
         path = os.path.join(cfg.trainer.run_dir, f"{cfg.data.synthetic_task}.parquet")
         write_synthetic_dataset(path, cfg.data.synthetic_num_prompts, cfg.data.seed, task=cfg.data.synthetic_task)
         files = [path]
-    dataset = PromptDataset(files, tokenizer, cfg.data.max_prompt_length, overlong=cfg.data.overlong)
+    dataset = PromptDataset(
+        files, tokenizer, cfg.data.max_prompt_length, overlong=cfg.data.overlong, prompt_key=cfg.data.prompt_key
+    )
     loader = PromptLoader(dataset, cfg.data.batch_size, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     return tokenizer, loader, tokenizer_dir
 
@@ -219,13 +221,23 @@ register_schema()
 @hydra.main(config_path="pkg://mcore_rl.configs", config_name="default", version_base=None)
 def main(dcfg: DictConfig) -> None:
     """Exit codes, the FAILED marker and Ctrl-C handling: mcore_rl/lifecycle.py."""
-    from mcore_rl.lifecycle import run_guarded
-
     try:
         cfg = to_config(dcfg)
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
+    start(cfg)
+
+
+def start(cfg: RLConfig) -> None:
+    """The RL loop, or the DPO loop, under lifecycle's exit codes."""
+    from mcore_rl.lifecycle import run_guarded
+
+    if PRINT_CONFIG:
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+        return
     if cfg.trainer.mode == "dpo":
         from mcore_rl.controller.dpo_loop import run_dpo
 
@@ -234,7 +246,37 @@ def main(dcfg: DictConfig) -> None:
         run_guarded(cfg, run)
 
 
-if __name__ == "__main__":
+PRINT_CONFIG = False  #: --print-config: print the validated config in our keys and stop
+
+
+def command_line(argv: list[str]) -> None:
+    """`python -m mcore_rl.train [--print-config] overrides...`: our keys go to Hydra over configs/default.yaml; a
+    command with verl's keys is translated (mcore_rl/config/verl.py) over verl's defaults instead. Every unknown or
+    refused key of the command is reported at once (exit 2)."""
+    global PRINT_CONFIG
+    from mcore_rl.config.verl_cli import compose, translate
     from mcore_rl.lifecycle import cli
 
-    cli(main)
+    PRINT_CONFIG = "--print-config" in argv
+    args = [a for a in argv if a != "--print-config"]
+    t = translate(args)
+    for line in t.lines:
+        print(f"verl: {line}")
+    cfg = compose(t) if t.verl and not t.errors else None
+    if t.errors:
+        for error in t.errors:
+            print(f"config error: {error}", file=sys.stderr)
+        sys.exit(2)
+    if not t.verl:
+        sys.argv = [sys.argv[0], *args]
+        cli(main)
+        return
+    try:
+        start(to_config(cfg))
+    except ValueError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    command_line(sys.argv[1:])

@@ -111,11 +111,13 @@ def test_loggers_are_checked_against_the_backends(loggers: list[str], message: s
     import re
 
     from mcore_rl.config import ConfigError, TrainerConfig
+    from mcore_rl.preflight import check_loggers
 
     if "wandb" in loggers and importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here: nothing is missing")
     with pytest.raises(ConfigError, match=re.escape(message)):
-        TrainerConfig(loggers=loggers).validate()
+        TrainerConfig(loggers=loggers).validate()  # the names: the config; the packages: pre-flight (this machine)
+        check_loggers(loggers)
 
 
 def test_quiet_process_hides_exactly_the_listed_warnings() -> None:

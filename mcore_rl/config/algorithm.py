@@ -4,6 +4,7 @@ rollout/training mismatch correction, the reward function, and offline DPO."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mcore_rl.config.checks import _check, _positive
 
@@ -134,6 +135,8 @@ class RewardConfig:
 
     path: str | None = None  #: python file defining the reward function; null = built-ins by data_source
     name: str | None = None  #: function name in `path` (verl's custom_reward_function.name)
+    #: keyword arguments bound to every call of the function in `path` (verl's custom_reward_function.reward_kwargs)
+    kwargs: dict[str, Any] = field(default_factory=dict)
     num_threads: int = 1  #: concurrent calls of a per-response function
     timeout_s: float | None = None  #: per-call limit in seconds (null = none); a call past it fails the step
     #: HF sequence-classification reward model dir (num_labels=1), scored by a Ray worker (reward/reward_model.py)
@@ -147,6 +150,7 @@ class RewardConfig:
         _positive("reward.num_threads", self.num_threads)
         if self.timeout_s is not None:
             _check(self.timeout_s > 0, "reward.timeout_s", self.timeout_s, "> 0 seconds, or null for no limit")
+        _check(not self.kwargs or self.path is not None, "reward.kwargs", self.kwargs, "{} unless reward.path is set")
         _check(
             self.name is None or self.path is not None,
             "reward.name",

@@ -19,6 +19,8 @@ DPO_LOSSES = ("sigmoid", "ipo")
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
 SYNC_MODES = ("full", "shard_aware")
 SYNC_TRANSPORTS = ("distributed", "tensor", "disk")
+PLACEMENTS = ("split", "colocated")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 #: each tuple above -> (module, registry name) it mirrors
 MIRRORS = {
@@ -33,4 +35,6 @@ MIRRORS = {
     "ROUTER_REPLAY_MODES": ("mcore_rl.actor.router_replay", "ROUTER_REPLAY_MODES"),
     "SYNC_MODES": ("mcore_rl.resharding.sync.plan", "MODES"),
     "SYNC_TRANSPORTS": ("mcore_rl.resharding.sync.transports", "TRANSPORTS"),
+    "PLACEMENTS": ("mcore_rl.controller.placement", "PLACEMENTS"),
+    "LOGGERS": ("mcore_rl.metrics.backends", "BACKENDS"),
 }

@@ -78,6 +78,10 @@ class RolloutConfig:
     #: validation: samples per prompt of the sampled pass (rollout temperature/top_p) for mean@k and pass@k
     #: (verl: val_kwargs.n); 0 = the greedy pass only. The greedy pass (temperature 0, one sample) always runs
     val_n: int = 4
+    #: validation's temperature (verl: val_kwargs.temperature with do_sample=True); null = the first pass is greedy
+    #: (temperature 0) and the sampled pass uses rollout.temperature
+    val_temperature: float | None = None
+    val_top_p: float | None = None  #: validation's top_p (verl: val_kwargs.top_p); null = rollout.top_p
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
 
     def validate(self) -> None:
@@ -116,6 +120,10 @@ class RolloutConfig:
             "0 (greedy validation only) or an integer >= 2 (the greedy pass is the n=1 case)",
         )
         _check(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
+        if self.val_temperature is not None:
+            _check(self.val_temperature >= 0, "rollout.val_temperature", self.val_temperature, ">= 0 or null")
+        if self.val_top_p is not None:
+            _check(0 < self.val_top_p <= 1, "rollout.val_top_p", self.val_top_p, "in (0, 1] or null")
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
         self.sglang.validate()
 

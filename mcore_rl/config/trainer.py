@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mcore_rl.config.checks import ConfigError, _check, _positive
+from mcore_rl.config.checks import _check, _positive
 
 
 @dataclass
@@ -20,8 +20,11 @@ class DataConfig:
     synthetic_task: str = "copy_digit"  #: task written into the run dir when train_files is empty
     synthetic_num_prompts: int = 512
     batch_size: int = 8  #: prompts per RL step
-    max_prompt_length: int = 64  #: longer prompts are refused (overlong=error) or dropped
-    overlong: str = "error"  #: error | drop
+    max_prompt_length: int = 64  #: longer prompts are refused (overlong=error), dropped, or cut (left/right)
+    #: a prompt longer than max_prompt_length: error (refused, naming file and row) | drop | left (keep its last
+    #: max_prompt_length tokens, verl's truncation=left) | right (keep its first ones)
+    overlong: str = "error"
+    prompt_key: str = "prompt"  #: the parquet column holding the chat messages (verl's data.prompt_key)
     shuffle: bool = True
     seed: int = 0
 
@@ -31,7 +34,8 @@ class DataConfig:
             _positive("data.val_batch_size", self.val_batch_size)
         _positive("data.max_prompt_length", self.max_prompt_length)
         _positive("data.synthetic_num_prompts", self.synthetic_num_prompts)
-        _check(self.overlong in ("error", "drop"), "data.overlong", self.overlong, "error or drop")
+        overlongs = ("error", "drop", "left", "right")
+        _check(self.overlong in overlongs, "data.overlong", self.overlong, f"one of {overlongs}")
 
 
 TRAINER_MODES = ("rl", "dpo")
@@ -73,20 +77,14 @@ class TrainerConfig:
     max_nonfinite_steps: int = 0
 
     def validate(self) -> None:
-        from mcore_rl.controller.placement import PLACEMENTS
-        from mcore_rl.metrics.backends import BACKENDS, missing_packages
+        from mcore_rl.config.names import LOGGERS, PLACEMENTS
 
         _positive("trainer.steps", self.steps)
         if self.ray_num_cpus is not None:
             _positive("trainer.ray_num_cpus", self.ray_num_cpus)
         _check(self.runtime in ("cpu", "cuda"), "trainer.runtime", self.runtime, "cpu or cuda")
-        for name in self.loggers:
-            _check(name in BACKENDS, "trainer.loggers", list(self.loggers), f"a list of {tuple(BACKENDS)}")
-        for name, package in missing_packages(list(self.loggers)).items():
-            raise ConfigError(
-                f"trainer.loggers={list(self.loggers)!r} is invalid here: the {name} logger needs the {package!r} "
-                f"package, which is not installed (pip install {package}); expected it installed or {name!r} removed"
-            )
+        for name in self.loggers:  # whether a logger's package is installed here: preflight.check_loggers
+            _check(name in LOGGERS, "trainer.loggers", list(self.loggers), f"a list of {LOGGERS}")
         modes = ("offline", "online", "disabled")
         _check(self.wandb_mode in modes, "trainer.wandb_mode", self.wandb_mode, f"one of {modes}")
         _check(
@@ -96,7 +94,7 @@ class TrainerConfig:
             "an integer >= 0",
         )
         _check(self.mode in TRAINER_MODES, "trainer.mode", self.mode, f"one of {TRAINER_MODES}")
-        _check(self.placement in PLACEMENTS, "trainer.placement", self.placement, f"one of {tuple(PLACEMENTS)}")
+        _check(self.placement in PLACEMENTS, "trainer.placement", self.placement, f"one of {PLACEMENTS}")
         _positive("trainer.max_staleness", self.max_staleness)
         _check(
             not self.async_rollout or self.placement == "split",

@@ -42,10 +42,6 @@ def validate_run(cfg: RLConfig) -> None:
     if cfg.trainer.mode == "dpo":
         check_dpo(cfg)
     check_algorithm(cfg)
-    if cfg.trainer.resume is not None or cfg.trainer.save_every:
-        from mcore_rl.checkpoint.manager import check_resume
-
-        check_resume(cfg)  # a resume target that is not a compatible checkpoint: refused before anything starts
     if cfg.sync.transport == "tensor" and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.nnodes > 1:
         raise ConfigError(
             "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1: the tensor transport shares memory "

@@ -64,6 +64,15 @@ def prompt_metrics(scores: list[float]) -> dict[str, float]:
     return out
 
 
+def validation_sampling(cfg: RLConfig) -> dict[str, float]:
+    """Sampling overrides of validation: {} (greedy first pass, rollout's sampling after) unless
+    rollout.val_temperature is set."""
+    r = cfg.rollout
+    if r.val_temperature is None:
+        return {}
+    return {"temperature": r.val_temperature, "top_p": r.top_p if r.val_top_p is None else r.val_top_p}
+
+
 class Validator:
     """See the module docstring."""
 
@@ -76,9 +85,12 @@ class Validator:
         val_n: int,
         batch_size: int | None,
         val_every: int,
+        sampling: dict[str, float] | None = None,
     ) -> None:
         self.prompts, self.engines, self.score, self.eos = prompts, engines, score, eos
         self.val_n, self.batch_size, self.val_every = val_n, batch_size or len(prompts), val_every
+        # rollout.val_temperature / val_top_p (verl's val_kwargs with do_sample=True): both passes sample with them
+        self.sampling = sampling or {}
 
     @classmethod
     def from_config(cls, cfg: RLConfig, tokenizer: Any, engines: Any, score: Callable) -> Validator | None:
@@ -94,7 +106,9 @@ class Validator:
             task = cfg.data.synthetic_task
             write_synthetic_dataset(path, SYNTHETIC_VAL_PROMPTS, cfg.data.seed + 1, task=task, split="test")
             files = [path]
-        dataset = PromptDataset(files, tokenizer, cfg.data.max_prompt_length, overlong=cfg.data.overlong)
+        dataset = PromptDataset(
+            files, tokenizer, cfg.data.max_prompt_length, overlong=cfg.data.overlong, prompt_key=cfg.data.prompt_key
+        )
         if len(dataset) == 0:
             raise ValueError(f"data.val_files={files}: no validation prompts left (all dropped or empty files)")
         return cls(
@@ -105,6 +119,7 @@ class Validator:
             cfg.rollout.val_n,
             cfg.data.val_batch_size,
             cfg.trainer.val_every,
+            validation_sampling(cfg),
         )
 
     def due(self, step: int, last_step: int) -> bool:
@@ -117,12 +132,13 @@ class Validator:
         for start in range(0, len(self.prompts), self.batch_size):
             prompts = self.prompts[start : start + self.batch_size]
             ids = [p["prompt_token_ids"] for p in prompts]
-            greedy = self.engines.generate(ids, 1, seed, self.eos, overrides={"temperature": 0.0})
+            first = self.sampling or {"temperature": 0.0}
+            greedy = self.engines.generate(ids, 1, seed, self.eos, overrides=first)
             for p, s in zip(prompts, self.score(prompts, greedy, 1).tolist()):
                 per_source[p["data_source"]]["mean@1"].append(s)
             if self.val_n:
                 k = self.val_n
-                sampled = self.engines.generate(ids, k, seed + start * k, self.eos)
+                sampled = self.engines.generate(ids, k, seed + start * k, self.eos, overrides=self.sampling or None)
                 scores = self.score(prompts, sampled, k).view(len(prompts), k).tolist()
                 for p, row in zip(prompts, scores):
                     for name, value in prompt_metrics(row).items():

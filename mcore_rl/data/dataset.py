@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
-OverlongPolicy = Literal["error", "drop"]
+OverlongPolicy = Literal["error", "drop", "left", "right"]
 
 
 class DatasetSchemaError(ValueError):
@@ -161,11 +161,12 @@ class PromptDataset(Sequence[dict[str, Any]]):
             tokenizer: an HF tokenizer with a chat template; the generation prompt is appended to each prompt.
             max_prompt_length: longest prompt, in tokens, after the chat template.
             overlong: "error" raises on the first longer prompt (naming file, row and length); "drop" skips them,
-                logs how many, and records the count in `num_dropped`.
+                logs how many, and records the count in `num_dropped`; "left" keeps a longer prompt's last
+                max_prompt_length tokens, "right" its first ones (verl's data.truncation).
             prompt_key: name of the messages column (verl's `data.prompt_key`).
         """
-        if overlong not in ("error", "drop"):
-            raise ValueError(f"overlong must be 'error' or 'drop', got {overlong!r}")
+        if overlong not in ("error", "drop", "left", "right"):
+            raise ValueError(f"overlong must be 'error', 'drop', 'left' or 'right', got {overlong!r}")
         if max_prompt_length < 1:
             raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}")
         if getattr(tokenizer, "chat_template", None) is None:
@@ -191,8 +192,11 @@ class PromptDataset(Sequence[dict[str, Any]]):
                         f"{path}: row {row_index}: prompt is {len(ids)} tokens after the chat template, longer than "
                         f"max_prompt_length={max_prompt_length} (raise it, or set overlong='drop')"
                     )
-                self.num_dropped += 1
-                continue
+                if overlong in ("left", "right"):  # verl's truncation: the template's tokens are cut as well
+                    ids = ids[-max_prompt_length:] if overlong == "left" else ids[:max_prompt_length]
+                else:
+                    self.num_dropped += 1
+                    continue
             self._items.append({"index": len(self._items), "prompt_token_ids": list(ids), **row})
         if self.num_dropped:
             logger.warning(

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from mcore_rl.reward import code_reward, rule
+from mcore_rl.reward import code_reward, rule, verl_scores
 
 RewardResult = float | dict[str, Any]
 
@@ -56,13 +56,28 @@ SYNTHETIC_DATA_SOURCES = ("synthetic/copy_digit", "synthetic/copy_digits", "synt
 GSM8K_DATA_SOURCES = ("openai/gsm8k",)
 MATH_DATA_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 
+DAPO_DATA_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
+#: data_source prefixes verl scores by one rule (its default_compute_score: `data_source.startswith("aime")`)
+BUILTIN_PREFIXES: dict[str, RewardFn] = {"aime": verl_scores.dapo_score}
+
+# verl's data sources score as verl scores them (reward/verl_scores.py); verl's numina_* (prime_math, sympy) and
+# searchR1_* (needs a search tool) have no scorer here: pre-flight names them (reward/sources.py).
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     **{source: rule.synthetic_digits_score for source in SYNTHETIC_DATA_SOURCES},
     "synthetic/lookup": rule.synthetic_lookup_score,
-    **{source: rule.gsm8k_score for source in GSM8K_DATA_SOURCES},
-    **{source: rule.math_boxed_score for source in MATH_DATA_SOURCES},
+    **{source: verl_scores.gsm8k_score for source in GSM8K_DATA_SOURCES},
+    **{source: verl_scores.hendrycks_math_score for source in MATH_DATA_SOURCES},
+    **{source: verl_scores.dapo_score for source in DAPO_DATA_SOURCES},
     **{source: code_reward.code_compute_score for source in code_reward.CODE_DATA_SOURCES},
 }
+
+
+def builtin_reward(data_source: str) -> RewardFn | None:
+    """The built-in scorer of `data_source`: an exact entry of BUILTIN_REWARDS, else verl's prefix rules."""
+    fn = BUILTIN_REWARDS.get(data_source)
+    if fn is None:
+        fn = next((f for prefix, f in BUILTIN_PREFIXES.items() if data_source.startswith(prefix)), None)
+    return fn
 
 
 def register_reward(data_source: str, fn: RewardFn, overwrite: bool = False) -> None:
@@ -77,10 +92,11 @@ def default_compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
 ) -> RewardResult:
     """Score with the built-in registered for `data_source`; the error lists the registered data sources."""
-    fn = BUILTIN_REWARDS.get(data_source)
+    fn = builtin_reward(data_source)
     if fn is None:
         raise RewardFunctionError(
-            f"no built-in reward for data_source={data_source!r}; known: {sorted(BUILTIN_REWARDS)}. "
+            f"no built-in reward for data_source={data_source!r}; known: {sorted(BUILTIN_REWARDS)} and "
+            f"{[p + '*' for p in BUILTIN_PREFIXES]}. "
             "Set reward.custom_reward_function.path to a file with a compute_score function, or register one."
         )
     return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
@@ -120,6 +136,9 @@ def _import_file(path: str) -> Any:
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise RewardFunctionError(f"reward function file not found: {path}")
+    from mcore_rl.reward import verl_shim
+
+    verl_shim.install()  # `import verl.utils.reward_score` in the file works without verl (reward/verl_shim.py)
     module_name = "mcore_rl_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     if module_name in sys.modules:
         return sys.modules[module_name]
@@ -179,6 +198,8 @@ def load_reward_function(path: str, name: str | None = None, reward_kwargs: dict
         candidates = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise RewardFunctionError(f"{location} has no function {function_name!r}; callables there: {candidates}")
     fn = getattr(module, function_name)
+    if inspect.iscoroutinefunction(fn):  # verl awaits `async def` reward functions; so does this wrapper
+        fn = _awaited(fn)
     if reward_kwargs:
         fn = functools.partial(fn, **reward_kwargs)
     takes_extra_info = check_signature(fn, where)
@@ -193,6 +214,18 @@ def load_reward_function(path: str, name: str | None = None, reward_kwargs: dict
     # Named after the user's function so that errors raised while scoring point at it.
     without_extra_info.__name__ = without_extra_info.__qualname__ = function_name
     return without_extra_info
+
+
+def _awaited(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """An `async def` reward function as a plain one: each call runs the coroutine to its end on its own event loop
+    (calls come from the reward manager's threads, which run no loop of their own)."""
+    import asyncio
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return asyncio.run(fn(*args, **kwargs))
+
+    return call
 
 
 def build_reward_fn(

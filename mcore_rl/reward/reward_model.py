@@ -139,7 +139,7 @@ def build_reward(cfg: Any, policy_tokenizer: str | None) -> Any:
     (`reward.model_path`) by `reward.rule_weight` and `reward.model_weight`."""
     from mcore_rl.reward.loader import build_reward_fn
 
-    rule = build_reward_fn(cfg.path, cfg.name)
+    rule = build_reward_fn(cfg.path, cfg.name, dict(cfg.kwargs) or None)
     if not cfg.model_path:
         return rule
     scorer = RewardModelScorer(cfg.model_path, policy_tokenizer, num_cpus=cfg.model_num_cpus)

@@ -1,0 +1,213 @@
+"""Reading a command line: our keys as they are, verl's through the table in config/verl.py, every problem at once.
+
+    translate(argv)   -> Translation: our settings (key -> value), one line per verl key, every error
+    compose(t)        -> the DictConfig of the run (schema <- verl's defaults <- the command), to_config's input
+
+A command is a verl command when it names a key that only verl has (or verl's --config-name); then verl's defaults
+apply under what it sets and the tiny CPU job of configs/default.yaml is not read at all. Otherwise the command is
+ours and goes to Hydra as before, after every unknown key has been reported (with "verl's X is Y here" hints).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from mcore_rl.config import verl as V
+from mcore_rl.config.verl_derive import derive
+
+
+@dataclass
+class Translation:
+    """What a command line asks, in our keys."""
+
+    verl: bool = False  #: the command used verl's keys (verl's defaults apply)
+    settings: dict[str, Any] = field(default_factory=dict)  #: our key -> value, in the order they apply
+    lines: list[str] = field(default_factory=list)  #: one per verl key: what it became or why it is ignored
+    errors: list[str] = field(default_factory=list)  #: every problem of the command, each naming its key
+    hydra_args: list[str] = field(default_factory=list)  #: flags kept for Hydra (commands of ours)
+
+
+def schema_field(key: str) -> bool:
+    """Whether `key` names a field of our schema (or sits below a free-form dict field such as model.hf_config)."""
+    from mcore_rl.config import RLConfig
+
+    node: Any = RLConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return node in (dict, Any) or typing.get_origin(node) is dict
+        fields = {f.name for f in dataclasses.fields(node)}
+        if part not in fields:
+            return False
+        hint = typing.get_type_hints(node)[part]
+        node = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), hint)
+    return True
+
+
+def our_keys() -> list[str]:
+    """Every leaf key of our schema (for suggestions)."""
+    from mcore_rl.config import RLConfig
+
+    out: list[str] = []
+
+    def walk(node: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(node)
+        for f in dataclasses.fields(node):
+            sub = next((a for a in typing.get_args(hints[f.name]) if dataclasses.is_dataclass(a)), hints[f.name])
+            if dataclasses.is_dataclass(sub):
+                walk(sub, f"{prefix}{f.name}.")
+            else:
+                out.append(f"{prefix}{f.name}")
+
+    walk(RLConfig, "")
+    return out
+
+
+def _verl_only(key: str) -> bool:
+    return V.lookup(key) is not None and not schema_field(key)
+
+
+def _parse(args: list[str]) -> tuple[list[tuple[str, Any, str]], list[str], list[str]]:
+    """Hydra's override grammar, as verl reads its command line: (key, value, text) per override, flags, errors."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    out, flags, errors = [], [], []
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            flags.append(arg)
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception as err:  # noqa: BLE001 - Hydra's grammar errors have several types
+            errors.append(f"{arg!r} is not an override Hydra (and so verl) can read: {str(err).splitlines()[0]}")
+            continue
+        key = ("++" if override.is_force_add() else "+" if override.is_add() else "") + override.key_or_group
+        if override.is_delete():
+            errors.append(f"{arg!r}: deleting a key ('~') is not supported; expected key=value")
+            continue
+        out.append((key, override.value(), arg))
+    return out, flags, errors
+
+
+def _unknown(key: str, plus: bool) -> str:
+    """The message of a key neither we nor verl have: where the schema stops knowing it, and the closest key."""
+    parts = key.split(".")
+    known = next((i for i in range(len(parts), 0, -1) if schema_field(".".join(parts[:i]))), 0)
+    where = ".".join(parts[:known]) or "the config"
+    hint = " ('+' adds keys; this schema has a fixed set)" if plus else ""
+    return f"unknown key {key!r}{hint}: {where} has no field {parts[known]!r}; {_suggest(key)}"
+
+
+def _suggest(key: str) -> str:
+    """The closest verl or our key, with what a verl key is here."""
+    candidates = [*V.VERL_KEYS, *our_keys()]
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.75)
+    if not close:
+        return "expected a field of mcore_rl/config/ or a verl key of config/verl.py (docs/coming_from_verl.md)"
+    match = close[0]
+    rule = V.VERL_KEYS.get(match)
+    if rule is not None and not schema_field(match):
+        return f"did you mean {match}? (verl's {match} is {_what(rule)} here)"
+    return f"did you mean {match}?"
+
+
+def _what(rule: V.Rule) -> str:
+    if isinstance(rule, (V.Map, V.Derived)):
+        return rule.ours
+    if isinstance(rule, V.Ignore):
+        return f"ignored ({rule.reason})"
+    return f"refused ({rule.lost})"
+
+
+def translate(args: list[str]) -> Translation:
+    """Classify every override of a command line; see the module docstring."""
+    overrides, flags, errors = _parse(args)
+    t = Translation(errors=errors)
+    config_name = None
+    for i, flag in enumerate(flags):
+        name = flag.split("=", 1)[1] if flag.startswith("--config-name=") else None
+        if flag == "--config-name" and i + 1 < len(args):
+            name = args[args.index(flag) + 1]
+        if name is not None and name.removesuffix(".yaml") in V.VERL_CONFIG_NAMES:
+            config_name = name.removesuffix(".yaml")
+    t.verl = config_name is not None or any(_verl_only(key.lstrip("+")) for key, _, _ in overrides)
+    if not t.verl:
+        for key, _, _ in overrides:
+            bare = key.lstrip("+")
+            if bare == "hydra" or bare.startswith(("hydra.", "hydra/")) or schema_field(bare):
+                continue
+            t.errors.append(_unknown(bare, key.startswith("+") and not key.startswith("++")))
+        t.hydra_args = list(args)
+        return t
+    if config_name is not None:
+        t.lines.append(f"--config-name={config_name}: {V.VERL_CONFIG_NAMES[config_name]}")
+    for flag in flags:
+        if flag.startswith("--config-path") or flag.startswith("--config-name") or flag in V.VERL_CONFIG_NAMES:
+            continue
+        if not flag.startswith("-") and flag.removesuffix(".yaml") in V.VERL_CONFIG_NAMES:
+            continue  # the value of a separate --config-name
+        if flag.startswith("-"):
+            t.errors.append(f"{flag!r}: not a flag a verl command takes here; expected key=value overrides")
+
+    given: dict[str, Any] = {}  # verl keys read by derive(), as the command gave them
+    for key, value, _text in overrides:
+        bare = key.lstrip("+")
+        rule = V.lookup(bare)
+        if rule is None and schema_field(bare):
+            t.settings[bare] = value  # one of ours, in a verl command
+            continue
+        if rule is None:
+            t.errors.append(_unknown(bare, key.startswith("+") and not key.startswith("++")))
+            continue
+        given[bare] = value
+        if isinstance(rule, V.Refuse):
+            t.errors.append(f"verl's {bare}={value!r} cannot be honoured here: {rule.lost}")
+        elif isinstance(rule, V.Ignore):
+            if rule.accept is not None and not rule.accept(value):
+                t.errors.append(f"verl's {bare}={value!r} cannot be honoured here: {rule.lost or rule.reason}")
+            else:
+                t.lines.append(f"{bare}={value!r}: ignored: {rule.reason}")
+        elif isinstance(rule, V.Map):
+            try:
+                converted = rule.convert(value) if rule.convert else value
+            except V.VerlValueError as err:
+                t.errors.append(f"verl's {bare}={value!r} (our {rule.ours}) is invalid: expected {err}")
+                continue
+            t.settings[rule.ours] = converted
+            note = f" ({rule.note})" if rule.note else ""
+            t.lines.append(f"{bare}={value!r} -> {rule.ours}={converted!r}{note}")
+    derived, lines, problems = derive(given, t.settings, megatron=config_name == "ppo_megatron_trainer" or any(
+        ".megatron." in key for key, _, _ in overrides))  # fmt: skip
+    t.lines.extend(lines)
+    t.errors.extend(problems)
+    for key, value in derived.items():
+        t.settings.setdefault(key, value)  # a key of ours in the command wins over what verl's keys derive
+    return t
+
+
+def compose(t: Translation) -> Any:
+    """The run's DictConfig: our schema, verl's defaults, then the command's settings (errors appended to t)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mcore_rl.config import RLConfig
+
+    cfg = OmegaConf.structured(RLConfig)
+    layers = [({k: v for k, (v, _) in V.VERL_DEFAULTS.items()}, "verl's default"), (t.settings, "the command")]
+    for settings, origin in layers:
+        for key, value in settings.items():
+            try:
+                OmegaConf.update(cfg, key, value, merge=False)
+            except (OmegaConfBaseException, ValueError) as err:
+                t.errors.append(f"{key}={value!r} ({origin}) is invalid: {str(err).splitlines()[0]}")
+    return cfg
+
+
+def expand(path: str) -> str:
+    """~ and $VARS in a path, as the shell of verl's scripts expands them."""
+    return os.path.expanduser(os.path.expandvars(path))

