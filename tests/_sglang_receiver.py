@@ -145,12 +145,22 @@ class Receiver:
             return {"success": True, "arrivals": dict(self.arrivals), "count": len(self.received)}
 
 
+def _one_at_a_time(fn: Any, lock: threading.Lock) -> Any:
+    def call(body: dict) -> dict:
+        with lock:
+            return fn(body)
+
+    return call
+
+
 def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
+    # SGLang's scheduler serves these one at a time (each blocking in its rendezvous or broadcast); so does this
+    scheduler = threading.Lock()
     routes = {
-        "/init_weights_update_group": receiver.init_weights_update_group,
-        "/destroy_weights_update_group": receiver.destroy_weights_update_group,
-        "/update_weights_from_distributed": receiver.update_weights_from_distributed,
-        "/update_weights_from_tensor": receiver.update_weights_from_tensor,
+        "/init_weights_update_group": _one_at_a_time(receiver.init_weights_update_group, scheduler),
+        "/destroy_weights_update_group": _one_at_a_time(receiver.destroy_weights_update_group, scheduler),
+        "/update_weights_from_distributed": _one_at_a_time(receiver.update_weights_from_distributed, scheduler),
+        "/update_weights_from_tensor": _one_at_a_time(receiver.update_weights_from_tensor, scheduler),
         "/begin_weight_update": lambda body: {"success": True},
         "/end_weight_update": receiver.end_weight_update,
         "/dump_received": receiver.dump_received,

@@ -151,12 +151,14 @@ def test_every_byte_arrives(engines, transport, name, layout, world) -> None:
     _check(engine_set, 1, reference)
 
 
-def test_two_engines_join_at_their_rank_offsets(engines) -> None:
-    """Two engines in one group (ranks 1 and 2 of 3, as controller/weight_sync.py offsets them) both get every byte."""
+@pytest.mark.parametrize("name, layout, world", [("one-rank", {}, 1), ("ep2", dict(ep=2), 2)], ids=["1rank", "ep2"])
+def test_two_engines_join_at_their_rank_offsets(engines, name, layout, world) -> None:
+    """Two engines in each group (ranks 1 and 2 of 3, as controller/weight_sync.py offsets them) both get every byte;
+    with EP2 two leaders stream at once into engines that serve one update at a time (SGLang's scheduler)."""
     engine_set = engines(2)
     for url in engine_set.urls:
         assert requests.post(url + "/begin_weight_update", json={}, timeout=30).status_code == 200
-    reference = run_on_ranks(_sync_rank, 1, (engine_set.urls, "distributed", {}, 3))[0]
+    reference = run_on_ranks(_sync_rank, world, (engine_set.urls, "distributed", layout, 3))[0]
     for url in engine_set.urls:
         assert requests.post(url + "/end_weight_update", json={}, timeout=30).status_code == 200
     _check(engine_set, 2, reference)
