@@ -14,11 +14,13 @@ about 39 MB) into a temporary directory and extracts only the files below, under
 
 Every kept file's sha256 is pinned below (as the wheel's RECORD lists it) and a mismatch is refused.
 
-From the last five it builds `sglang_cpu_receiver.py` in the destination: SGLang's own weight-receiving code that
-runs on CPU (the update-group rendezvous, the tensor-payload deserializer and its allow-list, the torch reduction
-patch, the flattened bucket), each definition an exact source segment of its file found by AST, behind a short header
-of imports and one shim (`RECEIVER_HEADER`). Tests load it with tests/_sglang_code.py::load_sglang_receiver and
-tests/test_sglang_receiver.py checks that it matches the pinned files.
+From tensor_bucket.py, common.py and patch_torch.py it builds `sglang_cpu_receiver.py` in the destination: SGLang's
+own weight-receiving code that runs on CPU (the update-group rendezvous, the tensor-payload normaliser, deserializer
+and its allow-list, the torch reduction patch, the flattened bucket), each definition an exact source segment of its
+file found by AST, behind a short header of imports and one shim (`RECEIVER_HEADER`). Tests load it with
+tests/_sglang_code.py::load_sglang_receiver; tests/test_sglang_receiver.py checks that it matches the pinned files.
+It is the receiving side only: a process that applied its `monkey_patch_torch_reductions` before pickling would name
+`sglang_cpu_receiver._rebuild_cuda_tensor_modified`, which SGLang's allow-list (rightly) refuses.
 
 SGLang itself is not installed: importing `sglang` needs triton and CUDA, and these files load on their own by path.
 The files go to a temporary directory beside the destination, which is then renamed into place, so an interrupted
