@@ -113,3 +113,41 @@ def vocab_parallel_entropy_grad(
 
         sums = reduce_from_tensor_model_parallel_region(sums, group=tp_group)
     return sums[0].log() - sums[1] / sums[0]
+
+
+#: response positions per chunk of a forward-only logprob pass: bounds its fp32 copy to chunk x V/tp per sample
+LOGPROB_CHUNK = 1024
+
+
+def response_positions(logits: torch.Tensor, gather_index: torch.Tensor) -> torch.Tensor:
+    """The logits rows [b, R, V/tp] at the positions that predict response tokens (`gather_index` [b, R]), in the
+    model dtype: what the loss reads, without the prompt's rows (differentiable: the gradient scatters back)."""
+    return logits.gather(1, gather_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+
+
+def response_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    gather_index: torch.Tensor,
+    vocab_size: int,
+    tp_group: dist.ProcessGroup | None = None,
+    chunk: int = LOGPROB_CHUNK,
+) -> torch.Tensor:
+    """log p(response token j) [b, R] from the full-sequence logits [b, T, V/tp]; equal, bit for bit, to
+    `vocab_parallel_logprobs(logits, targets).gather(1, gather_index)` (each row's softmax is the same arithmetic).
+
+    Only response rows are cast to fp32 (not the prompt's), and without autograd (logprob passes) in chunks of
+    `chunk` positions, so the fp32 working set is b x chunk x V/tp instead of b x T x V/tp. With autograd the rows are
+    taken at once: the backward keeps each row's softmax either way.
+    """
+    picked_targets = targets.gather(1, gather_index)
+    if torch.is_grad_enabled() or gather_index.shape[1] <= chunk:
+        return vocab_parallel_logprobs(response_positions(logits, gather_index), picked_targets, vocab_size, tp_group)
+    parts = [
+        vocab_parallel_logprobs(
+            response_positions(logits, gather_index[:, i : i + chunk]), picked_targets[:, i : i + chunk], vocab_size,
+            tp_group,
+        )
+        for i in range(0, gather_index.shape[1], chunk)
+    ]  # fmt: skip
+    return torch.cat(parts, dim=1)

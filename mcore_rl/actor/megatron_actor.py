@@ -28,7 +28,12 @@ from typing import Any
 import torch
 
 from mcore_rl.actor.batch import MicroBatch, TrainBatch, micro_batches, sequence_length
-from mcore_rl.actor.logprobs import vocab_parallel_entropy, vocab_parallel_entropy_grad, vocab_parallel_logprobs
+from mcore_rl.actor.logprobs import (
+    response_logprobs,
+    response_positions,
+    vocab_parallel_entropy,
+    vocab_parallel_entropy_grad,
+)
 from mcore_rl.actor.runtime import layout_problem, rank_device, threads_per_rank, to_host
 from mcore_rl.actor.schedule import run_schedule
 from mcore_rl.algorithms import aggregate_loss, get_policy_loss, kl_loss
@@ -230,8 +235,7 @@ class MegatronActor:
         return run_schedule(chunks, forward_step, mbs, seq_len, mbs[0].tokens.shape[0], self.pg, forward_only)
 
     def _response_logprobs(self, mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-        logp = vocab_parallel_logprobs(logits, mb.targets, self.vocab_size, self.pg.tp)
-        return logp.gather(1, mb.gather_index)
+        return response_logprobs(logits, mb.targets, mb.gather_index, self.vocab_size, self.pg.tp)
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, use_ref: bool = False) -> RankResult:
@@ -509,12 +513,14 @@ class MegatronActor:
             if cfg.kl_loss_coef:
                 loss = loss + cfg.kl_loss_coef * kl
         if cfg.entropy_coef:  # the bonus: maximise the aggregated token entropy
-            entropy = vocab_parallel_entropy_grad(logits, self.vocab_size, self.pg.tp).gather(1, mb.gather_index)
+            entropy = vocab_parallel_entropy_grad(
+                response_positions(logits, mb.gather_index), self.vocab_size, self.pg.tp
+            )
             loss = loss - cfg.entropy_coef * aggregate_loss(
                 entropy, mask, cfg.loss_agg_mode, max_response_len=mask.shape[1], denominator=denominator
             )
         else:
-            entropy = vocab_parallel_entropy(logits, self.vocab_size, self.pg.tp).gather(1, mb.gather_index)
+            entropy = vocab_parallel_entropy(response_positions(logits, mb.gather_index), self.vocab_size, self.pg.tp)
         metrics["actor/entropy"] = float((entropy.detach() * mask).sum())
         metrics["_tokens"] = weight
         return loss * scale, metrics
