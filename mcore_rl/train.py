@@ -129,7 +129,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             max_nonfinite_steps=cfg.trainer.max_nonfinite_steps,  # a NaN loss stops the run (exit 1)
         )
         flops = FlopsModel.for_run(cfg, _hf_config(cfg), actor.ranks[0].get("device_name"))
-        validator = Validator.from_config(cfg, tokenizer, engines, producer.score)
+        validator = Validator.from_config(cfg, tokenizer, engines, producer.score, reward)
         if validator is not None and cfg.trainer.val_before_train and state.step == 0:
             log.write(0, validator.run(seed=0))
         start = time.time() - state.seconds
@@ -177,10 +177,14 @@ def run(cfg: RLConfig) -> dict[str, float]:
                 rollouts.metrics.update(validator.run(seed=step))
                 timer.lap("testing")
 
+            kl_in_reward = adv_metrics.get("actor/reward_kl_penalty_coeff")
             metrics = step_metrics(
                 batch, rollouts.scores, update, timer.laps, max_response_length=cfg.rollout.max_new_tokens,
-                actor_ranks=cfg.actor.world_size, flops=flops,
+                actor_ranks=cfg.actor.world_size, flops=flops, max_prompt_length=cfg.data.max_prompt_length,
+                reward_kl=None if kl_in_reward is None else (kl_in_reward, cfg.algorithm.kl_penalty),
+                kl_loss_coef=cfg.actor.kl_loss_coef,
             )  # fmt: skip
+            metrics.update({"training/global_step": step, "training/epoch": loader.epoch})
             log.write(step, {**metrics, "weight_version": state.weight_version, **rollouts.metrics, **adv_metrics})
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
             ckpt.after_step(actor, state, critic)  # every trainer.save_every steps and after the last

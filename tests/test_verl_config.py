@@ -72,7 +72,8 @@ def test_values_in_verls_forms(model_dir: str, tmp_path) -> None:
     args = _verl(model_dir, f"data.train_files={train}", "trainer.logger=console", "data.truncation=left",
                  "data.prompt_key=question", f"{AR}.rollout.val_kwargs.do_sample=True",
                  f"{AR}.rollout.val_kwargs.n=4", f"{AR}.rollout.val_kwargs.temperature=0.6",
-                 f"{AR}.rollout.val_kwargs.top_p=0.9", "algorithm.adv_estimator=grpo", f"data.val_files={train}")  # fmt: skip
+                 f"{AR}.rollout.val_kwargs.top_p=0.9", "algorithm.adv_estimator=grpo",
+                 f"data.val_files={train}")  # fmt: skip
     args.remove("trainer.total_training_steps=3")
     args.append("trainer.total_epochs=2")
     cfg, _ = _run(args)

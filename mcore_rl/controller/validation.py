@@ -1,7 +1,7 @@
 """Validation through the rollout engines: a greedy pass and a sampled pass@k over the validation set, per data source.
 
     validator = Validator.from_config(cfg, tokenizer, engines, producer.score)   # None when validation is off
-    metrics = validator.run(seed)          # {"val-core/<data_source>/reward/mean@1": ..., ...}
+    metrics = validator.run(seed)          # {"val-core/<data_source>/reward/mean@1": ..., "val-core/<ds>/acc/mean@1"}
     validator.due(step, last_step)         # trainer.val_every, and always after the last step
 
 The prompts go to the same engines as the training rollouts (router -> embedded server or SGLang), at the current
@@ -86,14 +86,18 @@ class Validator:
         batch_size: int | None,
         val_every: int,
         sampling: dict[str, float] | None = None,
+        reward: Any = None,
     ) -> None:
         self.prompts, self.engines, self.score, self.eos = prompts, engines, score, eos
         self.val_n, self.batch_size, self.val_every = val_n, batch_size or len(prompts), val_every
         # rollout.val_temperature / val_top_p (verl's val_kwargs with do_sample=True): both passes sample with them
         self.sampling = sampling or {}
+        self.reward = reward  # the RewardManager: its last_output() holds the extras (acc) of a scoring call
 
     @classmethod
-    def from_config(cls, cfg: RLConfig, tokenizer: Any, engines: Any, score: Callable) -> Validator | None:
+    def from_config(
+        cls, cfg: RLConfig, tokenizer: Any, engines: Any, score: Callable, reward: Any = None
+    ) -> Validator | None:
         """The validation set of the config (data.val_files, or a held-out synthetic set), or None when off."""
         from mcore_rl.data.dataset import PromptDataset
         from mcore_rl.data.synthetic import write_synthetic_dataset
@@ -120,6 +124,7 @@ class Validator:
             cfg.data.val_batch_size,
             cfg.trainer.val_every,
             validation_sampling(cfg),
+            reward,
         )
 
     def due(self, step: int, last_step: int) -> bool:
@@ -134,19 +139,37 @@ class Validator:
             ids = [p["prompt_token_ids"] for p in prompts]
             first = self.sampling or {"temperature": 0.0}
             greedy = self.engines.generate(ids, 1, seed, self.eos, overrides=first)
-            for p, s in zip(prompts, self.score(prompts, greedy, 1).tolist()):
+            scores = self.score(prompts, greedy, 1).tolist()
+            for p, s, acc in zip(prompts, scores, self._acc(len(scores))):
                 per_source[p["data_source"]]["mean@1"].append(s)
+                if acc is not None:
+                    per_source[p["data_source"]]["acc:mean@1"].append(acc)
             if self.val_n:
                 k = self.val_n
                 sampled = self.engines.generate(ids, k, seed + start * k, self.eos, overrides=self.sampling or None)
                 scores = self.score(prompts, sampled, k).view(len(prompts), k).tolist()
-                for p, row in zip(prompts, scores):
+                accs = self._acc(len(prompts) * k)
+                for i, (p, row) in enumerate(zip(prompts, scores)):
                     for name, value in prompt_metrics(row).items():
                         per_source[p["data_source"]][name].append(value)
+                    acc = accs[i * k : (i + 1) * k]
+                    if None not in acc:
+                        per_source[p["data_source"]][f"acc:mean@{k}"].append(sum(acc) / k)
         out: dict[str, float] = {}
         for source, metrics in sorted(per_source.items()):
             for name, values in metrics.items():
+                var, _, name = name.rpartition(":")  # "acc:mean@4": verl's acc variable
                 kind, _, at = name.partition("@")
                 core = name == "mean@1" or (kind in ("mean", "best", "pass") and at.split("/")[0] == str(self.val_n))
-                out[f"{'val-core' if core else 'val-aux'}/{source}/reward/{name}"] = sum(values) / len(values)
+                where = "val-core" if core else "val-aux"
+                out[f"{where}/{source}/{var or 'reward'}/{name}"] = sum(values) / len(values)
         return out
+
+    def _acc(self, n: int) -> list[float | None]:
+        """The `acc` the reward function returned for the last `n` scored samples (verl logs val-core/<data_source>/
+        acc/mean@N when it does), else None for each."""
+        output = self.reward.last_output() if self.reward is not None else None
+        accs = (output.extras.get("acc") if output is not None else None) or [None] * n
+        if len(accs) != n:
+            return [None] * n
+        return [None if a is None else float(a) for a in accs]

@@ -10,8 +10,20 @@
     perf/tokens_per_s/<phase>              tokens per second of each phase (all ranks together)
     perf/mfu/{update_actor,old_log_prob}   model FLOPs utilisation, on CUDA only (6 N / 2 N FLOPs per token)
     rollout/logprob_abs_diff               |engine logprob - Megatron logprob| per token (weight-sync exactness)
+    critic/rewards/{mean,max,min}          sequence rewards after the in-reward KL penalty (= score without one)
+    critic/{values,returns}/{mean,max,min}, critic/vf_explained_var   with a critic (GAE)
+    response_length_non_aborted/*, response/aborted_ratio   over samples with a non-empty response (verl: aborted =
+                                           response length 0)
+    prompt_length/clip_ratio               prompts at data.max_prompt_length
+    rollout_corr/{kl,k3_kl,training_ppl,rollout_ppl,log_ppl_diff,...,chi2_token,chi2_seq}   verl's off-policy
+                                           diagnostics of engine vs Megatron logprobs; rollout_corr/rollout_is_* of
+                                           the importance weights when rollout correction is on
+    actor/kl_coef                          the KL loss's coefficient (when a KL loss is on)
+    training/{global_step,epoch}           the step and the data epoch it drew from
+    perf/cpu_memory_used_gb                the host's used memory (psutil, as verl)
 
-Our own names exist only where verl has none (rollout/logprob_abs_diff, perf/tokens_per_s/*, weight_version).
+Our own names exist only where verl has none (rollout/logprob_abs_diff, perf/tokens_per_s/*, weight_version,
+rollout_corr/mismatch_* and is_truncated_frac from algorithms/mismatch.py).
 """
 
 from __future__ import annotations
@@ -84,6 +96,49 @@ def _stats(name: str, values: torch.Tensor) -> dict[str, float]:
     }
 
 
+# verl's bound on log-ratios before exp in its chi-square diagnostics (rollout_corr_helper.SAFETY_BOUND)
+_LOG_RATIO_BOUND = 20.0
+
+
+def offpolicy_metrics(old: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """verl's rollout_corr/* diagnostics of the Megatron (training) vs engine (rollout) logprobs, by its leaf names:
+    KL(rollout || training) directly (kl) and by k3, per-sequence perplexities and their log difference, chi-square
+    of the token and sequence ratios."""
+    from mcore_rl.algorithms import masked_mean
+
+    mask = mask.float()
+    tokens = mask.sum(-1).clamp_min(1)
+    seq_old, seq_rollout = (old * mask).sum(-1) / tokens, (rollout * mask).sum(-1) / tokens
+    log_ratio = old - rollout
+    log_ppl_diff = seq_rollout - seq_old
+    seq_log_ratio = (log_ratio * mask).sum(-1).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    out = {
+        "training_ppl": torch.exp(-seq_old).mean(),
+        "training_log_ppl": (-seq_old).mean(),
+        "kl": masked_mean(rollout - old, mask),
+        "k3_kl": masked_mean(torch.exp(log_ratio) - log_ratio - 1, mask),
+        "rollout_ppl": torch.exp(-seq_rollout).mean(),
+        "rollout_log_ppl": (-seq_rollout).mean(),
+        "log_ppl_diff": log_ppl_diff.mean(),
+        "log_ppl_abs_diff": log_ppl_diff.abs().mean(),
+        "log_ppl_diff_max": log_ppl_diff.max(),
+        "log_ppl_diff_min": log_ppl_diff.min(),
+        "ppl_ratio": torch.exp(log_ppl_diff).mean(),
+        "chi2_token": masked_mean(torch.exp(log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)).square(), mask) - 1,
+        "chi2_seq": torch.exp(2.0 * seq_log_ratio).mean() - 1,
+    }
+    return {f"rollout_corr/{k}": float(v) for k, v in out.items()}
+
+
+def host_memory_gb() -> float | None:
+    """Used host memory in GB (psutil's virtual_memory().used, verl's perf/cpu_memory_used_gb); None without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return psutil.virtual_memory().used / 1024**3
+
+
 def step_metrics(
     batch: Any,
     scores: torch.Tensor,
@@ -93,8 +148,13 @@ def step_metrics(
     max_response_length: int,
     actor_ranks: int,
     flops: FlopsModel | None = None,
+    max_prompt_length: int | None = None,
+    reward_kl: tuple[float, str] | None = None,
+    kl_loss_coef: float = 0.0,
 ) -> dict[str, float]:
-    """The step's metrics (module docstring) from its scored batch, the actor's reduced metrics and the phase laps."""
+    """The step's metrics (module docstring) from its scored batch, the actor's reduced metrics and the phase laps.
+
+    `reward_kl` = (coefficient, estimator) of the in-reward KL penalty the advantages used, for critic/rewards."""
     from mcore_rl.algorithms import kl_penalty, masked_mean
 
     mask, tensors = batch.response_mask, batch.tensors
@@ -102,14 +162,46 @@ def step_metrics(
     prompt_len = torch.tensor([len(p) for p in batch.prompts], dtype=torch.float32)
     out: dict[str, float] = {}
     out.update(_stats("critic/score", scores))
+    rewards = scores.float()
+    if reward_kl is not None and "ref_logprobs" in tensors:  # the sequence reward the estimator saw
+        token_kl = kl_penalty(tensors["old_logprobs"], tensors["ref_logprobs"], reward_kl[1]) * mask
+        rewards = rewards - reward_kl[0] * token_kl.sum(-1)
+    out.update(_stats("critic/rewards", rewards))
+    valid = mask.bool()
     if "advantages" in tensors:
-        out.update(_stats("critic/advantages", tensors["advantages"][mask.bool()]))
+        out.update(_stats("critic/advantages", tensors["advantages"][valid]))
+    if "returns" in tensors:
+        out.update(_stats("critic/returns", tensors["returns"][valid]))
+    if "values" in tensors:
+        values = tensors["values"][valid]
+        out.update(_stats("critic/values", values))
+        if "returns" in tensors and values.numel() > 1:
+            returns = tensors["returns"][valid]
+            out["critic/vf_explained_var"] = float(1.0 - (returns - values).var() / (returns.var() + 1e-5))
     out.update(_stats("response_length", response_len))
     out["response_length/clip_ratio"] = float((response_len >= max_response_length).float().mean())
+    aborted = response_len == 0
+    out.update(_stats("response_length_non_aborted", response_len[~aborted]))
+    if (~aborted).any():
+        kept = response_len[~aborted]
+        out["response_length_non_aborted/clip_ratio"] = float((kept >= max_response_length).float().mean())
+    out["response/aborted_ratio"] = float(aborted.float().mean())
     out.update(_stats("prompt_length", prompt_len))
+    if max_prompt_length is not None:
+        out["prompt_length/clip_ratio"] = float((prompt_len >= max_prompt_length).float().mean())
     if "old_logprobs" in tensors and "rollout_logprobs" in tensors:
         diff = (tensors["old_logprobs"] - tensors["rollout_logprobs"]).abs()
         out["rollout/logprob_abs_diff"] = float(masked_mean(diff, mask))
+        if mask.any():
+            out.update(offpolicy_metrics(tensors["old_logprobs"], tensors["rollout_logprobs"], mask))
+    if "importance_weights" in tensors:
+        out.update(_stats("rollout_corr/rollout_is", tensors["importance_weights"][valid]))
+        out = {k.replace("rollout_is/", "rollout_is_"): v for k, v in out.items()}
+    if kl_loss_coef > 0:
+        out["actor/kl_coef"] = kl_loss_coef
+    memory = host_memory_gb()
+    if memory is not None:
+        out["perf/cpu_memory_used_gb"] = memory
     if "ref_logprobs" in tensors:  # only where a reference pass ran: KL(old policy || reference), k3
         out["actor/kl_ref"] = float(
             masked_mean(kl_penalty(tensors["old_logprobs"], tensors["ref_logprobs"], "low_var_kl"), mask)

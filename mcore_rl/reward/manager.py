@@ -110,6 +110,13 @@ class RewardManager:
         self.num_threads = num_threads
         self.timeout_s = timeout_s
         self.timeout_score = timeout_score
+        # The calling thread's last output: validation reads its extras (acc) after scoring through a producer,
+        # while an async producer may be scoring the next batch on another thread.
+        self._last = threading.local()
+
+    def last_output(self) -> RewardOutput | None:
+        """The last RewardOutput this thread's `score` returned (None before any)."""
+        return getattr(self._last, "output", None)
 
     def score(
         self,
@@ -167,11 +174,12 @@ class RewardManager:
             scores.append(score)
             for key, value in row_extras.items():
                 extras.setdefault(key, [None] * n)[row] = value
-        return RewardOutput(
+        self._last.output = RewardOutput(
             scores=torch.tensor(scores, dtype=torch.float32),
             extras=extras,
             metrics=self._metrics(scores, data_sources, extras, timeouts),
         )
+        return self._last.output
 
     def _call(
         self, fn: RewardFn, row: int, data_source: str, solution_str: str, ground_truth: str, extra_info: Any
