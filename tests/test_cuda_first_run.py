@@ -342,3 +342,15 @@ def test_offloaded_optimizer_overlaps_its_host_copies(monkeypatch) -> None:
     optim = OptimConfig(distributed=True, offload_fraction=1.0)
     config = optimizer_plan(optim, "bfloat16", "cuda").optimizer_config(optim)
     assert config.optimizer_cpu_offload and config.overlap_cpu_optimizer_d2h_h2d
+
+
+def test_optimizer_offload_without_te_is_refused_before_any_rank() -> None:
+    """It was refused only inside each rank's optimizer build (after Ray and the model had started)."""
+    from mcore_rl.actor.runtime import check_runtime
+    from mcore_rl.config import ConfigError
+
+    cfg = _cfg()
+    cfg.actor.optim.offload_fraction = 1.0
+    with pytest.raises(ConfigError, match="actor.optim.offload_fraction=1.0 needs Transformer Engine"):
+        check_runtime(cfg, visible_gpus=8, te=False)
+    check_runtime(cfg, visible_gpus=8, te=True)

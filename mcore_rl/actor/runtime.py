@@ -4,6 +4,7 @@
     payload = to_host(payload)               # what goes back to the Ray driver: CPU tensors, always
     torch.set_num_threads(threads_per_rank(runtime))
     check_runtime(cfg)                       # pre-flight (mcore_rl/preflight.py): ConfigError naming the key
+                                             # (no GPU; cp > 1; optimizer offload without TE)
 
 The batch arrives from the driver in host memory and the micro-batcher moves it to `rank_device` (actor/batch.py);
 what a rank returns (logprobs, values, metrics) goes back to the driver through Ray's object store, which must not
@@ -108,3 +109,9 @@ def check_runtime(cfg: RLConfig, visible_gpus: int | None = None, te: bool | Non
         problem = layout_problem(name, group.layout.cp, runtime, te)
         if problem:
             raise ConfigError(problem)
+        if group.optim.offload_fraction and runtime == "cuda" and not te:
+            # 0.16.1's HybridDeviceOptimizer runs through the precision-aware optimizer, which asks TE's version
+            raise ConfigError(
+                f"{name}.optim.offload_fraction={group.optim.offload_fraction!r} needs Transformer Engine (Megatron's "
+                "precision-aware optimizer), which is not importable here; expected 0, or install the GPU extra"
+            )
