@@ -72,7 +72,12 @@ class RolloutConfig:
     max_running_requests: int = 256  #: embedded server: sequences decoded together (continuous batching)
     request_timeout_s: float = 600.0  #: client: seconds before one /generate attempt is given up and retried
     max_retries: int = 3  #: client: retries of a failed /generate (engine died, timeout) before the step fails
-    health_check_interval_s: float = 2.0  #: seconds between the pool's /health probes of every engine
+    #: seconds between the pool's /health probes of every engine. No probe runs during a weight push or while
+    #: engines have released memory: SGLang's /health generates a token (a second at least; no answer while paused)
+    health_check_interval_s: float = 30.0
+    health_check_timeout_s: float = 30.0  #: seconds one /health probe may take before it counts as failed
+    #: failed probes in a row before an engine is restarted (an engine whose port refuses connections: at once)
+    health_check_failures: int = 3
     num_cpus: float = 1.0  #: Ray CPUs reserved per embedded engine
     seed: int = 0  #: sampling seed (step number is added; sample i of a request uses seed + i)
     #: validation: samples per prompt of the sampled pass (rollout temperature/top_p) for mean@k and pass@k
@@ -107,6 +112,11 @@ class RolloutConfig:
             self.health_check_interval_s,
             "> 0",
         )
+        _check(self.health_check_timeout_s > 0, "rollout.health_check_timeout_s", self.health_check_timeout_s, "> 0")
+        _check(
+            isinstance(self.health_check_failures, int) and self.health_check_failures >= 1,
+            "rollout.health_check_failures", self.health_check_failures, "an integer >= 1",
+        )  # fmt: skip
         _check(
             isinstance(self.max_retries, int) and self.max_retries >= 0,
             "rollout.max_retries",
@@ -137,8 +147,11 @@ class SyncConfig:
     mode: str = "full"  #: full (engines get whole HF tensors) | shard_aware (each engine rank only what it keeps)
     bucket_bytes: int = 256 << 20  #: bytes per bucket; at least the largest exported tensor
     #: generation during a sync: none (the embedded server stages the update and commits it atomically between two
-    #: decode steps) | in_place | retract | abort (SGLang's /pause_generation modes)
-    pause_mode: str = "none"
+    #: decode steps) | in_place | retract | abort (SGLang's /pause_generation modes) | auto (none with the embedded
+    #: server, abort with SGLang). With SGLang only abort and retract: its radix cache must be flushed after every
+    #: update (it holds KV of the old weights) and SGLang flushes only with no request running; with none, queued
+    #: requests would run between buckets on half-updated weights labelled with the new version
+    pause_mode: str = "auto"
     timeout_s: float = 300.0  #: seconds a broadcast or an engine's answer may take before the sync fails
     #: send the family's FP8 targets (attention and MLP projections) as 128x128-blockwise e4m3 + weight_scale_inv,
     #: for engines serving FP8 (the rollout then runs the quantised model; tools/fp8_parity.py gates its accuracy)
@@ -147,6 +160,19 @@ class SyncConfig:
     #: no sync faults in fresh pages; false frees them after every sync (a colocated run short of memory)
     keep_buffers: bool = True
 
+    def pause_mode_for(self, engine: str) -> str:
+        """The /pause_generation mode a push uses with `engine` (rollout.engine), or "none"; ConfigError for a mode
+        SGLang cannot be updated under (see `pause_mode`)."""
+        if self.pause_mode == "auto":
+            return "abort" if engine == "sglang" else "none"
+        if engine == "sglang":
+            _check(
+                self.pause_mode in ("abort", "retract"), "sync.pause_mode", self.pause_mode,
+                "abort, retract or auto with rollout.engine=sglang (its radix cache is flushed after every update, "
+                "which SGLang does only with no request running)",
+            )  # fmt: skip
+        return self.pause_mode
+
     def validate(self) -> None:
         from mcore_rl.config.names import SYNC_MODES as MODES
         from mcore_rl.config.names import SYNC_TRANSPORTS as TRANSPORTS
@@ -154,7 +180,7 @@ class SyncConfig:
         _check(self.transport in TRANSPORTS, "sync.transport", self.transport, f"one of {TRANSPORTS}")
         _check(self.mode in MODES, "sync.mode", self.mode, f"one of {MODES}")
         _positive("sync.bucket_bytes", self.bucket_bytes)
-        pauses = ("none", "in_place", "retract", "abort")
+        pauses = ("auto", "none", "in_place", "retract", "abort")
         _check(self.pause_mode in pauses, "sync.pause_mode", self.pause_mode, f"one of {pauses}")
         _check(self.timeout_s > 0, "sync.timeout_s", self.timeout_s, "> 0")
 
