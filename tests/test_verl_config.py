@@ -180,3 +180,21 @@ def test_the_config_layer_imports_nothing_above_it() -> None:
     # added there while this was written); it reads no file system beyond what check_model reads, starts no Ray
     loaded = set(eval(out.stdout.strip())) - {"mcore_rl.preflight"}
     assert loaded == set()
+
+
+def test_a_checker_gets_the_config_of_a_verl_command_or_none(model_dir: str) -> None:
+    from mcore_rl.config import ConfigError
+    from mcore_rl.config.verl_cli import config_of_verl_command
+
+    assert config_of_verl_command(["trainer.steps=3"]) is None  # ours: Hydra composes it over configs/
+    assert config_of_verl_command(_verl(model_dir)).critic.enable
+    with pytest.raises(ConfigError, match="(?s)lora_rank=8.*truncation='middle'"):
+        config_of_verl_command(_verl(model_dir, f"{AR}.model.lora_rank=8", "data.truncation=middle"))
+
+
+def test_the_key_table_in_the_docs_is_the_code_s() -> None:
+    from mcore_rl.config.verl import markdown_table
+
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "verl_keys.md")
+    with open(path) as f:
+        assert f.read() == markdown_table(), "regenerate: python -m mcore_rl.config.verl > docs/verl_keys.md"

@@ -547,3 +547,45 @@ def lookup(key: str) -> Rule | None:
         if all(p in ("*", k) for p, k in zip(pattern, parts)) and (best is None or len(prefix) > best[0]):
             best = (len(prefix), rule)
     return best[1] if best else None
+
+
+def markdown_table() -> str:
+    """The table above as markdown (docs/verl_keys.md is this output: `python -m mcore_rl.config.verl`)."""
+
+    def row(key: str, rule: Rule) -> str:
+        if isinstance(rule, Map):
+            return f"| `{key}` | `{rule.ours}` | mapped{': ' + rule.note if rule.note else ''} |"
+        if isinstance(rule, Derived):
+            return f"| `{key}` | `{rule.ours}` | computed with other keys (config/verl_derive.py) |"
+        if isinstance(rule, Ignore):
+            refused = f"; refused when it asks for {rule.lost}" if rule.accept is not None and rule.lost else ""
+            return f"| `{key}` | ignored | {rule.reason}{refused} |"
+        return f"| `{key}` | refused | {rule.lost} |"
+
+    defaults = [f"| `{ours}` | `{value!r}` | `{verl}` |" for ours, (value, verl) in VERL_DEFAULTS.items()]
+    return "\n".join(
+        [
+            "# verl keys on `python -m mcore_rl.train`",
+            "",
+            "Generated from `mcore_rl/config/verl.py` by `python -m mcore_rl.config.verl > docs/verl_keys.md` (a test",
+            "checks that this file is its output). How to use it: docs/coming_from_verl.md.",
+            "",
+            "## verl's defaults that apply to a verl command (where ours differ)",
+            "",
+            "| our key | value | verl key |",
+            "| --- | --- | --- |",
+            *defaults,
+            "",
+            "## Every verl key (`*` ends a prefix: the whole sub-tree)",
+            "",
+            "| verl key | here | how |",
+            "| --- | --- | --- |",
+            *(row(k, r) for k, r in VERL_KEYS.items()),
+            *(row(k + "*", r) for k, r in PREFIXES.items()),
+            "",
+        ]
+    )
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

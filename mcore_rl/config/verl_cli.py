@@ -211,3 +211,18 @@ def compose(t: Translation) -> Any:
 def expand(path: str) -> str:
     """~ and $VARS in a path, as the shell of verl's scripts expands them."""
     return os.path.expanduser(os.path.expandvars(path))
+
+
+def config_of_verl_command(args: list[str]) -> Any:
+    """The validated RLConfig of a verl command line (what `python -m mcore_rl.train <args>` runs), or None when the
+    command is ours (then Hydra composes it over configs/). Every problem of the command raises one ConfigError
+    holding all of them, one per line. For callers that check a command without running it (launch/submit.py)."""
+    from mcore_rl.config import ConfigError, to_config
+
+    t = translate(args)
+    if not t.verl and not t.errors:
+        return None
+    cfg = compose(t) if not t.errors else None
+    if t.errors:
+        raise ConfigError("\n".join(t.errors))
+    return to_config(cfg)
