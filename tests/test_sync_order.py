@@ -26,6 +26,8 @@ from mcore_rl.resharding.sync.order import InGlobalOrder
 from mcore_rl.resharding.sync.plan import Bucket, Entry, Stream
 from mcore_rl.resharding.sync.transports import DistributedTransport
 
+pytestmark = pytest.mark.slow  # gloo groups of three ranks (threads)
+
 TIMEOUT_S = 4.0  # a broadcast (and a turn) gives up after this: how the deadlock shows
 STREAMS = [Stream(s, s, None, 0, (0,), f"pp{s}") for s in range(2)]
 BUCKETS = {
