@@ -166,8 +166,7 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
     The optimizer figures come from the plan the ranks build (mcore_rl/actor/optimizer.py), the parameters per rank
     from the meta-device model at the actor's layout, and a colocated engine adds its mem_fraction_static share.
     """
-    from mcore_rl.actor.optimizer import optimizer_plan
-    from mcore_rl.models.estimate import EngineShare, count_params, estimate_memory, rank_params
+    from mcore_rl.models.estimate import EngineShare, count_params
 
     report = CheckReport(run_dir=cfg.trainer.run_dir)
     gpus = nodes * gpus_per_node
@@ -196,14 +195,29 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
         return report
     if gpus == 0:
         raise SubmitError(f"trainer.runtime=cuda needs GPUs, but --nodes {nodes} x --gpus-per-node 0 gives none")
-    if world > gpus:
-        raise SubmitError(
-            f"actor.world_size={world} does not fit on {nodes} nodes x {gpus_per_node} GPUs = {gpus} GPUs"
-        )
+    from mcore_rl.controller.gpu_plan import PlacementError, check_fits, check_transport
+    from mcore_rl.controller.recipe_check import RecipeError, check_sync
+    from mcore_rl.gpu_extra import gpu_extra_problems
+
+    try:  # every actor, critic and engine rank on the allocation's GPUs; the transport the placement can use
+        count = check_fits(cfg, gpus, gpus_per_node, f"--nodes {nodes} x --gpus-per-node {gpus_per_node}")
+        check_transport(cfg)
+    except PlacementError as err:
+        raise SubmitError(str(err)) from None
+    report.lines.append(f"placement: {count.describe()} ({nodes} nodes x {gpus_per_node} GPUs)")
+    problems, note = gpu_extra_problems()  # the GPU packages, where this machine has them
+    if problems:
+        raise SubmitError("the GPU extra is not the tested set: " + "; ".join(problems))
+    report.lines.append(f"GPU packages: {note}")
+    try:  # the real sync plan for the engines this run starts
+        sync = check_sync(cfg, hf, gpus_per_node)
+    except RecipeError as err:
+        raise SubmitError(str(err)) from None
+    report.lines += sync.lines
     limit = gpu_memory_gb * GIB
+    colocated = count.placement == "colocated"
     engine = None
-    if world == gpus:
-        report.lines.append(f"placement: actor uses all {gpus} GPUs; rollout ({cfg.rollout.engine}) colocated on them")
+    if colocated and cfg.rollout.engine == "sglang":
         sg = cfg.rollout.sglang
         # engine weights: the whole model over the engine's tp GPUs, bf16 (fp8 when the sync sends FP8 weights)
         weights = counts.total * (1 if cfg.sync.fp8 else 2) / sg.tp
@@ -215,14 +229,60 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
                 f"leave no KV cache in rollout.sglang.mem_fraction_static={sg.mem_fraction_static} x "
                 f"{gpu_memory_gb:g} GiB: raise rollout.sglang.tp (and nnodes) or mem_fraction_static, or sync.fp8=true"
             )
-    else:
-        report.lines.append(
-            f"placement: actor {world} GPUs, rollout ({cfg.rollout.engine}) gets the other {gpus - world} GPUs"
+    # the actor's own figures (no engine): the phases of a shared GPU are added below, with the actor offloaded
+    # while the engines generate, which the estimate alone does not model
+    est = _estimate(cfg, cfg.actor, hf, None if colocated else engine, use_ref=cfg.actor.use_ref)
+    report.lines.append(
+        f"memory per GPU (estimate; micro_batch={cfg.actor.micro_batch_size}, seq={cfg.model.max_sequence_length}, "
+        f"recompute={cfg.actor.recompute.granularity or 'off'}):"
+    )
+    report.lines.append(est.describe())
+    critic = _estimate(cfg, cfg.critic, hf, None, use_ref=False) if cfg.critic.enable else None
+    total = est.total
+    if colocated:  # the phases of one shared GPU (controller/placement.py)
+        shared = critic.resident if critic is not None else 0.0  # the critic keeps its state on the GPU
+        engine_static = engine.static if engine is not None else 0.0
+        phases = {
+            "training (engines released)": est.training + shared
+            + (max(0.0, critic.activations - est.activations) if critic is not None else 0.0),
+            "weight push (engine weights resumed, the actor's sync buffers)": est.resident + shared
+            + (engine.weights if engine is not None else 0.0) + sync.sender_extra_bytes,
+            "generating (the actor offloaded)": est.overhead + shared + engine_static,
+        }  # fmt: skip
+        if engine is not None:
+            report.lines.append(
+                f"  colocated engine:    {engine.static / GIB:.1f} GiB (weights {engine.weights / GIB:.1f} GiB + KV "
+                f"cache {(engine.static - engine.weights) / GIB:.1f} GiB; released while training)"
+            )
+        if critic is not None:
+            report.lines.append(f"  critic on the same GPUs: {critic.resident / GIB:.1f} GiB resident")
+        report.lines += [f"  {name}: {value / GIB:.1f} GiB" for name, value in phases.items()]
+        total = max(phases.values())
+    elif critic is not None:
+        report.lines.append(f"critic per GPU (its own GPUs): {critic.total / GIB:.1f} GiB")
+        total = max(total, critic.total)
+    if total > limit:
+        raise SubmitError(
+            "layout does not fit in GPU memory: estimated "
+            f"{total / GIB:.1f} GiB per GPU > --gpu-memory-gb {gpu_memory_gb:g} GiB\n"
+            + "\n".join(report.lines)
+            + "\nraise tp/pp/ep (or etp), set actor.optim.distributed=true or actor.optim.offload_fraction, "
+            "lower rollout.sglang.mem_fraction_static or sync.bucket_bytes, or use more nodes"
         )
-    plan = optimizer_plan(cfg.actor.optim, cfg.model.dtype, cfg.trainer.runtime)
-    est = estimate_memory(
+    report.lines.append(f"fits: {total / GIB:.1f} GiB of {limit / GIB:.1f} GiB per GPU")
+    return report
+
+
+def _estimate(cfg: Any, group: Any, hf: dict[str, Any], engine: Any, use_ref: bool) -> Any:
+    """models/estimate.py's per-GPU figures of one worker group (the actor, or the critic) at its own layout."""
+    from mcore_rl.actor.optimizer import optimizer_plan
+    from mcore_rl.models.estimate import estimate_memory, rank_params
+
+    lay = group.layout
+    recompute = getattr(group, "recompute", None) or cfg.actor.recompute
+    return estimate_memory(
         hf,
-        world,
+        group.world_size,
         tp=lay.tp,
         pp=lay.pp,
         cp=lay.cp,
@@ -231,29 +291,14 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
         vpp=lay.vpp,
         first_stage_layers=lay.first_stage_layers,
         last_stage_layers=lay.last_stage_layers,
-        micro_batch=cfg.actor.micro_batch_size,
+        micro_batch=group.micro_batch_size,
         seq_len=cfg.model.max_sequence_length,
-        plan=plan,
-        recompute=cfg.actor.recompute,
-        use_ref=cfg.actor.use_ref,
+        plan=optimizer_plan(group.optim, cfg.model.dtype, cfg.trainer.runtime),
+        recompute=recompute,
+        use_ref=use_ref,
         params=rank_params(hf, lay.to_layout(), cfg.model.make_vocab_size_divisible_by, cfg.model.dtype),
         engine=engine,
     )
-    report.lines.append(
-        f"memory per GPU (estimate; micro_batch={cfg.actor.micro_batch_size}, seq={cfg.model.max_sequence_length}, "
-        f"recompute={cfg.actor.recompute.granularity or 'off'}):"
-    )
-    report.lines.append(est.describe())
-    if est.total > limit:
-        raise SubmitError(
-            "layout does not fit in GPU memory: estimated "
-            f"{est.total / GIB:.1f} GiB per GPU > --gpu-memory-gb {gpu_memory_gb:g} GiB\n"
-            + "\n".join(report.lines)
-            + "\nraise tp/pp/ep (or etp), set actor.optim.distributed=true or actor.optim.offload_fraction, "
-            "lower rollout.sglang.mem_fraction_static, or use more nodes"
-        )
-    report.lines.append(f"fits: {est.total / GIB:.1f} GiB of {limit / GIB:.1f} GiB per GPU")
-    return report
 
 
 # ------------------------------------------------------------------------------------------------- the sbatch script

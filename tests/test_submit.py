@@ -75,6 +75,12 @@ def test_dry_run_recipes_fit_32x8(recipe: str, model: str) -> None:
     assert model in res.stdout
     assert "total per GPU:" in res.stdout and "params per rank:" in res.stdout
     assert "fits:" in res.stdout and "of 80.0 GiB per GPU" in res.stdout
+    # every actor and engine rank placed on the 256 GPUs, the engines sharing the actor's (issue 26)
+    assert "placement: placement=colocated: actor 256, engines 256 GPUs, sharing the actor's" in res.stdout
+    # the real sync plan for the recipe's engines: complete, buckets sized, pairs whole, groups stated, time predicted
+    assert "sync plan:" in res.stdout and "coverage ok" in res.stdout
+    assert "none split" in res.stdout and "NCCL broadcast groups per engine GPU: 0 (bound" in res.stdout
+    assert "predicted sync:" in res.stdout and "generating (the actor offloaded):" in res.stdout
 
 
 def test_layout_that_cannot_fit_is_refused_with_figures() -> None:
@@ -96,7 +102,71 @@ def test_world_size_larger_than_the_allocation_is_refused() -> None:
     args = ["--nodes", "16", "--gpus-per-node", "8", "--partition", "gpu", "--time", "1:00:00", "--job-name", "t"]
     res = run_submit(*args, "--dry-run", "--", "--config-name", "qwen3_235b_a22b_32n")
     assert res.returncode == 2
-    assert "actor.world_size=256 does not fit on 16 nodes x 8 GPUs = 128 GPUs" in res.stderr
+    assert (
+        "trainer.placement=colocated needs 256 GPUs (actor.world_size=256), but --nodes 16 x --gpus-per-node 8 has 128"
+        in res.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # split: the engines need GPUs of their own, on top of the actor's (issue 26: they used to wait forever)
+        (["trainer.placement=split", "sync.transport=distributed"],
+         "trainer.placement=split needs 512 GPUs (actor.world_size=256 + rollout.num_engines=16 x rollout.sglang.tp=16 "
+         "= 256), but --nodes 32 x --gpus-per-node 8 has 256"),
+        # the critic's ranks are counted too (issue 28 item 6: the dry run counted none)
+        (["algorithm.adv_estimator=gae", "critic.enable=true", "critic.world_size=512",
+          "critic.layout.tp=4", "critic.layout.pp=2", "critic.layout.sequence_parallel=true", "critic.mini_batches=1"],
+         "critic.world_size=512 is more than the actor.world_size=256 GPUs it shares"),
+        (["sync.transport=distributed"], "NCCL refuses two ranks of one communicator on one GPU"),
+        (["rollout.num_engines=17"], "the engines need rollout.num_engines=17 x rollout.sglang.tp=16 = 272 GPUs"),
+    ],
+)  # fmt: skip
+def test_a_placement_that_cannot_work_is_refused_naming_the_keys(overrides: list[str], message: str) -> None:
+    res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "qwen3_235b_a22b_32n", *overrides)
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr and "#!/bin/bash" not in res.stdout
+
+
+def test_an_engine_layout_the_actor_cannot_feed_is_refused() -> None:
+    # 24-way engines: 64 attention heads do not split over them (the plan would fail after every engine loaded)
+    res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "qwen3_235b_a22b_32n", "rollout.num_engines=10",
+                     "rollout.sglang.tp=24", "rollout.sglang.ep=8", "rollout.sglang.nnodes=3")  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert "rollout.sglang (tp=24 ep=8 dp=1) x rollout.num_engines=10: the actor cannot feed this engine layout" in (
+        res.stderr
+    )
+    assert "num_attention_heads=64 is not divisible by the engine's attention tp=24" in res.stderr
+
+
+def test_deepseek_recipe_keeps_every_mla_pair_in_one_bucket() -> None:
+    """The DeepSeek-V3 recipe's real plan at its bucket size and at the 2048 MB the issue reproduced with: no bucket
+    splits a layer's q_a_proj / kv_a_proj_with_mqa (SGLang would drop the unpaired half). Without the family's rule
+    the 2048 MB plan splits layers 0, 9, 18, 27, 36, 45 and 54 (issue 26)."""
+    from mcore_rl.parallel.harness import run_on_ranks
+
+    split_at = run_on_ranks(_mla_pairs, 1, ())[0]
+    assert split_at[1 << 30] == [] and split_at[2048 << 20] == []  # the recipe's 1 GiB, and 2048 MB
+    split = sorted(int(key.split(".")[2]) for key in split_at["without the rule"])
+    assert split == [0, 9, 18, 27, 36, 45, 54], split  # the layers issue 26 found with the project's planner
+
+
+def _mla_pairs(rank: int, world: int) -> dict:
+    """Rank body: the DeepSeek-V3 recipe's sync plan from its meta model (one inventory, three bucket choices)."""
+    from mcore_rl.controller.recipe_check import build_run_plan, compose_recipe, meta_inventory
+    from mcore_rl.models.deepseek_v3 import DEEPSEEK_RECEIVE_TOGETHER
+
+    cfg = compose_recipe("deepseek_v3_671b_32n")
+    hf = dict(cfg.model.hf_config)
+    inventory = meta_inventory(hf, cfg.actor.layout.to_layout(), cfg.model.make_vocab_size_divisible_by, "bfloat16")
+    out = {}
+    for bucket in (cfg.sync.bucket_bytes, 2048 << 20):
+        plan = build_run_plan(cfg, hf, inventory=inventory, bucket_bytes=bucket)
+        out[bucket] = plan.split_groups(DEEPSEEK_RECEIVE_TOGETHER)
+    plain = build_run_plan(cfg, hf, inventory=inventory, bucket_bytes=2048 << 20, receive_together=())
+    out["without the rule"] = [line.split(":")[0] for line in plain.split_groups(DEEPSEEK_RECEIVE_TOGETHER)]
+    return out
 
 
 def test_bad_layout_is_a_config_error() -> None:

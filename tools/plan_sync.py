@@ -9,8 +9,10 @@ for the recipe's actor layout (`--actor-nodes` x `--gpus-per-node` ranks; `actor
 may be overridden with `--set key=value` as on the train command line) and the engine layout. Engines sit on
 `--engine-nodes` separate nodes (split placement) or, with 0, on the actor's GPUs (colocated).
 
-Checked: coverage (every byte each engine rank needs arrives exactly once; nothing else arrives). Printed, per mode:
-bytes per link class, and a predicted time from this transfer model:
+Checked: coverage (every byte each engine rank needs arrives exactly once; nothing else arrives; tensors an engine must
+receive together share a bucket). Printed, per mode:
+bytes per link class, and a predicted time from this transfer model (resharding/sync/forecast.py, which
+`launch/submit.py --dry-run` also prints for a recipe's own engine layout):
 
     gather     each stream's TP/ETP all-gather inside the actor node: gathered bytes x (g-1)/g / NVLink bus bandwidth
     transport  per (stream, distinct slice) one broadcast spanning the engine ranks that keep it, in every engine: a
@@ -33,32 +35,14 @@ import json
 import os
 import sys
 import time
-from collections import defaultdict
 from typing import Any
 
-DEFAULT_BW = {"nvlink_gbps": 370.0, "ib_gbps": 46.0}  # H100 NVLink bus bandwidth; 400G NDR per NIC, measured-ish
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:  # run as a script from a checkout: import the package beside tools/
+    sys.path.insert(0, REPO)
 
-
-def load_bandwidths(path: str | None) -> dict[str, float]:
-    """Link bandwidths in GB/s: defaults, or a `tools/nccl_diag.py sweep --json` file (its largest-size busbw of the
-    intra-node and inter-node all-gathers / broadcasts)."""
-    if path is None:
-        return dict(DEFAULT_BW)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as err:
-        raise SystemExit(f"error: --bandwidths {path}: {err}") from None
-    out = dict(DEFAULT_BW)
-    rows = data.get("results", data if isinstance(data, list) else [])
-    for scope, key in (("intra", "nvlink_gbps"), ("inter", "ib_gbps")):
-        best = [r.get("busbw_gbps", 0.0) for r in rows if isinstance(r, dict) and r.get("scope") == scope]
-        if best:
-            out[key] = max(best)
-    for key in DEFAULT_BW:
-        if key in data:
-            out[key] = float(data[key])
-    return out
+from mcore_rl.controller.recipe_check import meta_inventory  # noqa: E402
+from mcore_rl.resharding.sync.forecast import link_loads, load_bandwidths, predict  # noqa: E402
 
 
 def compose(recipe: str, overrides: list[str]) -> Any:
@@ -72,94 +56,6 @@ def compose(recipe: str, overrides: list[str]) -> Any:
     GlobalHydra.instance().clear()
     with initialize_config_module("mcore_rl.configs", version_base=None):
         return to_config(hydra_compose(config_name=recipe, overrides=overrides))
-
-
-def meta_inventory(hf_dict: dict, layout: Any, divisible_by: int, dtype: str) -> tuple[list, Any, Any]:
-    """The recipe's sources at its actor layout, from a meta-device model (torch.distributed world of 1 here)."""
-    import torch
-    import torch.distributed as dist
-
-    from mcore_rl.models.base import HFConfig
-    from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
-    from mcore_rl.parallel.groups import free_port, init_distributed, initialize_model_parallel
-    from mcore_rl.parallel.layout import ParallelLayout
-    from mcore_rl.resharding.sync.inventory import meta_sources
-
-    if not dist.is_initialized():
-        init_distributed("cpu", 0, 1, "127.0.0.1", free_port())
-    pg = initialize_model_parallel(ParallelLayout())
-    hf = HFConfig(hf_dict)
-    spec = ModelSpec(
-        hf,
-        ParallelLayout(),
-        dtype=getattr(torch, dtype),
-        make_vocab_size_divisible_by=divisible_by * layout.tp,
-        config_overrides={"perform_initialization": False},
-    )
-    shape = spec.family.shape(hf)
-    sources = meta_sources(
-        lambda: build_gpt_chunks(spec, pg, meta=True), spec.weight_map(), layout, shape.num_layers, shape.num_experts
-    )
-    return sources, shape, spec.family
-
-
-def link_loads(plan: Any, actor_world: int, gpus_per_node: int, engine_nodes: int) -> dict[str, Any]:
-    """Bytes per sending/receiving GPU and per link class under the transfer model in the module docstring."""
-    eng = plan.engines
-    sent: dict[int, float] = defaultdict(float)  # leader rank -> bytes its link sends
-    per_rank: dict[int, float] = defaultdict(float)  # engine-local rank -> bytes (every engine receives the same)
-    by_class = {"nvlink": 0.0, "ib": 0.0}
-    gather: dict[int, float] = defaultdict(float)  # leader -> bytes through its TP/ETP all-gather
-    # Colocated engines occupy the actor's GPUs in order (engine e, rank r -> GPU e * tp + r): how many engines put
-    # their rank r on a given node, for the bytes that stay on a leader's node (NVLink); split engines: none do.
-    on_node: dict[tuple[int, int], int] = defaultdict(int)  # (engine-local rank, node) -> engines
-    if engine_nodes == 0:
-        for engine in range(eng.num_engines):
-            for r in range(eng.tp):
-                on_node[(r, (engine * eng.tp + r) // gpus_per_node)] += 1
-    for bucket in plan.buckets:
-        stream = plan.streams[bucket.stream]
-        g = len(stream.group)
-        node = stream.leader // gpus_per_node
-        for e in bucket.entries:
-            source = plan.sources[e.source]
-            if source.axis is not None and g > 1:
-                gather[stream.leader] += e.nbytes * (g - 1) / g
-            rows = e.shape[e.dim] if e.shape else 1
-            per_row = e.nbytes / max(1, rows)
-            slices = plan.receive_slices(e)
-            # one broadcast carries a slice that several engine-local ranks keep (replicated tensors, full mode)
-            for got in set(slices) - {None}:
-                sent[stream.leader] += per_row * got[1]
-            for r, got in enumerate(slices):
-                if got is None:
-                    continue
-                nbytes = per_row * got[1]
-                per_rank[r] += nbytes
-                local = on_node.get((r, node), 0)
-                by_class["nvlink"] += nbytes * local
-                by_class["ib"] += nbytes * (eng.num_engines - local)
-    received = {(engine, r): nbytes for engine in range(eng.num_engines) for r, nbytes in per_rank.items()}
-    return {"sent": sent, "received": received, "gather": gather, "by_class": by_class}
-
-
-def predict(plan: Any, loads: dict, bw: dict[str, float], engine_nodes: int, gpus_per_node: int) -> dict[str, float]:
-    ib, nvl = bw["ib_gbps"] * 1e9, bw["nvlink_gbps"] * 1e9
-    colocated = engine_nodes == 0
-    # a colocated receiver shares its node with some senders; the model charges its whole intake at the slower
-    # link unless every byte it takes comes from its own node (never the case with streams spread over nodes)
-    receive_s = max(loads["received"].values(), default=0.0) / ib
-    send_s = max(loads["sent"].values(), default=0.0) / ib
-    gather_s = max(loads["gather"].values(), default=0.0) / nvl
-    fill_s = plan.bucket_bytes / ib
-    return {
-        "gather_s": gather_s,
-        "send_s": send_s,
-        "receive_s": receive_s,
-        "predicted_s": max(gather_s, send_s, receive_s) + fill_s,
-        "bound_s": receive_s,
-        "colocated": float(colocated),
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     engines = args.engines or engine_gpus // args.engine_tp
     if engines < 1:
         parser.error(f"--engine-tp {args.engine_tp} is larger than the {engine_gpus} engine GPUs")
-    bw = load_bandwidths(args.bandwidths)
+    try:
+        bw = load_bandwidths(args.bandwidths)
+    except ValueError as err:
+        parser.error(f"--bandwidths: {err}")
     hf = cfg.model.hf_config if not cfg.model.path else json.load(open(os.path.join(cfg.model.path, "config.json")))
     t0 = time.perf_counter()
     sources, shape, family = meta_inventory(dict(hf), layout, cfg.model.make_vocab_size_divisible_by, cfg.model.dtype)
@@ -208,14 +107,15 @@ def main(argv: list[str] | None = None) -> int:
             plan = build_plan(
                 sources, actor_layout=layout, world_size=actor_world,
                 engines=EngineLayout(engines, args.engine_tp, args.engine_ep, args.dp_attention),
-                rules=family.engine_shards, bucket_bytes=args.bucket_mb << 20, mode=mode,
+                rules=family.engine_shards, receive_together=family.engine_receive_together,
+                bucket_bytes=args.bucket_mb << 20, mode=mode,
                 num_experts=shape.num_experts, num_kv_heads=shape.num_query_groups,
                 num_heads=shape.num_attention_heads,
             )  # fmt: skip
         except PlanError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        problems = plan.check_coverage()
+        problems = plan.check_coverage() + plan.split_groups(family.engine_receive_together)
         loads = link_loads(plan, actor_world, args.gpus_per_node, args.engine_nodes)
         p = predict(plan, loads, bw, args.engine_nodes, args.gpus_per_node)
         gb = plan.nbytes / 1e9

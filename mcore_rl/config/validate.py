@@ -42,10 +42,16 @@ def validate_run(cfg: RLConfig) -> None:
     if cfg.trainer.mode == "dpo":
         check_dpo(cfg)
     check_algorithm(cfg)
-    if cfg.sync.transport == "tensor" and cfg.rollout.engine == "sglang" and cfg.rollout.sglang.nnodes > 1:
+    if (
+        cfg.sync.transport == "tensor"
+        and cfg.rollout.engine == "sglang"
+        and cfg.rollout.sglang.nnodes > 1
+        and cfg.trainer.placement != "colocated"  # colocated: each engine rank's payload comes from its GPU's rank
+    ):
         raise ConfigError(
-            "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1: the tensor transport shares memory "
-            "(or CUDA IPC handles) within one node; expected sync.transport=distributed or disk"
+            "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1 and trainer.placement=split: the "
+            "tensor transport shares memory (or CUDA IPC handles) within one node; expected sync.transport="
+            "distributed or disk, or trainer.placement=colocated"
         )
     if cfg.trainer.validates and not cfg.data.val_files and cfg.data.train_files:
         raise ConfigError(

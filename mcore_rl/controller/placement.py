@@ -1,70 +1,133 @@
-"""Where the actor ranks and the rollout engines run, and what they hand each other between phases.
+"""Where the actor ranks, the critic's ranks and the rollout engines run, and what they hand each other between phases.
 
-    placement = make_placement(cfg)                    # after ray.init: reserves the pools (Ray placement groups)
+    placement = make_placement(cfg)                    # after ray.init: checks, then reserves the pools
     ActorGroup(..., options=placement.actor_options)   # rank r -> its bundle
-    EnginePool(..., engine_options=placement.engine_options)
+    CriticGroup(..., options=placement.critic_options)
+    EnginePool(..., engine_options=placement.engine_options)   # engine i (node k of a multi-node engine) -> bundle
     placement.to_training(actor, engines)             # after a step's generation
     placement.sync_weights(sync, version)             # after the update: the weight push, and back to generation
 
-split      two placement groups: one bundle per actor rank ({CPU: actor.num_cpus_per_rank, GPU: 1 on CUDA}) and one
-           per engine ({CPU: rollout.num_cpus, GPU: 1}); generation and training can overlap (trainer.async_rollout).
+Before anything is reserved, the GPU count (controller/gpu_plan.py, the dry run's own) must fit the cluster's GPUs
+and the sync transport must suit the placement: refused at once (PlacementError, exit 2), never a wait. Every wait on
+Ray (a pool's reservation, an actor's scheduling, an engine's start) has a limit and names what it waits for.
+
+split      a placement group per role: one bundle per actor rank and per critic rank ({CPU: num_cpus_per_rank,
+           GPU: 1 on CUDA}); one per embedded engine ({CPU: rollout.num_cpus, GPU: 1 on CUDA}) or per node of a real
+           SGLang engine ({CPU: 1, GPU: tp / nnodes}). Generation and training can overlap (trainer.async_rollout).
            The phase hooks do nothing.
-colocated  one placement group with a bundle per actor rank; engine i shares rank i % world's bundle (its CPUs; on
-           CUDA its GPU, half each). While the actor trains, engines release weights and KV cache
-           (/release_memory_occupation, SGLang's memory saver; our server drops its parameters); while engines
-           generate, the actor offloads parameters, gradients and optimizer state to host memory (CUDA; on CPU a
-           no-op that says so in the log). The hand-over back to generation is verl's order: engines resume their
-           weights -> the push refills them from the actor's (still on device) -> the actor offloads -> engines
-           resume their KV cache.
-Real SGLang engines (rollout.engine=sglang) start with their own GPU requests; colocating them with the actor is
-done by SGLang's memory saver on shared nodes, not by these bundles.
+colocated  one placement group with a bundle per actor rank; on CUDA its bundles are ordered by (node, GPU), as
+           slime orders them, so consecutive bundles are one node's consecutive GPUs. Critic rank r shares bundle r.
+           Engines share the bundles too, with a fraction of each GPU (Ray counts a GPU once: actor 0.4 + critic
+           0.3 + engine 0.2): an embedded engine i takes bundle i % world; node k of SGLang engine e the tp / nnodes
+           bundles from (e x nnodes + k) x tp / nnodes on, its Ray actor holding the first and its server seeing
+           all of them (CUDA_VISIBLE_DEVICES set from the bundles' GPUs, Ray told not to override it). While the
+           actor trains, engines release weights and KV cache (/release_memory_occupation: SGLang's memory saver;
+           our server drops its parameters); while engines generate, the actor offloads parameters, gradients and
+           optimizer state to host memory (CUDA; on CPU a no-op that says so in the log). The hand-over back to
+           generation is verl's order: engines resume their weights -> the push refills them from the actor's (still
+           on device) -> the actor offloads -> engines resume their KV cache.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mcore_rl.config import RLConfig
+from mcore_rl.controller.gpu_plan import PlacementError, check_fits, check_transport
+
+if TYPE_CHECKING:
+    from mcore_rl.config import RLConfig
 
 log = logging.getLogger(__name__)
 
 MEMORY_TAGS = ["weights", "kv_cache"]
+#: fractions of a colocated GPU Ray counts for each role on one bundle (their sum stays below 1)
+GPU_SHARES = {"actor": 0.4, "critic": 0.3, "engine": 0.2}
+RESERVE_TIMEOUT_S = 120.0  #: a placement group's reservation, or an actor's scheduling onto its reserved bundle
+#: Ray tells a process not to set CUDA_VISIBLE_DEVICES itself (its accelerator manager reads it), so a colocated
+#: SGLang node sees every GPU of its bundles, not only the one whose fraction its Ray actor holds
+NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def ray_wait(refs: list[Any], what: str, timeout_s: float) -> list[Any]:
+    """ray.get(refs) within `timeout_s`; TimeoutError naming `what` and the cluster's free resources otherwise."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        raise TimeoutError(
+            f"waited {timeout_s:g} s for {what}; Ray's free resources: {_free()} of {_total()}"
+        ) from None
+
+
+def wait_scheduled(handles: list[Any], what: str, timeout_s: float | None = None) -> None:
+    """Wait until Ray has placed and constructed the actors `handles` (TimeoutError naming `what` otherwise), at
+    most `timeout_s` (default RESERVE_TIMEOUT_S)."""
+    limit = RESERVE_TIMEOUT_S if timeout_s is None else timeout_s
+    ray_wait([h.__ray_ready__.remote() for h in handles], f"Ray to schedule {what}", limit)
+
+
+def _free() -> dict[str, float]:
+    import ray
+
+    return {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+
+
+def _total() -> dict[str, float]:
+    import ray
+
+    return {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU")}
 
 
 class SplitPlacement:
-    """Separate pools for the actor and the engines (see the module docstring)."""
+    """Separate pools for the actor, the critic and the engines (see the module docstring)."""
 
     name = "split"
     #: whether the actor ranks may start while the engines start (train.py): yes on separate devices
     overlap_startup = True
 
     def __init__(self, cfg: RLConfig) -> None:
-        from ray.util.placement_group import placement_group
-
         self.cfg = cfg
         self.cuda = cfg.trainer.runtime == "cuda"
+        self.count = _check_cluster(cfg)
         gpu = {"GPU": 1} if self.cuda else {}
-        self.actor_pg = placement_group(
-            [{"CPU": cfg.actor.num_cpus_per_rank, **gpu} for _ in range(cfg.actor.world_size)], strategy="PACK"
-        )
-        self.groups = [self.actor_pg]
-        self.engine_pg = None
-        if cfg.rollout.engine == "hf":
-            self.engine_pg = placement_group(
-                [{"CPU": cfg.rollout.num_cpus, **gpu} for _ in range(cfg.rollout.num_engines)], strategy="PACK"
+        self.actor_pg = self._reserve("actor", [{"CPU": cfg.actor.num_cpus_per_rank, **gpu}] * cfg.actor.world_size)
+        self.critic_pg = None
+        if cfg.critic.enable:
+            self.critic_pg = self._reserve(
+                "critic", [{"CPU": cfg.critic.num_cpus_per_rank, **gpu}] * cfg.critic.world_size
             )
-            self.groups.append(self.engine_pg)
+        rollout = cfg.rollout
+        if rollout.engine == "hf":
+            bundles = [{"CPU": rollout.num_cpus, **gpu}] * rollout.num_engines
+        else:  # one bundle per node of each SGLang engine: the node's GPUs of that engine
+            bundles = [{"CPU": 1, "GPU": self.count.engine_node_gpus}] * (rollout.num_engines * rollout.sglang.nnodes)
+        self.engine_pg = self._reserve("engines", bundles)
         self._wait()
 
-    def _wait(self, timeout_s: float = 120.0) -> None:
+    def _reserve(self, role: str, bundles: list[dict[str, float]]) -> Any:
+        from ray.util.placement_group import placement_group
+
+        group = placement_group(bundles, strategy="PACK", name="")
+        self.groups = [*getattr(self, "groups", []), group]
+        self.roles = [*getattr(self, "roles", []), role]
+        return group
+
+    def _wait(self, timeout_s: float = RESERVE_TIMEOUT_S) -> None:
         import ray
 
-        ready, _ = ray.wait([g.ready() for g in self.groups], num_returns=len(self.groups), timeout=timeout_s)
-        if len(ready) != len(self.groups):
-            raise ValueError(
+        refs = [g.ready() for g in self.groups]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(ready) != len(refs):
+            pending = [
+                f"{role} {g.bundle_specs}" for role, g, ref in zip(self.roles, self.groups, refs) if ref not in ready
+            ]
+            self.shutdown()
+            raise TimeoutError(
                 f"trainer.placement={self.name}: Ray could not reserve the pools within {timeout_s:.0f} s "
-                f"(bundles {[g.bundle_specs for g in self.groups]}; cluster resources {ray.cluster_resources()})"
+                f"(waiting for: {'; '.join(pending)}; free {_free()} of {_total()})"
             )
 
     @staticmethod
@@ -77,9 +140,20 @@ class SplitPlacement:
         """Ray options of actor rank `rank`."""
         return self._strategy(self.actor_pg, rank)
 
-    def engine_options(self, index: int) -> dict[str, Any]:
-        """Ray options of embedded engine `index` (also its replacement after a crash)."""
-        return self._strategy(self.engine_pg, index) if self.engine_pg is not None else {}
+    def critic_options(self, rank: int) -> dict[str, Any]:
+        """Ray options of critic rank `rank`."""
+        if self.critic_pg is None:
+            raise PlacementError("critic_options: this run has no critic (critic.enable=false)")
+        return self._strategy(self.critic_pg, rank)
+
+    def engine_options(self, index: int, node_rank: int = 0) -> dict[str, Any]:
+        """Ray options of engine `index` (also its replacement after a crash); for a real SGLang engine, of its
+        node `node_rank`'s actor, which holds that node's GPUs of the engine."""
+        if self.cfg.rollout.engine == "hf":
+            return self._strategy(self.engine_pg, index)
+        per_node = self.count.engine_node_gpus
+        bundle = index * self.cfg.rollout.sglang.nnodes + node_rank
+        return {**self._strategy(self.engine_pg, bundle), "num_gpus": per_node, "num_cpus": 1}
 
     def to_training(self, actor: Any, engines: Any) -> dict[str, float]:
         """Hand the devices from the engines to the actor (nothing to do when they have their own)."""
@@ -105,34 +179,80 @@ class SplitPlacement:
 
 
 class ColocatedPlacement(SplitPlacement):
-    """Actor ranks and engines on the same bundles, taking turns (see the module docstring)."""
+    """Actor ranks, critic ranks and engines on the same bundles, taking turns (see the module docstring)."""
 
     name = "colocated"
 
     def __init__(self, cfg: RLConfig) -> None:
-        from ray.util.placement_group import placement_group
-
         self.cfg = cfg
         self.cuda = cfg.trainer.runtime == "cuda"
+        self.count = _check_cluster(cfg)
         # On a shared GPU the engine sizes its KV cache from the memory free when it starts, so the actor ranks
         # build first (verl's order); on CPU nothing is shared that a start-up measures.
         self.overlap_startup = not self.cuda
         gpu = {"GPU": 1} if self.cuda else {}
-        cpus = cfg.actor.num_cpus_per_rank
-        self.actor_pg = placement_group([{"CPU": cpus, **gpu} for _ in range(cfg.actor.world_size)], strategy="PACK")
-        self.groups, self.engine_pg = [self.actor_pg], None
+        self.actor_pg = self._reserve("actor", [{"CPU": cfg.actor.num_cpus_per_rank, **gpu}] * cfg.actor.world_size)
+        self.critic_pg = self.engine_pg = None
         self._wait()
+        #: bundle index of position i (node, then GPU order on CUDA) and its (node address, GPU id)
+        self.order, self.where = self._bundle_order()
+
+    def _bundle_order(self) -> tuple[list[int], list[tuple[str, str]]]:
+        """Bundles sorted by (node address, GPU id), found by a probe on each (slime's way): Ray's bundle indices
+        follow no node or GPU order, and one SGLang node needs consecutive bundles of one node."""
+        world = self.cfg.actor.world_size
+        if not self.cuda:
+            return list(range(world)), [("", "")] * world
+        import ray
+
+        probe = ray.remote(_GpuProbe)
+        probes = [probe.options(num_cpus=0, num_gpus=0.01, **self._strategy(self.actor_pg, i)).remote()
+                  for i in range(world)]  # fmt: skip
+        try:
+            found = ray_wait(
+                [p.where.remote() for p in probes], "the GPU probe of every actor bundle", RESERVE_TIMEOUT_S
+            )
+        finally:
+            for p in probes:
+                ray.kill(p)
+        order = sorted(range(world), key=lambda i: (_ip_key(found[i][0]), _gpu_key(found[i][1])))
+        return order, [found[i] for i in order]
 
     def actor_options(self, rank: int) -> dict[str, Any]:
-        share = {"num_gpus": 0.5} if self.cuda else {}
-        return {**self._strategy(self.actor_pg, rank), **share}
+        share = {"num_gpus": GPU_SHARES["actor"]} if self.cuda else {}
+        return {**self._strategy(self.actor_pg, self.order[rank]), **share}
 
-    def engine_options(self, index: int) -> dict[str, Any]:
-        if self.cfg.rollout.engine != "hf":
-            return {}
-        # The engine uses the rank's CPUs while the rank waits (num_cpus 0: Ray counts them once).
-        share = {"num_gpus": 0.5} if self.cuda else {}
-        return {**self._strategy(self.actor_pg, index % self.cfg.actor.world_size), "num_cpus": 0, **share}
+    def critic_options(self, rank: int) -> dict[str, Any]:
+        if not self.cfg.critic.enable:
+            raise PlacementError("critic_options: this run has no critic (critic.enable=false)")
+        # the critic uses the rank's CPUs while the actor rank waits (num_cpus 0: Ray counts them once)
+        share = {"num_gpus": GPU_SHARES["critic"]} if self.cuda else {}
+        return {**self._strategy(self.actor_pg, self.order[rank]), "num_cpus": 0, **share}
+
+    def engine_options(self, index: int, node_rank: int = 0) -> dict[str, Any]:
+        share = {"num_gpus": GPU_SHARES["engine"]} if self.cuda else {}
+        world = self.cfg.actor.world_size
+        if self.cfg.rollout.engine == "hf":
+            # The engine uses the rank's CPUs while the rank waits (num_cpus 0: Ray counts them once).
+            return {**self._strategy(self.actor_pg, self.order[index % world]), "num_cpus": 0, **share}
+        per_node = self.count.engine_node_gpus
+        first = (index * self.cfg.rollout.sglang.nnodes + node_rank) * per_node
+        positions = range(first, first + per_node)
+        nodes = {self.where[i][0] for i in positions}
+        if len(nodes) != 1:
+            raise PlacementError(
+                f"rollout engine {index} node {node_rank} would span actor bundles {list(positions)} on nodes "
+                f"{sorted(nodes)}: expected the {per_node} GPUs (rollout.sglang.tp / nnodes) of one node; make "
+                "rollout.sglang.tp / nnodes divide the GPUs per node"
+            )
+        gpus = ",".join(self.where[i][1] for i in positions)
+        env = {NOSET_CUDA: "1", "CUDA_VISIBLE_DEVICES": gpus} if self.cuda else {}
+        return {
+            **self._strategy(self.actor_pg, self.order[first]),
+            "num_cpus": 0,
+            **share,
+            "runtime_env": {"env_vars": env},
+        }
 
     def to_training(self, actor: Any, engines: Any) -> dict[str, float]:
         """Engines release weights and KV cache; the actor loads its state back onto its devices."""
@@ -158,6 +278,39 @@ class ColocatedPlacement(SplitPlacement):
     def to_generation(self, sync: Any, version: int) -> dict[str, float]:
         """The engines released their weights for training: they take the unchanged ones back (same version)."""
         return self.sync_weights(sync, version)
+
+
+class _GpuProbe:
+    """Ray actor body: where its bundle is (node address, the GPU id Ray gave it)."""
+
+    def where(self) -> tuple[str, str]:
+        import ray
+
+        return ray.util.get_node_ip_address(), str(ray.get_gpu_ids()[0])
+
+
+def _ip_key(address: str) -> tuple[int, ...] | tuple[str]:
+    try:
+        return tuple(int(p) for p in address.split("."))
+    except ValueError:
+        return (address,)
+
+
+def _gpu_key(gpu: str) -> tuple[int, str]:
+    return (int(gpu), "") if gpu.isdigit() else (1 << 30, gpu)  # numeric ids in number order; UUIDs after
+
+
+def _check_cluster(cfg: RLConfig) -> Any:
+    """The GPU count against the connected cluster's GPUs, and the transport against the placement: PlacementError
+    at once (never a reservation that would wait for GPUs that do not exist)."""
+    import ray
+
+    check_transport(cfg)
+    if cfg.trainer.runtime != "cuda":
+        return check_fits(cfg, 0, None, "a CPU run")
+    gpus = ray.cluster_resources().get("GPU", 0)
+    per_node = [n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
+    return check_fits(cfg, gpus, int(max(per_node, default=0)), f"the Ray cluster ({len(per_node)} nodes)")
 
 
 PLACEMENTS: dict[str, type[SplitPlacement]] = {"split": SplitPlacement, "colocated": ColocatedPlacement}
@@ -230,5 +383,9 @@ def init_ray(cfg: RLConfig) -> None:
 
 
 def make_placement(cfg: RLConfig) -> SplitPlacement:
-    """The run's placement (Ray must be initialised: the pools are reserved now)."""
+    """The run's placement (Ray must be initialised: the pools are reserved now). Before anything is reserved: the
+    GPU packages real SGLang engines need (mcore_rl/gpu_extra.py), the GPU count and the transport (_check_cluster)."""
+    from mcore_rl.gpu_extra import check_gpu_extra
+
+    check_gpu_extra(cfg)
     return PLACEMENTS[cfg.trainer.placement](cfg)
