@@ -8,15 +8,25 @@
 Everything after `--` is passed to `python -m mcore_rl.train` (Hydra overrides; `--config-name X` picks a recipe
 from configs/). Before anything is written, the config is composed in-process and checked against N x G:
 
-- World size rule: the actor's `actor.world_size` ranks must fit on the N*G GPUs. If they take all of them, the
-  rollout engines share those GPUs (colocated mode); if fewer, the rollout engines get the remaining GPUs. More is
-  refused. (trainer.runtime=cpu jobs skip the GPU checks.)
+- Placement (mcore_rl/controller/gpu_plan.py, the check the run itself makes against Ray): every actor, critic and
+  engine rank on the N*G GPUs. trainer.placement=split: actor.world_size + critic.world_size + the engines' GPUs
+  (rollout.num_engines x rollout.sglang.tp); colocated: actor.world_size, which the critic and the engines share. An
+  engine's tp / nnodes GPUs per node must fit (and, colocated, divide) a node. The sync transport must suit it:
+  colocated engines on CUDA take sync.transport=tensor (NCCL refuses an actor and an engine rank of one broadcast
+  group on one GPU), split engines distributed or disk. (trainer.runtime=cpu jobs skip the GPU checks.)
+- GPU packages (mcore_rl/gpu_extra.py): where SGLang is installed, its tested set (constraints-gpu.txt).
+- Weight sync (mcore_rl/controller/recipe_check.py): the real plan for the run's engines, from the meta-device model:
+  the engine layout divides the model, every byte reaches every engine rank once, tensors an engine must receive
+  together share a bucket, the buckets (any larger than sync.bucket_bytes: one tensor each), the NCCL groups per
+  engine GPU (bounded), the sender's extra memory and the predicted sync time (resharding/sync/forecast.py).
 - Memory per GPU (mcore_rl/models/estimate.py): parameters of the fullest rank from the meta-device model at the
   actor's layout; bytes per parameter from the optimizer plan the ranks build (mcore_rl/actor/optimizer.py:
   weights, fp32 main grads, fp32 masters + Adam state sharded by `actor.optim.distributed`, partly on the host with
-  `actor.optim.offload_fraction`) + a reference copy when actor.use_ref + activations under full recomputation +
-  4 GiB CUDA context/NCCL; a colocated SGLang engine adds mem_fraction_static x GPU memory (its weights + KV cache)
-  while it generates. More than --gpu-memory-gb is refused.
+  `actor.optim.offload_fraction`) + a reference copy when actor.use_ref + activations under actor.recompute +
+  4 GiB CUDA context/NCCL; the critic's the same way at its own layout. Colocated, per phase of a shared GPU:
+  training (engines released), the weight push (the engines' weights resumed + the sender's sync buffers) and
+  generation (the actor offloaded: its CUDA context + the engine's mem_fraction_static x GPU memory). The largest
+  more than --gpu-memory-gb is refused.
 
 The sbatch script (written to <run_dir>/<job-name>.sbatch, via a temp file + rename):
 - `srun --overlap --nodes=1 --ntasks=1 -w <head>` runs `ray start --head --block` on the first node; once its GCS
@@ -161,11 +171,8 @@ def _count(n: float) -> str:
 
 
 def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float) -> CheckReport:
-    """World size and per-GPU memory of the actor against N x G; SubmitError naming the figures when it cannot fit.
-
-    The optimizer figures come from the plan the ranks build (mcore_rl/actor/optimizer.py), the parameters per rank
-    from the meta-device model at the actor's layout, and a colocated engine adds its mem_fraction_static share.
-    """
+    """Placement, GPU packages, the weight-sync plan and per-GPU memory against N x G (the module docstring);
+    SubmitError (exit 2) naming the key and the figures when the run would fail."""
     from mcore_rl.models.estimate import EngineShare, count_params
 
     report = CheckReport(run_dir=cfg.trainer.run_dir)
