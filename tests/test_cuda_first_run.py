@@ -354,3 +354,15 @@ def test_optimizer_offload_without_te_is_refused_before_any_rank() -> None:
     with pytest.raises(ConfigError, match="actor.optim.offload_fraction=1.0 needs Transformer Engine"):
         check_runtime(cfg, visible_gpus=8, te=False)
     check_runtime(cfg, visible_gpus=8, te=True)
+
+
+def test_dynamic_batching_with_expert_parallelism_is_refused() -> None:
+    from mcore_rl.actor.runtime import check_runtime
+    from mcore_rl.config import ConfigError
+
+    cfg = _cfg(ep=2)
+    cfg.actor.dynamic_batching = True
+    with pytest.raises(ConfigError, match="actor.dynamic_batching=true is invalid with actor.layout.ep=2"):
+        check_runtime(cfg, visible_gpus=8, te=True)
+    cfg.actor.layout.ep = 1
+    check_runtime(cfg, visible_gpus=8, te=True)

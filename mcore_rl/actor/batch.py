@@ -128,3 +128,47 @@ def micro_batches(
         mb = MicroBatch(tokens, positions, targets, gather, part.response_mask, part.tensors)
         out.append(mb if device is None else mb.to(device))
     return out, seq_len
+
+
+def balanced_shard(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
+    """This rank's data-parallel shard with the batch's tokens spread evenly: samples sorted by length (longest first)
+    are dealt to the ranks in snake order (0..dp-1, dp-1..0, ...), so the n samples of one prompt, which sit next to
+    each other in the controller's order and often have similar lengths, do not all land on one rank. Every rank gets
+    the same number of samples (as `shard`). For the update only: its results are sums, not per-sample outputs."""
+    if batch.size % dp_size:
+        raise ValueError(f"batch of {batch.size} samples does not split over dp={dp_size} ranks")
+    lengths = torch.tensor([len(p) for p in batch.prompts]) + batch.response_lengths()
+    order = sorted(range(batch.size), key=lambda i: (-int(lengths[i]), i))  # deterministic on every rank
+    mine = [i for k, i in enumerate(order) if _snake(k, dp_size) == dp_rank]
+    return batch.select(mine)
+
+
+def _snake(k: int, n: int) -> int:
+    lap, pos = divmod(k, n)
+    return pos if lap % 2 == 0 else n - 1 - pos
+
+
+def dynamic_micro_batches(
+    batch: TrainBatch, micro_batch_size: int, pad_multiple: int = 1, max_tokens: int | None = None,
+    device: torch.device | str | None = None,
+) -> list[MicroBatch]:  # fmt: skip
+    """Micro-batches by real length: samples sorted by length, each micro-batch padded only to its own longest
+    sample (a multiple of pad_multiple) and, with a token budget, holding as many samples as fit in `max_tokens`
+    (padded length x samples; at most micro_batch_size, at least one). Needs a schedule that accepts a different
+    shape per micro-batch (variable_seq_lengths on CUDA, or no pipeline and no expert parallelism); the order of the
+    samples is not kept (for the update, whose results are sums)."""
+    lengths = [len(p) + int(r) for p, r in zip(batch.prompts, batch.response_lengths().tolist())]
+    order = sorted(range(batch.size), key=lambda i: (lengths[i], i))
+    out, start = [], 0
+    while start < batch.size:
+        count = 1
+        while start + count < batch.size and count < micro_batch_size:
+            longest = -(-(lengths[order[start + count]] + 1) // pad_multiple) * pad_multiple
+            if max_tokens and longest * (count + 1) > max_tokens:
+                break
+            count += 1
+        part = batch.select(order[start : start + count])
+        (mb,), _ = micro_batches(part, count, pad_multiple, device=device)
+        out.append(mb)
+        start += count
+    return out

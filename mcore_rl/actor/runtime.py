@@ -109,6 +109,15 @@ def check_runtime(cfg: RLConfig, visible_gpus: int | None = None, te: bool | Non
         problem = layout_problem(name, group.layout.cp, runtime, te)
         if problem:
             raise ConfigError(problem)
+        if getattr(group, "dynamic_batching", False) and (
+            group.layout.ep > 1 or (group.layout.pp > 1 and runtime != "cuda")
+        ):
+            # every expert-parallel rank must run the same micro-batches (its collectives pair them up), and the CPU
+            # path exchanges one fixed shape between pipeline stages
+            raise ConfigError(
+                f"{name}.dynamic_batching=true is invalid with {name}.layout.ep={group.layout.ep}, "
+                f"pp={group.layout.pp} on trainer.runtime={runtime}: expected ep=1, and pp=1 unless runtime=cuda"
+            )
         if group.optim.offload_fraction and runtime == "cuda" and not te:
             # 0.16.1's HybridDeviceOptimizer runs through the precision-aware optimizer, which asks TE's version
             raise ConfigError(

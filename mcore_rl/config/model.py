@@ -213,6 +213,10 @@ class ActorConfig:
     #: more than the tiny model's arithmetic
     logprob_micro_batch_size: int | None = None
     max_tokens_per_microbatch: int | None = None  #: token budget per micro-batch (padded length x samples); null = off
+    #: the update's micro-batches by real length: dp shards balanced by tokens, samples sorted by length, each
+    #: micro-batch padded to its own longest sample (and filled to max_tokens_per_microbatch). Needs actor.layout.ep=1,
+    #: and pp=1 unless trainer.runtime=cuda (variable shapes between pipeline stages)
+    dynamic_batching: bool = False
     mini_batches: int = 2  #: optimizer steps per RL step (the batch is split into this many mini-batches)
     ppo_epochs: int = 1  #: passes over the batch per RL step
     clip_ratio_low: float = 0.2  #: PPO clip epsilon below 1
