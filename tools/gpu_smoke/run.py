@@ -139,9 +139,11 @@ def step_gpu_tests(rec: Recorder, dry: bool, out: Path) -> None:
     if importlib.util.find_spec("pytest") is None:
         return rec.skip("pytest is not installed (carry its wheels: docs/gpu.md)")
     report = out / "gpu_tests.junit.xml"
+    # the files that hold gpu tests (collecting every test file would import Ray, Hydra ... which the box lacks)
+    files = sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").glob("test_*.py") if "mark.gpu" in f.read_text())
+    rec["files"] = files
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", f"--junitxml={report}",
-           "tests/test_block_copy.py", "tests/test_fp8_blockwise.py", "tests/test_gpu_runtime.py",
-           "tests/test_cpu_runtime.py", "tests/test_harness.py"]  # fmt: skip
+           "--continue-on-collection-errors", *files]  # fmt: skip
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ))
     rec["tail"] = res.stdout[-3000:] + res.stderr[-1000:]
     import xml.etree.ElementTree as ET
