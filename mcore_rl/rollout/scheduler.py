@@ -282,10 +282,8 @@ class ContinuousBatcher:
         self._run_controls()
         if self._paused:
             return
-        try:
-            self._admit()
-        finally:
-            self._admitting = []
+        self._admit()
+        self._admitting = []  # now rows or finished (a failure leaves them for _loop to finish)
         if self._rows:
             self._decode()
 

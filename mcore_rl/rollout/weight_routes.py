@@ -211,9 +211,9 @@ class WeightRoutes:
 
     def _tags(self: EngineServer, body: dict) -> set[str]:
         tags = field(body, "tags", list, ["weights", "kv_cache"])
-        unknown = {t for t in tags if t not in ("weights", "kv_cache", "cuda_graph")}
+        unknown = [t for t in tags if t not in ("weights", "kv_cache", "cuda_graph")]
         if unknown:
-            raise BadRequest(f"unknown memory tags {sorted(map(str, unknown))}; expected weights, kv_cache, cuda_graph")
+            raise BadRequest(f"unknown memory tags {unknown}; expected weights, kv_cache, cuda_graph")
         return set(tags)
 
     async def release_memory_occupation(self: EngineServer, request: web.Request) -> web.Response:
