@@ -242,6 +242,10 @@ def _recompute(d: _Derivation, megatron: bool) -> None:
         if key in d.given:
             d.lines.append(f"{key}: ignored: verl's Megatron workers read override_transformer_config.recompute_*")
         return
+    if key not in d.given and d.settings.get("trainer.runtime") == "cpu":
+        d.lines.append(f"{key}: verl's default (True) not applied: trainer.runtime=cpu keeps activations (Megatron's "
+                       "recompute saves CUDA RNG state)")  # fmt: skip
+        return
     if d.get(key):
         d.set("actor.recompute.granularity", "full", f"{key}=True (FSDP's per-layer checkpointing)")
         d.set("actor.recompute.method", "uniform", key)
