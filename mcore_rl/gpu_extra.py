@@ -41,13 +41,13 @@ def _installed(name: str) -> str | None:
         return None
 
 
-def gpu_extra_problems(pins: dict[str, str] | None = None) -> tuple[list[str], str]:
+def gpu_extra_problems(pins: dict[str, str] | None = None, gate: str = "sglang") -> tuple[list[str], str]:
     """(one line per pinned package installed at another version, a note saying what was checked). Packages that are
-    not installed are not problems here: where SGLang is absent nothing of its set is checked (a login node running
-    a dry run), and a GPU run without SGLang is refused by the launcher's own check."""
+    not installed are not problems here: where `gate` (SGLang) is absent nothing of its set is checked (a login node
+    running a dry run), and a GPU run without SGLang is refused by the launcher's own check."""
     pins = GPU_PINS if pins is None else pins
-    if _installed("sglang") is None:
-        return [], "sglang is not installed here: the GPU set is checked where the run starts"
+    if _installed(gate) is None:
+        return [], f"{gate} is not installed here: the GPU set is checked where the run starts"
     problems = []
     for name, want in pins.items():
         got = _installed(name)
