@@ -69,6 +69,8 @@ class MicroBatch:
     gather_index: torch.Tensor  # [b, R]: position whose output predicts response token j
     response_mask: torch.Tensor  # [b, R]
     tensors: dict[str, torch.Tensor]
+    #: packed (THD) micro-batches only: cu_seqlens, max_seqlen, rows (actor/packing.py)
+    packed_seq: dict | None = None
 
     def to(self, device: torch.device | str) -> MicroBatch:
         """This micro-batch on `device` (the rank's GPU on CUDA runs), every tensor field and loss input moved."""
@@ -77,6 +79,9 @@ class MicroBatch:
             self.gather_index.to(device, non_blocking=True),
             self.response_mask.to(device, non_blocking=True),
             {k: v.to(device, non_blocking=True) for k, v in self.tensors.items()},
+            None
+            if self.packed_seq is None
+            else {**self.packed_seq, "cu_seqlens": self.packed_seq["cu_seqlens"].to(device)},
         )
 
 

@@ -41,6 +41,7 @@ from mcore_rl.actor.logprobs import (
     vocab_parallel_entropy,
     vocab_parallel_entropy_grad,
 )
+from mcore_rl.actor.packing import packed_micro_batches, packed_seq_params, unpack_rows
 from mcore_rl.actor.runtime import layout_problem, rank_device, threads_per_rank, to_host
 from mcore_rl.actor.schedule import run_schedule
 from mcore_rl.algorithms import aggregate_loss, get_policy_loss, kl_loss
@@ -234,7 +235,9 @@ class MegatronActor:
             mb = next(data_iterator)
             if self.routing is not None and self.routing.action:
                 self.routing.before(model, mb)
-            output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+            # packed (THD) micro-batches: TE's attention keeps the sequences of the row apart (actor/packing.py)
+            packed = {"packed_seq_params": packed_seq_params(mb)} if mb.packed_seq else {}
+            output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, **packed)
             if self.routing is not None and self.routing.action:
                 self.routing.after(model, mb)
             return output, lambda logits: loss_fn(mb, logits)
@@ -242,7 +245,7 @@ class MegatronActor:
         return run_schedule(chunks, forward_step, mbs, seq_len, mbs[0].tokens.shape[0], self.pg, forward_only)
 
     def _response_logprobs(self, mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-        return response_logprobs(logits, mb.targets, mb.gather_index, self.vocab_size, self.pg.tp)
+        return unpack_rows(mb, response_logprobs(logits, mb.targets, mb.gather_index, self.vocab_size, self.pg.tp))
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, use_ref: bool = False) -> RankResult:
@@ -276,15 +279,19 @@ class MegatronActor:
         the frozen reference always routes by its own logits)."""
         for chunk in chunks:
             chunk.eval()
+        size = self.cfg.logprob_micro_batch_size or self.cfg.micro_batch_size
         with mode_suspended():  # see update()
-            mbs, seq_len = micro_batches(
-                shard,
-                self.cfg.logprob_micro_batch_size or self.cfg.micro_batch_size,
-                self._pad_multiple,
-                self.cfg.max_tokens_per_microbatch,
-                min_seq_len,  # one length on every dp rank (the CPU MoE dispatcher gathers one shape)
-                device=self.device,
-            )
+            if getattr(self.cfg, "packing", False):
+                mbs = packed_micro_batches(
+                    shard, size, self._pad_multiple, self.cfg.max_tokens_per_microbatch, self.device
+                )
+                seq_len = max(mb.tokens.shape[1] for mb in mbs)
+            else:
+                mbs, seq_len = micro_batches(
+                    shard, size, self._pad_multiple, self.cfg.max_tokens_per_microbatch,
+                    min_seq_len,  # one length on every dp rank (the CPU MoE dispatcher gathers one shape)
+                    device=self.device,
+                )  # fmt: skip
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             logp = self._response_logprobs(mb, logits) * mb.response_mask
@@ -314,7 +321,8 @@ class MegatronActor:
         )  # fmt: skip
 
         def loss_fn(mb: MicroBatch, output: torch.Tensor):
-            return output.new_zeros(()), {"values": response_values(output, mb.gather_index) * mb.response_mask}
+            values = unpack_rows(mb, response_values(output, mb.gather_index))
+            return output.new_zeros(()), {"values": values * mb.response_mask}
 
         outputs = self._run_schedule(self.ddp_chunks, mbs, seq_len, loss_fn, forward_only=True)
         return self._result(torch.cat([o["values"] for o in outputs]) if outputs else None)
@@ -456,6 +464,11 @@ class MegatronActor:
         (not with R2 routing replay, which replays per rank what that rank recorded) and micro-batches by real length
         (actor/batch.py); else contiguous shards, every micro-batch padded to the mini-batch's longest sample."""
         cfg = self.cfg
+        if getattr(cfg, "packing", False):
+            shard = mini.shard(dp_rank, dp_size)
+            mbs = packed_micro_batches(shard, cfg.micro_batch_size, self._pad_multiple, cfg.max_tokens_per_microbatch,
+                                       self.device)  # fmt: skip
+            return mbs, max(mb.tokens.shape[1] for mb in mbs)
         if getattr(cfg, "dynamic_batching", False):
             balanced = self.routing is None or self.routing_mode != "R2"
             shard = balanced_shard(mini, dp_rank, dp_size) if balanced else mini.shard(dp_rank, dp_size)
@@ -483,7 +496,7 @@ class MegatronActor:
     def _value_loss(self, mb: MicroBatch, output: torch.Tensor, denominator: float, scale: float):
         from mcore_rl.actor.value_head import critic_loss, response_values
 
-        values = response_values(output, mb.gather_index)
+        values = unpack_rows(mb, response_values(output, mb.gather_index))
         loss, metrics = critic_loss(self.cfg, values, mb.tensors, mb.response_mask, denominator)
         return loss * scale, metrics
 
@@ -533,14 +546,14 @@ class MegatronActor:
             if cfg.kl_loss_coef:
                 loss = loss + cfg.kl_loss_coef * kl
         if cfg.entropy_coef:  # the bonus: maximise the aggregated token entropy
-            entropy = vocab_parallel_entropy_grad(
-                response_positions(logits, mb.gather_index), self.vocab_size, self.pg.tp
-            )
+            rows = response_positions(logits, mb.gather_index)
+            entropy = unpack_rows(mb, vocab_parallel_entropy_grad(rows, self.vocab_size, self.pg.tp))
             loss = loss - cfg.entropy_coef * aggregate_loss(
                 entropy, mask, cfg.loss_agg_mode, max_response_len=mask.shape[1], denominator=denominator
             )
         else:
-            entropy = vocab_parallel_entropy(response_positions(logits, mb.gather_index), self.vocab_size, self.pg.tp)
+            rows = response_positions(logits, mb.gather_index)
+            entropy = unpack_rows(mb, vocab_parallel_entropy(rows, self.vocab_size, self.pg.tp))
         metrics["actor/entropy"] = float((entropy.detach() * mask).sum())
         metrics["_tokens"] = weight
         return loss * scale, metrics

@@ -4,7 +4,7 @@
     payload = to_host(payload)               # what goes back to the Ray driver: CPU tensors, always
     torch.set_num_threads(threads_per_rank(runtime))
     check_runtime(cfg)                       # pre-flight (mcore_rl/preflight.py): ConfigError naming the key
-                                             # (no GPU; cp > 1; optimizer offload without TE)
+                                             # (no GPU; cp > 1; packing or optimizer offload without TE)
 
 The batch arrives from the driver in host memory and the micro-batcher moves it to `rank_device` (actor/batch.py);
 what a rank returns (logprobs, values, metrics) goes back to the driver through Ray's object store, which must not
@@ -118,6 +118,18 @@ def check_runtime(cfg: RLConfig, visible_gpus: int | None = None, te: bool | Non
                 f"{name}.dynamic_batching=true is invalid with {name}.layout.ep={group.layout.ep}, "
                 f"pp={group.layout.pp} on trainer.runtime={runtime}: expected ep=1, and pp=1 unless runtime=cuda"
             )
+        if getattr(group, "packing", False):
+            if not te:
+                where = " (not importable here)" if runtime == "cuda" else f" (trainer.runtime={runtime})"
+                why = "needs Transformer Engine's attention (THD format), which this run does not use" + where
+            elif group.dynamic_batching:
+                why = "is not combined with dynamic_batching"
+            elif getattr(group, "router_replay_mode", "disabled") != "disabled":
+                why = "is not combined with routing replay (it replays [batch, sequence] layouts)"
+            else:
+                why = None
+            if why:
+                raise ConfigError(f"{name}.packing=true {why}; expected {name}.packing=false")
         if group.optim.offload_fraction and runtime == "cuda" and not te:
             # 0.16.1's HybridDeviceOptimizer runs through the precision-aware optimizer, which asks TE's version
             raise ConfigError(

@@ -217,6 +217,10 @@ class ActorConfig:
     #: micro-batch padded to its own longest sample (and filled to max_tokens_per_microbatch). Needs actor.layout.ep=1,
     #: and pp=1 unless trainer.runtime=cuda (variable shapes between pipeline stages)
     dynamic_batching: bool = False
+    #: sequence packing (THD): each micro-batch's sequences end to end in one row, no padding between them (up to
+    #: micro_batch_size samples, or max_tokens_per_microbatch real tokens); needs Transformer Engine (trainer.runtime
+    #: =cuda), no routing replay, not with dynamic_batching
+    packing: bool = False
     mini_batches: int = 2  #: optimizer steps per RL step (the batch is split into this many mini-batches)
     ppo_epochs: int = 1  #: passes over the batch per RL step
     clip_ratio_low: float = 0.2  #: PPO clip epsilon below 1
