@@ -109,6 +109,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
             runtime=cfg.trainer.runtime,
             log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
             engine_options=placement.engine_options,
+            return_routed_experts=cfg.actor.router_replay_mode == "R3",  # SGLang answers routed_experts only then
+            fp8=cfg.sync.fp8,  # SGLang engines with FP8 parameters for the blockwise e4m3 weights the push sends
         )
         actor.ready()
         sync = WeightSync(

@@ -38,13 +38,13 @@ def ray_session():
     ray.shutdown()
 
 
-def _setup(tmp_path, model: dict | None = None):
+def _setup(tmp_path, model: dict | None = None, num_engines: int = 1):
     actor = ActorGroup(
         ModelConfig(hf_config=dict(HF)),
         ActorConfig(world_size=2, layout=LayoutConfig(ep=2), use_ref=False, num_cpus_per_rank=1),
         "cpu",
     )
-    rollout = RolloutConfig(num_engines=1, num_cpus=1)
+    rollout = RolloutConfig(num_engines=num_engines, num_cpus=1)
     pool = EnginePool(rollout, model=dict(HF), tokenizer=None, dtype="float32", runtime="cpu", log_dir=str(tmp_path))
     sync_cfg = SyncConfig(bucket_bytes=1 << 14, timeout_s=20)
     try:
@@ -137,3 +137,31 @@ def _push_error(sync: WeightSync, version: int) -> BaseException | None:
 def test_engine_of_another_model_is_refused(ray_session, tmp_path) -> None:
     with pytest.raises(SyncError, match="serves another model: its num_hidden_layers is 2, the actor's is 3"):
         _setup(tmp_path, dict(HF, num_hidden_layers=3))
+
+
+def test_hung_engine_is_replaced_and_resynced_by_the_push(ray_session, tmp_path) -> None:
+    """Issue 30: an engine SIGSTOPped between two pushes does not answer /begin_weight_update. The push goes on with
+    the other engine, the hung one is replaced, and the replacement serves the pushed version once it is up."""
+    actor, pool, sync = _setup(tmp_path, num_engines=2)
+    try:
+        sync.push(1)
+        hung_url = pool.urls[1]
+        hung_pid = pool.engine_pids()[1]
+        _perturb(actor)
+        os.kill(hung_pid, signal.SIGSTOP)
+        try:
+            sync.push(2)  # before: a raw ClientOSError / timeout from /begin_weight_update killed the run
+        finally:
+            try:
+                os.kill(hung_pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass  # replaced: killed
+        pool.wait_for_restarts()
+        assert hung_url not in pool.urls and pool.restarts == 1 and not pool.pending
+        for url in pool.urls:
+            assert pool.client.get(url, "/get_weight_version")[1]["weight_version"] == "2"
+        samples = pool.client.generate_samples(PROMPTS * 4, 1, GREEDY)
+        assert all(s.weight_version == 2 for s in samples)
+    finally:
+        pool.shutdown()
+        actor.shutdown()

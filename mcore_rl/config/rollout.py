@@ -153,6 +153,10 @@ class SyncConfig:
     #: requests would run between buckets on half-updated weights labelled with the new version
     pause_mode: str = "auto"
     timeout_s: float = 300.0  #: seconds a broadcast or an engine's answer may take before the sync fails
+    #: distributed transport: at most this many broadcast groups per engine GPU (one per stream of the plan: a
+    #: pipeline stage's dense tensors, one per EP rank's experts). Each is a communicator (NCCL on GPU) with its own
+    #: buffers on every engine GPU; a plan with more streams is refused before any group is built
+    max_update_groups: int = 64
     #: send the family's FP8 targets (attention and MLP projections) as 128x128-blockwise e4m3 + weight_scale_inv,
     #: for engines serving FP8 (the rollout then runs the quantised model; tools/fp8_parity.py gates its accuracy)
     fp8: bool = False
@@ -183,6 +187,7 @@ class SyncConfig:
         pauses = ("auto", "none", "in_place", "retract", "abort")
         _check(self.pause_mode in pauses, "sync.pause_mode", self.pause_mode, f"one of {pauses}")
         _check(self.timeout_s > 0, "sync.timeout_s", self.timeout_s, "> 0")
+        _positive("sync.max_update_groups", self.max_update_groups)
 
 
 @dataclass

@@ -5,10 +5,14 @@ EnginePool.start: N engines (CPU/GPU embedded servers as Ray actors | real SGLan
                   API key -> sglang-router in front of them -> RolloutClient(router)
 generate:         client -> router -> engines (the n samples of a prompt are one request: one engine, one prefill)
 weights:          pushed to every engine directly by controller/weight_sync.py (the router proxies no control call)
-an engine dies:   found by the pool's /health probe (every health_check_interval_s) or when a request fails
-                  (client.on_failure): it leaves the router (whose retries move its in-flight requests to the
-                  others), a new engine starts, is synced to the current weight version, and only then joins
+an engine dies:   found by the pool's /health probe (every health_check_interval_s, never during a weight push or
+                  while memory is released: controller/engine_state.py) or when a request fails (client.on_failure):
+                  it leaves the router (whose retries move its in-flight requests to the others), a new engine
+                  starts, is synced to the current weight version, and only then joins
 ```
+Engines start all at once (SGLang servers load weights and capture CUDA graphs for minutes each). On a multi-node Ray
+cluster every engine binds its node's address (guarded by the per-run API key): the router and the actor ranks that
+push weights may be on other nodes.
 """
 
 from __future__ import annotations
@@ -25,11 +29,15 @@ import ray
 import torch
 
 from mcore_rl.config import RolloutConfig
+from mcore_rl.controller.engine_state import MEMORY_TAGS, EngineHealth, ReleasedMemory
+from mcore_rl.controller.placement import ray_wait, wait_scheduled
 from mcore_rl.rollout.client import RolloutClient
 from mcore_rl.rollout.router import Router
 from mcore_rl.rollout.sampling import Sample
 
 log = logging.getLogger(__name__)
+#: an embedded engine's Ray actor builds its server (the model) in its constructor; the wait for its URL ends here
+ENGINE_BUILD_TIMEOUT_S = 1200.0
 
 
 class EmbeddedEngineActor:
@@ -94,9 +102,15 @@ class EnginePool:
         log_dir: str,
         init_seed: int = 0,
         engine_options: Any = None,
+        return_routed_experts: bool = False,
+        fp8: bool = False,
     ) -> None:
-        """`engine_options(index)`: extra Ray options of an embedded engine (controller/placement.py)."""
+        """`engine_options(index)`: extra Ray options of an embedded engine (controller/placement.py).
+        Real SGLang engines only: `return_routed_experts` (actor.router_replay_mode=R3) starts them able to answer
+        `routed_experts`; `fp8` (sync.fp8) starts them with FP8 parameters for the blockwise e4m3 weights a push
+        sends."""
         self.cfg = cfg
+        self.return_routed_experts, self.fp8 = return_routed_experts, fp8
         self.engine_options = engine_options
         self.model = model
         self.tokenizer = tokenizer
@@ -114,6 +128,8 @@ class EnginePool:
         self._check_lock: asyncio.Lock | None = None
         self._restarting: dict[int, threading.Thread] = {}
         self.log_dir = log_dir
+        # on a multi-node Ray cluster an engine may land on another node than the router and the senders
+        self.bind_node_ip = len([n for n in ray.nodes() if n.get("Alive")]) > 1
         self.engines = [Engine(i, url, handle) for i, (url, handle) in enumerate(self._start_engines(cfg.num_engines))]
         self.router = Router(
             [e.url for e in self.engines],
@@ -129,7 +145,10 @@ class EnginePool:
             timeout_s=cfg.request_timeout_s,
             max_retries=cfg.max_retries,
             on_failure=self._check_engines,
+            engine=cfg.engine,
         )
+        self.health = EngineHealth(self.client, cfg.health_check_timeout_s, cfg.health_check_failures)
+        self.memory = ReleasedMemory(self.client, self.health)
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._monitor_loop, name="engine-monitor", daemon=True)
         self._monitor.start()
@@ -137,7 +156,7 @@ class EnginePool:
     # ------------------------------------------------------------------ engines
     def _start_engines(self, count: int, first_index: int = 0) -> list[tuple[str, Any]]:
         if self.cfg.engine == "sglang":
-            return [self._start_sglang_engine() for _ in range(count)]
+            return self._start_sglang_engines(list(range(first_index, first_index + count)))
         base = {"num_cpus": self.cfg.num_cpus, "num_gpus": 1 if self.runtime == "cuda" else 0, "max_restarts": 0}
         handles = [
             ray.remote(EmbeddedEngineActor)
@@ -151,48 +170,63 @@ class EnginePool:
                 self.api_key,
                 self.init_seed,
                 max(1, int(self.cfg.num_cpus)),
-                # on a multi-node Ray cluster an engine may land on another node than the router and the senders
-                len([n for n in ray.nodes() if n.get("Alive")]) > 1,
+                self.bind_node_ip,
             )
             for i in range(count)
         ]
-        urls = ray.get([h.url.remote() for h in handles])
+        what = f"embedded engines {first_index}..{first_index + count - 1} to build their servers"
+        urls = ray_wait([h.url.remote() for h in handles], what, ENGINE_BUILD_TIMEOUT_S)
         return list(zip(urls, handles))
 
-    def _start_sglang_engine(self) -> tuple[str, list[Any]]:
-        """One real SGLang engine: one actor per node holding tp/nnodes GPUs; node 0 names the rendezvous."""
-        from mcore_rl.rollout.sglang_launcher import SGLangServerActor
+    def _start_sglang_engines(self, indices: list[int]) -> list[tuple[str, list[Any]]]:
+        """Real SGLang engines, all starting at once: one Ray actor per node of an engine holding tp/nnodes GPUs (on
+        its placement's bundle: its own in split placement, the actor's shared ones when colocated); node 0 of a
+        multi-node engine names its rendezvous."""
+        from mcore_rl.rollout.sglang_launcher import SGLangServerActor, engine_model_dir
 
         sgl = self.cfg.sglang
-        model_path = self.model if isinstance(self.model, str) else self._config_dir()
-        actor_cls = ray.remote(SGLangServerActor).options(num_gpus=sgl.tp // sgl.nnodes, num_cpus=1, max_restarts=0)
-        nodes = [
-            actor_cls.remote(
-                sgl, model_path, self.dtype, self.api_key, self.cfg.max_running_requests, None, rank,
-                None, os.path.join(self.log_dir, "sglang"),
-            )
-            for rank in range(sgl.nnodes)
-        ]  # fmt: skip
+        model_path = engine_model_dir(self.model, os.path.join(self.log_dir, "engine_model"), self.fp8)
+        base = {"num_gpus": sgl.tp // sgl.nnodes, "num_cpus": 1, "max_restarts": 0}
+        engines = {
+            index: [
+                ray.remote(SGLangServerActor)
+                .options(**{**base, **(self.engine_options(index, rank) if self.engine_options else {})})
+                .remote(
+                    sgl, model_path, self.dtype, self.api_key, self.cfg.max_running_requests, None, rank,
+                    None, os.path.join(self.log_dir, "sglang"), bind_node_ip=self.bind_node_ip,
+                    return_routed_experts=self.return_routed_experts, fp8=self.fp8,
+                )
+                for rank in range(sgl.nnodes)
+            ]
+            for index in indices
+        }  # fmt: skip
+        # Scheduling first, with its own short limit: an engine Ray cannot place is named at once, not after the
+        # server's start-up limit
+        for index, nodes in engines.items():
+            wait_scheduled(nodes, f"rollout engine {index} ({sgl.nnodes} node(s) x {sgl.tp // sgl.nnodes} GPUs)")
         if sgl.nnodes > 1:
-            address = ray.get(nodes[0].address_for_dist_init.remote())
-            ray.get([n.set_dist_init_addr.remote(address) for n in nodes])
-        urls = ray.get([n.start.remote() for n in nodes])
-        return urls[0], nodes
-
-    def _config_dir(self) -> str:
-        """SGLang loads a model directory: with only an HF config (random init, dummy load), write it out."""
-        import json
-
-        path = os.path.join(self.log_dir, "engine_model")
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(self.model, f)
-        return path
+            heads = [nodes[0].address_for_dist_init.remote() for nodes in engines.values()]
+            addresses = ray_wait(heads, f"the rendezvous of engines {indices}", 60)
+            calls = [n.set_dist_init_addr.remote(a) for a, nodes in zip(addresses, engines.values()) for n in nodes]
+            ray_wait(calls, f"the rendezvous of engines {indices}", 60)
+        # start() itself gives up after startup_timeout_s (it stops the server and says why); the margin covers it
+        starts = [[n.start.remote() for n in nodes] for nodes in engines.values()]
+        urls = ray_wait(
+            [ref for refs in starts for ref in refs], f"rollout engines {indices} to answer /health",
+            sgl.startup_timeout_s + 60,
+        )  # fmt: skip
+        return [(urls[k * sgl.nnodes], nodes) for k, nodes in enumerate(engines.values())]
 
     @property
     def urls(self) -> list[str]:
         with self._lock:
             return [e.url for e in self.engines]
+
+    @property
+    def live_urls(self) -> list[str]:
+        """The engines not being replaced (a replacement is synced by itself once it is up: on_engine_started)."""
+        with self._lock:
+            return [e.url for e in self.engines if e.index not in self._restarting]
 
     def engine_pids(self) -> list[int]:
         with self._lock:
@@ -276,6 +310,17 @@ class EnginePool:
         for url in ready:
             self.router.add_worker(url)
 
+    # ------------------------------------------------------------------ memory (colocated placement)
+    def release_memory(self, tags: tuple[str, ...] = MEMORY_TAGS) -> None:
+        """Every engine releases `tags` (weights, KV cache, CUDA graphs) while the actor trains; no /health probes
+        until all is resumed."""
+        self.memory.release(self.urls, tags)
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Every engine takes back those of `tags` it released (a tag never released is never resumed: SGLang's
+        scheduler dies of it)."""
+        self.memory.resume(self.urls, tags)
+
     # ------------------------------------------------------------------ faults
     def _monitor_loop(self) -> None:
         while not self._stop.wait(self.cfg.health_check_interval_s):
@@ -285,24 +330,33 @@ class EnginePool:
                 log.exception("engine health check failed")
 
     async def _check_engines(self) -> None:
-        """Probe every engine's /health; a dead one leaves the router and is restarted in the background. The client
-        also calls this before retrying a failed request."""
+        """Probe every engine's /health (unless a push or released memory holds probes off); a dead one leaves the
+        router and is restarted in the background. The client also calls this before retrying a failed request."""
         if self._check_lock is None:
             self._check_lock = asyncio.Lock()
         async with self._check_lock:
             with self._lock:
-                engines = [e for e in self.engines if e.index not in self._restarting]
-            alive = await asyncio.gather(*(self.client.ahealthy(e.url, timeout_s=3.0) for e in engines))
-            for engine, ok in zip(engines, alive):
-                if not ok:
-                    log.warning(
-                        "rollout engine %d at %s is dead: removing it from the router", engine.index, engine.url
-                    )
-                    await asyncio.to_thread(self.router.remove_worker, engine.url)
-                    thread = threading.Thread(target=self._restart, args=(engine,), daemon=True)
-                    with self._lock:
-                        self._restarting[engine.index] = thread
-                    thread.start()
+                engines = {e.url: e for e in self.engines if e.index not in self._restarting}
+            for url in await self.health.dead(engines):
+                await asyncio.to_thread(self.replace, url, "it failed its /health probes")
+
+    def replace(self, url: str, why: str) -> bool:
+        """Take the engine at `url` out of the router and restart it in the background; it joins the router once
+        synced to the current weight version. False if `url` is no engine of the pool or is being replaced."""
+        with self._lock:
+            engine = next((e for e in self.engines if e.url == url), None)
+            if engine is None or engine.index in self._restarting:
+                return False
+            thread = threading.Thread(target=self._restart, args=(engine,), daemon=True)
+            self._restarting[engine.index] = thread
+            self.pending.discard(url)
+        log.warning("rollout engine %d at %s is dead (%s): removing it from the router", engine.index, url, why)
+        try:
+            self.router.remove_worker(url)
+        finally:
+            self.memory.forget(url)
+            thread.start()
+        return True
 
     def _restart(self, dead: Engine) -> None:
         for handle in dead.handle if isinstance(dead.handle, list) else [dead.handle]:

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MEMORY_TAGS = ["weights", "kv_cache"]
 #: fractions of a colocated GPU Ray counts for each role on one bundle (their sum stays below 1)
 GPU_SHARES = {"actor": 0.4, "critic": 0.3, "engine": 0.2}
 RESERVE_TIMEOUT_S = 120.0  #: a placement group's reservation, or an actor's scheduling onto its reserved bundle
@@ -257,8 +256,8 @@ class ColocatedPlacement(SplitPlacement):
     def to_training(self, actor: Any, engines: Any) -> dict[str, float]:
         """Engines release weights and KV cache; the actor loads its state back onto its devices."""
         released = 0
+        engines.release_memory()  # weights, KV cache and CUDA graphs; no /health probes until they are back
         for url in engines.urls:
-            engines.client.post(url, "/release_memory_occupation", {"tags": MEMORY_TAGS})
             _, info = engines.client.get(url, "/server_info")
             states = (info or {}).get("internal_states") or [{}] if isinstance(info, dict) else [{}]
             released += bool(states[0].get("weights_released"))  # our server says so; SGLang's does not
@@ -267,12 +266,12 @@ class ColocatedPlacement(SplitPlacement):
 
     def sync_weights(self, sync: Any, version: int) -> dict[str, float]:
         engines = sync.pool
-        for url in engines.urls:
-            engines.client.post(url, "/resume_memory_occupation", {"tags": ["weights"]})
+        # only what an engine released is resumed (at start nothing is: SGLang's scheduler dies resuming a tag it
+        # never released)
+        engines.resume_memory(["weights"])
         sync.push(version)
         moved = sum(r["bytes"] for r in sync.actor.call("offload"))
-        for url in engines.urls:
-            engines.client.post(url, "/resume_memory_occupation", {"tags": ["kv_cache"]})
+        engines.resume_memory(["kv_cache", "cuda_graph"])
         return {"placement/offload_gib": moved / 2**30}
 
     def to_generation(self, sync: Any, version: int) -> dict[str, float]:

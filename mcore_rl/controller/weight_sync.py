@@ -4,17 +4,22 @@
 setup    every actor rank computes the plan (resharding/sync/plan.py); the digests must agree
 connect  (distributed) per stream: its leader hosts a broadcast group, every engine rank joins it
          (/init_weights_update_group); again after an engine is replaced
-push(v)  [pause engines] -> /begin_weight_update on every engine -> actor ranks stream their buckets
-         (gather -> HF layout -> transport) -> [/update_weights_from_disk] -> /end_weight_update (the engine commits
-         v atomically) -> [continue]
+push(v)  no /health probes -> [pause engines] -> /begin_weight_update on every engine -> actor ranks stream their
+         buckets (gather -> HF layout -> transport) -> [/update_weights_from_disk] -> /end_weight_update (the engine
+         commits v) -> /flush_cache (its radix cache holds KV of the old weights) -> [continue]
 ```
-If a sender dies or an engine refuses a bucket, the push fails: engines that stage updates (our server) keep the old
-weights and version, and every engine is marked dirty (`dirty`): it is re-synced before it may serve again. No
-tensor passes through this process; it only sends control calls.
+An engine that does not answer /begin_weight_update (dead, or hung) is replaced (engine_pool: out of the router, a
+new one started and synced to the current version before it serves) and the push goes on without it. If a sender
+dies or an engine refuses a bucket, the push fails: every engine's session is closed (/abort_weight_update where the
+engine has it: our server keeps the old weights and version; else /end_weight_update: SGLang keeps what it loaded),
+the broadcast groups are rebuilt by the next push, and every engine is marked dirty (`dirty`) until a push succeeds.
+A session left open (SGLang refuses begin on it) is closed and begun again. No tensor passes through this process;
+it only sends control calls.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -26,6 +31,7 @@ import ray
 
 from mcore_rl.config import RolloutConfig, SyncConfig
 from mcore_rl.controller.actor_group import ActorGroup
+from mcore_rl.controller.engine_fence import CONTROL_TIMEOUT_S, EngineFence, FenceError
 from mcore_rl.controller.engine_pool import EnginePool
 from mcore_rl.resharding.sync.plan import EngineLayout
 
@@ -60,6 +66,11 @@ class WeightSync:
         """`model`: the actor's HF config; every engine must answer /model_info with the same model (checked
         before anything moves)."""
         self.actor, self.pool, self.cfg, self.rollout = actor, pool, cfg, rollout
+        # pause_mode_for: ConfigError for a mode SGLang cannot be updated under
+        self.fence = EngineFence(
+            pool.client, cfg.pause_mode_for(rollout.engine), pool.replace,
+            control_timeout_s=min(CONTROL_TIMEOUT_S, cfg.timeout_s), update_timeout_s=cfg.timeout_s,
+        )  # fmt: skip
         self.backend = "nccl" if runtime == "cuda" else "gloo"
         self.run_dir = run_dir
         self.layout = engine_layout(rollout, len(pool.urls))
@@ -74,6 +85,7 @@ class WeightSync:
             raise SyncError(f"actor ranks computed different sync plans (digests {sorted(digests)})")
         self.digest = digests.pop()
         self.summary = ray.get(actor.handles[0].sync_summary.remote())
+        self.groups_per_engine_gpu = update_groups_per_engine_gpu(cfg, self.summary["streams"])
         self._connected: list[str] = []
         self.model = model or {}
         for url in pool.urls:
@@ -81,15 +93,11 @@ class WeightSync:
         pool.on_engine_started = self._engine_started
 
     def check_engine(self, url: str) -> None:
-        """SyncError unless the engine at `url` serves the actor's model (type, layers, vocabulary where it says)."""
+        """SyncError unless the engine at `url` serves the actor's model (`check_model_info`)."""
         status, info = self.pool.client.get(url, "/model_info")
         if status != 200 or not isinstance(info, dict):
             raise SyncError(f"engine {url} did not answer /model_info ({status})")
-        for key in ("model_type", "num_hidden_layers", "vocab_size"):
-            if key in info and key in self.model and info[key] != self.model[key]:
-                raise SyncError(
-                    f"engine {url} serves another model: its {key} is {info[key]!r}, the actor's is {self.model[key]!r}"
-                )
+        check_model_info(url, info, self.model)
 
     # ------------------------------------------------------------------ groups
     def connect(self, urls: list[str]) -> None:
@@ -100,35 +108,57 @@ class WeightSync:
             for url in self._connected:
                 if url in urls:  # engines already in groups leave them; dead ones are gone anyway
                     self.pool.client.run(self._leave_all(url, self.summary["stream_names"]))
-            ray.get([h.sync_drop_groups.remote() for h in self.actor.handles])
-            addresses: dict[str, tuple[int, tuple[str, int]]] = {}
-            for rank, found in enumerate(ray.get([h.sync_addresses.remote() for h in self.actor.handles])):
-                for name, address in found.items():
-                    addresses[name] = (rank, address)
-            world = 1 + len(urls) * self.ranks_per_engine
-            joins = [
-                self.actor.handles[rank].sync_join.remote(name, host, port, world, self.backend, self.cfg.timeout_s)
-                for name, (rank, (host, port)) in addresses.items()
-            ]
-            calls = []
-            for name, (_, (host, port)) in addresses.items():
-                for i, url in enumerate(urls):
-                    body = {
-                        "master_address": host, "master_port": port, "rank_offset": 1 + i * self.ranks_per_engine,
-                        "world_size": world, "group_name": name, "backend": self.backend,
-                    }  # fmt: skip
-                    if self.rollout.engine == "hf":  # our server also takes the broadcast timeout (SGLang has none)
-                        body["timeout_s"] = self.cfg.timeout_s
-                    calls.append(self.pool.client.apost(url, "/init_weights_update_group", body, self.cfg.timeout_s))
-
-            async def _all() -> None:
-                import asyncio
-
-                await asyncio.gather(*calls)
-
-            self.pool.client.run(_all())
-            ray.get(joins)
+            last: Exception | None = None
+            for attempt in range(3):
+                try:
+                    self._connect_once(urls)
+                    break
+                except _PortTaken as err:  # the port free_port found was bound by another process meanwhile
+                    last = err
+                    log.warning("broadcast group rendezvous: %s; again on new ports (try %d)", err, attempt + 2)
+            else:
+                raise SyncError(f"broadcast groups: a rendezvous port was taken three times in a row ({last})")
             self._connected = list(urls)
+
+    def _connect_once(self, urls: list[str]) -> None:
+        """One rendezvous of every stream's group with every engine in `urls` (_PortTaken: try new ports)."""
+        ray.get([h.sync_drop_groups.remote() for h in self.actor.handles])
+        addresses: dict[str, tuple[int, tuple[str, int]]] = {}
+        for rank, found in enumerate(ray.get([h.sync_addresses.remote() for h in self.actor.handles])):
+            for name, address in found.items():
+                addresses[name] = (rank, address)
+        world = 1 + len(urls) * self.ranks_per_engine
+        joins = [
+            self.actor.handles[rank].sync_join.remote(name, host, port, world, self.backend, self.cfg.timeout_s)
+            for name, (rank, (host, port)) in addresses.items()
+        ]
+        calls = []
+        for name, (_, (host, port)) in addresses.items():
+            for i, url in enumerate(urls):
+                body = {
+                    "master_address": host, "master_port": port, "rank_offset": 1 + i * self.ranks_per_engine,
+                    "world_size": world, "group_name": name, "backend": self.backend,
+                }  # fmt: skip
+                if self.rollout.engine == "hf":  # our server also takes the broadcast timeout (SGLang has none)
+                    body["timeout_s"] = self.cfg.timeout_s
+                calls.append(self.pool.client.apost(url, "/init_weights_update_group", body, self.cfg.timeout_s))
+
+        async def _all() -> list[Any]:
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        answers = self.pool.client.run(_all())
+        hosted = [None] * len(joins)
+        for i, ref in enumerate(joins):
+            try:
+                ray.get(ref)
+            except Exception as err:  # noqa: BLE001 (sorted below: a taken port is retried, the rest raised)
+                hosted[i] = err
+        taken = [e for e in hosted if e is not None and _is_port_taken(e)]
+        if taken:
+            raise _PortTaken(str(taken[0]).splitlines()[0])
+        failed = [e for e in [*hosted, *answers] if isinstance(e, BaseException)]
+        if failed:
+            raise SyncError(f"broadcast groups of {urls} not joined: {failed[0]}") from failed[0]
 
     async def _leave_all(self, url: str, names: list[str]) -> None:
         for name in names:
@@ -139,48 +169,41 @@ class WeightSync:
 
     # ------------------------------------------------------------------ the fence
     def push(self, version: int, urls: list[str] | None = None) -> list[dict[str, Any]]:
-        """Put the actor's current weights on the engines as `version` (all engines, or `urls`)."""
-        with self._lock:
-            urls = list(urls if urls is not None else self.pool.urls)
+        """Put the actor's current weights on the engines as `version` (all live engines, or `urls`)."""
+        with self._lock, self.pool.health.quiet("weight push"):
+            urls = list(urls if urls is not None else self.pool.live_urls)
             if self.cfg.transport == "distributed":
                 # every engine in the broadcast groups takes part in each broadcast, so all of them are pushed
-                if sorted(self._connected) != sorted(self.pool.urls):
-                    self.connect(self.pool.urls)
+                live = self.pool.live_urls if urls == self.pool.live_urls else sorted(set(urls) | set(self._connected))
+                if sorted(self._connected) != sorted(live):
+                    self.connect(live)
                 urls = list(self._connected)
-            client = self.pool.client
             start = time.perf_counter()
-            if self.cfg.pause_mode != "none":
-                for url in urls:
-                    client.post(url, "/pause_generation", {"mode": self.cfg.pause_mode})
-            for url in urls:
-                client.post(url, "/begin_weight_update")
-            disk_dir = os.path.join(self.run_dir, "weights", f"v{version}") if self.cfg.transport == "disk" else None
             try:
+                urls, paused = self.fence.open(urls)
+            except FenceError as err:
+                self._connected = []
+                raise SyncError(f"weight push of version {version} failed: {err}") from err
+            try:
+                if self.cfg.transport == "distributed" and sorted(urls) != sorted(self._connected):
+                    self.connect(urls)  # the groups without the engines being replaced
+                disk_dir = (
+                    os.path.join(self.run_dir, "weights", f"v{version}") if self.cfg.transport == "disk" else None
+                )
                 self.last_stats = self.actor.call(
                     "sync_send", version, self.cfg.transport, urls, self.pool.api_key, disk_dir,
                     self.ranks_per_engine, self.cfg.timeout_s, self.cfg.keep_buffers,
                 )  # fmt: skip
                 if disk_dir is not None:
-                    for url in urls:
-                        body = {"model_path": disk_dir, "weight_version": str(version), "flush_cache": False}
-                        client.post(url, "/update_weights_from_disk", body, self.cfg.timeout_s)
-                for url in urls:
-                    client.post(url, "/end_weight_update")
+                    self.fence.update_from_disk(urls, disk_dir, version)
+                self.fence.commit(urls)
             except Exception as err:
                 self.dirty.update(urls)
-                for url in urls:  # an open session with a refused bucket commits nothing; drop it
-                    try:
-                        client.post(url, "/begin_weight_update")
-                    except Exception:  # noqa: BLE001 (a dead engine)
-                        pass
-                raise SyncError(f"weight push of version {version} failed; engines keep their weights: {err}") from err
+                self.fence.close(urls)
+                self._connected = []  # a broadcast cut short leaves the groups out of step: rebuilt by the next push
+                raise SyncError(f"weight push of version {version} failed; the engines are dirty: {err}") from err
             finally:
-                if self.cfg.pause_mode != "none":
-                    for url in urls:
-                        try:
-                            client.post(url, "/continue_generation")
-                        except Exception:  # noqa: BLE001
-                            pass
+                self.fence.resume(paused)
             self.dirty.difference_update(urls)
             self.version = self.actor_version = version
             self.pool.weight_version = version
@@ -207,3 +230,39 @@ class WeightSync:
             self.connect(alive)
             self.push(self.version, urls=[url])
             return True
+
+
+def check_model_info(url: str, info: dict[str, Any], model: dict[str, Any]) -> None:
+    """SyncError unless the /model_info answer `info` of the engine at `url` is the actor's HF config `model`.
+    SGLang 0.5.23's /model_info says `model_type` and `architectures` (of the HF config it loaded) and nothing of
+    the model's size; our server also says `num_hidden_layers` and `vocab_size`. A key is compared where both sides
+    have it; `model_type` must be there (an engine that says nothing of its model is not trusted)."""
+    if not info.get("model_type"):
+        raise SyncError(f"engine {url} answered /model_info without a model_type: {sorted(info)}")
+    for key in ("model_type", "architectures", "num_hidden_layers", "vocab_size"):
+        theirs, ours = info.get(key), model.get(key)
+        if theirs is not None and ours is not None and theirs != ours:
+            raise SyncError(f"engine {url} serves another model: its {key} is {theirs!r}, the actor's is {ours!r}")
+
+
+def update_groups_per_engine_gpu(cfg: SyncConfig, streams: int) -> int:
+    """The broadcast groups every engine GPU joins (the distributed transport: one per stream of the plan; else 0);
+    SyncError naming sync.max_update_groups when there are more."""
+    groups = streams if cfg.transport == "distributed" else 0
+    if groups > cfg.max_update_groups:
+        raise SyncError(
+            f"the sync plan has {streams} streams: every engine GPU would join {groups} broadcast groups (one "
+            f"communicator each), more than sync.max_update_groups={cfg.max_update_groups}; raise it if the engine "
+            "GPUs have the memory, or use sync.transport=tensor (colocated) or disk"
+        )
+    log.info("weight sync: %d broadcast group(s) per engine GPU (one per stream)", groups)
+    return groups
+
+
+class _PortTaken(RuntimeError):
+    """A broadcast group's rendezvous port was bound by someone else between free_port and the TCP store."""
+
+
+def _is_port_taken(err: BaseException) -> bool:
+    text = str(err)
+    return "EADDRINUSE" in text or "ddress already in use" in text
