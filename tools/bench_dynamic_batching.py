@@ -1,4 +1,4 @@
-"""Padded tokens per update step and update time, fixed-length micro-batches against actor.dynamic_batching.
+"""Padded tokens per update step and update time: fixed-length micro-batches, actor.dynamic_batching, actor.packing.
 
     python tools/bench_dynamic_batching.py              # both jobs' padding, then the update timing (one CPU rank)
     python tools/bench_dynamic_batching.py --no-time    # padding only (no Megatron)
@@ -8,7 +8,9 @@ Jobs (synthetic batches shaped like them; lengths = prompt + response):
   1-2 tokens after ~30-token prompts);
 - mixed: rollout.max_new_tokens=64 on a task whose answer lengths vary by prompt (4..64 tokens; the n samples of one
   prompt are close to each other), the same batch shape.
-Padded tokens = tokens the model computes minus real tokens, summed over every micro-batch of the step. The timing
+Padded tokens = tokens the model computes minus real tokens, summed over every micro-batch of the step (the padded
+paths hold one extra position per sequence besides; packing only pads each row to a multiple of pad_multiple, here 1;
+it runs only with Transformer Engine, so it is not timed here). The timing
 runs a one-rank CPU actor (tiny Qwen3-MoE, ep=1) through three updates of the mixed batch each way and prints the
 median ratio; logprobs are not affected (dynamic batching changes only the update's micro-batches).
 """
@@ -48,12 +50,18 @@ def job_batch(kind: str, prompts: int = 16, n: int = 8, seed: int = 0) -> TrainB
     return TrainBatch(rows, responses, mask, {"advantages": torch.randn(len(rows), R, generator=gen)})
 
 
-def padded_tokens(batch: TrainBatch, mini_batches: int, dp: int, micro: int, budget: int | None, dynamic: bool) -> int:
+def padded_tokens(batch: TrainBatch, mini_batches: int, dp: int, micro: int, budget: int | None, mode: str) -> int:
+    """mode: fixed | dynamic | packed."""
+    from mcore_rl.actor.packing import packed_micro_batches
+
     real = sum(len(p) for p in batch.prompts) + int(batch.response_lengths().sum())
     computed = 0
     for mini in batch.chunks(mini_batches):
         for rank in range(dp):
-            if dynamic:
+            if mode == "packed":
+                computed += sum(mb.tokens.numel() for mb in packed_micro_batches(mini.shard(rank, dp), micro,
+                                                                                max_tokens=budget))  # fmt: skip
+            elif mode == "dynamic":
                 computed += sum(mb.tokens.numel() for mb in dynamic_micro_batches(balanced_shard(mini, rank, dp), micro,
                                                                                  max_tokens=budget))  # fmt: skip
             else:
@@ -87,9 +95,11 @@ def main() -> int:
     for kind in ("default", "mixed"):
         batch = job_batch(kind)
         real = sum(len(q) for q in batch.prompts) + int(batch.response_lengths().sum())
-        before = padded_tokens(batch, 2, 2, 32, None, dynamic=False)
-        after = padded_tokens(batch, 2, 2, 32, 2048, dynamic=True)
-        print(f"{kind:8s} real tokens {real:6d}  padded per step: fixed {before:6d}  dynamic {after:6d}")
+        before = padded_tokens(batch, 2, 2, 32, None, "fixed")
+        after = padded_tokens(batch, 2, 2, 32, 2048, "dynamic")
+        packed = padded_tokens(batch, 2, 2, 32, 2048, "packed")
+        print(f"{kind:8s} real tokens {real:6d}  padded per step: fixed {before:6d}  dynamic {after:6d}  "
+              f"packed {packed:6d}")  # fmt: skip
     if args.no_time:
         return 0
     from mcore_rl.parallel.harness import run_on_ranks
