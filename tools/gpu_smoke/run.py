@@ -157,6 +157,8 @@ def step_gpu_tests(rec: Recorder, dry: bool, out: Path) -> None:
             for case in suite.iter("testcase")
             if case.find("failure") is not None or case.find("error") is not None
         ]
+    counts = rec.data.get("counts", {})
+    rec["summary"] = ", ".join(f"{v} {k}" for k, v in counts.items()) or "no JUnit report"
     rec["status"] = "ok" if res.returncode == 0 else "failed"
 
 
