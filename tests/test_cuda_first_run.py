@@ -366,3 +366,13 @@ def test_dynamic_batching_with_expert_parallelism_is_refused() -> None:
         check_runtime(cfg, visible_gpus=8, te=True)
     cfg.actor.layout.ep = 1
     check_runtime(cfg, visible_gpus=8, te=True)
+
+
+def test_ranks_per_node_come_from_the_driver_not_the_visible_devices(tmp_path) -> None:
+    """Ray shows each GPU rank one device; the node's GPU count (the driver's list) divides the cores."""
+    from mcore_rl.actor.runtime import node_gpus
+
+    for i in range(8):
+        (tmp_path / f"0000:{i:02x}:00.0").mkdir()
+    assert node_gpus(str(tmp_path)) == 8
+    assert node_gpus(str(tmp_path / "missing")) >= 1

@@ -63,8 +63,19 @@ def threads_per_rank(runtime: str, env: dict[str, str] | None = None, cpus: int 
     if runtime != "cuda":
         return 1
     cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
-    local_ranks = local_ranks if local_ranks is not None else max(1, torch.cuda.device_count())
+    local_ranks = local_ranks if local_ranks is not None else node_gpus()
     return max(1, cpus // local_ranks)
+
+
+def node_gpus(proc: str = "/proc/driver/nvidia/gpus") -> int:
+    """GPUs on this node, one rank each: the NVIDIA driver's list, which CUDA_VISIBLE_DEVICES does not narrow (Ray
+    shows each rank only its own GPU, so torch.cuda.device_count() is 1 there); torch's count where the list is
+    missing."""
+    try:
+        found = len(os.listdir(proc))
+    except OSError:
+        found = 0
+    return max(1, found or (torch.cuda.device_count() if torch.cuda.is_available() else 1))
 
 
 def cuda_problem(runtime: str, visible_gpus: int | None = None) -> str | None:
