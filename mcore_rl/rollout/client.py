@@ -32,6 +32,7 @@ import aiohttp
 import numpy as np
 
 from mcore_rl.rollout.sampling import Sample
+from mcore_rl.rollout.vllm_dialect import VLLMDialect
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,6 +60,16 @@ class EngineDialect:
     #: server tags tokens when a commit lands mid-request); where false only `weight_version` is read
     reads_version_spans = True
 
+    async def generate(self, client: RolloutClient, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+        """POST one /generate: (status, payload). A dialect for another API translates here (vllm_dialect.py)."""
+        return await client.arequest("POST", url, "/generate", body)
+
+    async def control(
+        self, client: RolloutClient, url: str, route: str, body: Any, timeout_s: float | None
+    ) -> tuple[int, Any]:
+        """POST one control call (SGLang's route and body): (status, payload)."""
+        return await client.arequest("POST", url, route, body, timeout_s)
+
 
 class SGLangDialect(EngineDialect):
     """Real SGLang 0.5.23. It uses `sampling_seed` only with deterministic inference on, and then gives all n samples
@@ -71,7 +82,7 @@ class SGLangDialect(EngineDialect):
     reads_version_spans = False
 
 
-DIALECTS: dict[str, EngineDialect] = {"hf": EngineDialect(), "sglang": SGLangDialect()}
+DIALECTS: dict[str, Any] = {"hf": EngineDialect(), "sglang": SGLangDialect(), "vllm": VLLMDialect()}
 """rollout.engine -> its dialect."""
 
 
@@ -193,7 +204,7 @@ class RolloutClient:
 
     async def apost(self, url: str, route: str, body: Any = None, timeout_s: float | None = None) -> Any:
         """POST a control call to one engine; RolloutRequestError naming the route unless it answers 2xx."""
-        status, payload = await self.arequest("POST", url, route, body if body is not None else {}, timeout_s)
+        status, payload = await self.dialect.control(self, url, route, body if body is not None else {}, timeout_s)
         if status >= 300 or (isinstance(payload, dict) and payload.get("success") is False):
             message = payload.get("message", payload) if isinstance(payload, dict) else payload
             raise RolloutRequestError(f"{url}{route} answered {status}: {message}")
@@ -230,7 +241,7 @@ class RolloutClient:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1) * (1 + random.random() * 0.1))
             try:
                 async with self._limit:
-                    status, payload = await self.arequest("POST", url or self.url, "/generate", body)
+                    status, payload = await self.dialect.generate(self, url or self.url, body)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as err:
                 last = f"{type(err).__name__}: {err}"
                 continue

