@@ -277,11 +277,15 @@ def command_line(argv: list[str]) -> None:
         sys.argv = [sys.argv[0], *args]
         cli(main)
         return
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)  # Hydra's job_logging=stdout
     try:
-        start(to_config(cfg))
+        cfg = to_config(cfg)
     except ValueError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
+    start(cfg)
 
 
 if __name__ == "__main__":

@@ -158,6 +158,9 @@ def translate(args: list[str]) -> Translation:
     for key, value, _text in overrides:
         bare = key.lstrip("+")
         rule = V.lookup(bare)
+        if bare == "hydra" or bare.startswith(("hydra.", "hydra/")):
+            t.lines.append(f"{bare}: ignored: Hydra's own settings (a verl command is not composed by Hydra here)")
+            continue
         if rule is None and schema_field(bare):
             t.settings[bare] = value  # one of ours, in a verl command
             continue
