@@ -54,6 +54,7 @@ def test_verl_defaults_apply_and_the_tiny_job_does_not_leak(model_dir: str) -> N
     assert cfg.actor.micro_batch_size != 32 and cfg.rollout.request_grouping == "prompt"
     assert cfg.actor.mini_batches == 2 and cfg.actor.world_size == 2 and cfg.rollout.num_engines == 2
     assert cfg.trainer.steps == 3 and cfg.trainer.runtime == "cuda" and cfg.model.dtype == "bfloat16"
+    assert cfg.model.max_sequence_length == 512 + 512  # verl's prompt + response lengths
 
 
 def test_grpo_has_no_critic_and_kl_loss_follows_use_kl_loss(model_dir: str) -> None:

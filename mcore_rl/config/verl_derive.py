@@ -126,6 +126,9 @@ def derive(
 
 
 def _data(d: _Derivation) -> None:
+    prompt, response = d.get("data.max_prompt_length"), d.get("data.max_response_length")
+    if "model.max_sequence_length" not in d.settings and isinstance(prompt, int) and isinstance(response, int):
+        d.set("model.max_sequence_length", prompt + response, "data.max_prompt_length + data.max_response_length")
     truncation, drop = d.get("data.truncation"), d.get("data.filter_overlong_prompts")
     if truncation not in TRUNCATIONS:
         d.fail(f"verl's data.truncation={truncation!r} (our data.overlong) is invalid: expected one of {TRUNCATIONS}")
