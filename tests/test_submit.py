@@ -79,7 +79,10 @@ def test_dry_run_recipes_fit_32x8(recipe: str, model: str) -> None:
     assert "placement: placement=colocated: actor 256, engines 256 GPUs, sharing the actor's" in res.stdout
     # the real sync plan for the recipe's engines: complete, buckets sized, pairs whole, groups stated, time predicted
     assert "sync plan:" in res.stdout and "coverage ok" in res.stdout
-    assert "none split" in res.stdout and "NCCL broadcast groups per engine GPU: 0 (bound" in res.stdout
+    assert (
+        "none split" in res.stdout
+        and "NCCL broadcast groups per engine GPU: 0 (bound sync.max_update_groups=" in res.stdout
+    )
     assert "predicted sync:" in res.stdout and "generating (the actor offloaded):" in res.stdout
 
 
@@ -127,6 +130,15 @@ def test_a_placement_that_cannot_work_is_refused_naming_the_keys(overrides: list
     res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "qwen3_235b_a22b_32n", *overrides)
     assert res.returncode == 2, res.stderr
     assert message in res.stderr and "#!/bin/bash" not in res.stdout
+
+
+def test_more_broadcast_groups_than_the_bound_are_refused() -> None:
+    # split on 64 nodes with NCCL: 66 streams (2 stages x (dense + 32 EP ranks)), one group each on every engine GPU
+    cluster = ["--nodes", "64", *CLUSTER[2:]]
+    res = run_submit(*cluster, "--dry-run", "--", "--config-name", "qwen3_235b_a22b_32n", "trainer.placement=split",
+                     "sync.transport=distributed", "sync.max_update_groups=64")  # fmt: skip
+    assert res.returncode == 2, res.stderr
+    assert "every engine GPU would join 66 broadcast groups" in res.stderr and "sync.max_update_groups=64" in res.stderr
 
 
 def test_an_engine_layout_the_actor_cannot_feed_is_refused() -> None:

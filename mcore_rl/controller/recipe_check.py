@@ -7,7 +7,7 @@ actor's layout for the engines the run will start, and what it implies on the cl
 config -> meta model (no weights, no ranks) -> sources at actor.layout -> build_plan(engine layout, sync.bucket_bytes,
           sync.mode, the family's shard rules and receive-together groups)
        -> checked: the engine layout divides the model, every byte reaches every engine rank once, no receive-together
-          group is split, buckets (the largest, and why), NCCL groups per engine GPU (bounded)
+          group is split, buckets (the largest, and why), NCCL groups per engine GPU (sync.max_update_groups)
        -> printed: streams, buckets, bytes, the sending rank's extra memory, the predicted sync time
           (resharding/sync/forecast.py, the model tools/plan_sync.py prints)
 ```
@@ -22,10 +22,6 @@ from typing import Any
 from mcore_rl.resharding.sync.plan import EngineLayout
 
 GIB = 1024**3
-#: Broadcast groups one engine GPU may join for weight sync. Each is an NCCL communicator on that GPU, with its own
-#: buffers and channels; a few dozen per GPU is what large-EP syncs need (one per pipeline stage and EP rank). Beyond
-#: this the plan has far more streams than senders can keep busy: the layout, not the limit, should change.
-MAX_GROUPS_PER_ENGINE_GPU = 128
 
 
 class RecipeError(ValueError):
@@ -122,8 +118,9 @@ def build_run_plan(
 
 def check_sync(cfg: Any, hf: dict, gpus_per_node: int, bandwidths: dict[str, float] | None = None) -> SyncCheck:
     """The run's sync plan, checked (module docstring); RecipeError naming the key when it would fail at run time."""
+    from mcore_rl.controller.weight_sync import SyncError, update_groups_per_engine_gpu
     from mcore_rl.models.base import get_family
-    from mcore_rl.resharding.sync.forecast import DEFAULT_BW, groups_per_engine_gpu, link_loads, predict
+    from mcore_rl.resharding.sync.forecast import DEFAULT_BW, link_loads, predict
     from mcore_rl.resharding.sync.plan import PlanError
 
     engines = engine_layout(cfg)
@@ -142,13 +139,10 @@ def check_sync(cfg: Any, hf: dict, gpus_per_node: int, bandwidths: dict[str, flo
     split = plan.split_groups(together)
     if split:
         raise RecipeError(f"sync plan: tensors an engine must receive together are split over buckets: {split[:5]}")
-    groups = groups_per_engine_gpu(plan, cfg.sync.transport)
-    if groups > MAX_GROUPS_PER_ENGINE_GPU:
-        raise RecipeError(
-            f"sync.transport=distributed: every engine GPU would join {groups} NCCL broadcast groups (one per stream: "
-            f"pipeline stage x EP rank of actor.layout), more than {MAX_GROUPS_PER_ENGINE_GPU}; expected fewer "
-            "streams (a smaller actor.layout.ep or pp) or another sync.transport"
-        )
+    try:  # the run's own bound (controller/weight_sync.py), so the dry run and the run agree
+        groups = update_groups_per_engine_gpu(cfg.sync, len(plan.streams))
+    except SyncError as err:
+        raise RecipeError(str(err)) from None
     bw = bandwidths or dict(DEFAULT_BW)
     colocated = cfg.trainer.placement == "colocated"
     engine_nodes = 0 if colocated else -(-engines.num_engines * engines.tp // max(1, gpus_per_node))
@@ -169,7 +163,7 @@ def check_sync(cfg: Any, hf: dict, gpus_per_node: int, bandwidths: dict[str, flo
             else ""
         ),
         f"  receive-together groups whole: {len(together)} rule(s) of {hf['model_type']}, none split",
-        f"  NCCL broadcast groups per engine GPU: {groups} (bound {MAX_GROUPS_PER_ENGINE_GPU})",
+        f"  NCCL broadcast groups per engine GPU: {groups} (bound sync.max_update_groups={cfg.sync.max_update_groups})",
         f"  sender's extra memory: {extra / GIB:.2f} GiB (2 buckets of {plan.max_bucket_bytes / GIB:.2f} GiB + the "
         f"largest gathered tensor {plan.largest_tensor_bytes / GIB:.2f} GiB)",
         f"  predicted sync: {p['predicted_s']:.1f} s (bound {p['bound_s']:.1f} s; gather {p['gather_s']:.1f} s, send "

@@ -100,9 +100,3 @@ def predict(plan: Any, loads: dict, bw: dict[str, float], engine_nodes: int, gpu
         "bound_s": receive_s,
         "colocated": float(colocated),
     }
-
-
-def groups_per_engine_gpu(plan: Any, transport: str) -> int:
-    """Broadcast groups (NCCL communicators on GPU) each engine GPU joins for weight sync: one per stream with the
-    distributed transport (every engine rank joins every stream's group), none with the tensor or disk transport."""
-    return len(plan.streams) if transport == "distributed" else 0
