@@ -146,8 +146,11 @@ def _exit_terminated(cfg: RLConfig, marked: bool) -> None:
     where = _where_stopped(cfg)
     if not marked:
         _mark_failed(cfg.trainer.run_dir, f"terminated (SIGTERM) {where}")
-    print(f"\nterminated (SIGTERM) {where}; run dir {cfg.trainer.run_dir}", file=sys.stderr)
-    sys.exit(128 + signal.SIGTERM)
+    print(f"\nterminated (SIGTERM) {where}; run dir {cfg.trainer.run_dir}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # Not sys.exit: after a SIGTERM, Ray's atexit shutdown aborts the driver (SIGABRT, ray 2.60). The run's own
+    # clean-up has stopped its engines and ranks by now, and the watchdog ends whatever the driver started.
+    os._exit(128 + signal.SIGTERM)
 
 
 def _install_signal_handlers(cfg: RLConfig) -> None:

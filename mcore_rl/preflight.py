@@ -7,7 +7,11 @@ exits with code 2 and one message instead of failing minutes later inside a Ray 
     device runtime   trainer.runtime=cuda sees a GPU; no context parallelism (actor/runtime.py: check_runtime)
     run_dir          created (or existing) and writable
     data files       exist and are parquet files (their schema and rows are checked by data/dataset.py next)
-    tokenizer        the directory exists
+    model config     config.json's (or model.hf_config's) sizes are integers, its float fields numbers (called by
+                     the config's own check_model, which builds the family's shape from them)
+    tokenizer        the directory exists and loads, and its ids fit the model's vocab_size
+    resume           the checkpoint (checkpoint/manager.check_resume; shard sizes against each torch_dist .metadata,
+                     loop_state.json readable) and its data position: same data.seed, data.shuffle and data files
     Ray CPUs         trainer.ray_num_cpus covers what the actors and engines reserve (else Ray waits forever)
     Ray address      a host:port trainer.ray_address answers, and takes this process's auth token
     checkpoint       model.path's safetensors headers (truncated files, index) and every tensor's name and shape
@@ -50,9 +54,10 @@ def check(cfg: RLConfig) -> None:
     if cfg.trainer.resume is not None or cfg.trainer.save_every:
         from mcore_rl.checkpoint.manager import check_resume
 
-        check_resume(cfg)  # a resume target that is not a compatible checkpoint; saves over another run's
-    if cfg.model.tokenizer and not os.path.isdir(cfg.model.tokenizer):
-        raise ConfigError(f"model.tokenizer={cfg.model.tokenizer!r}: no such directory")
+        resumed = check_resume(cfg)  # a resume target that is not a compatible checkpoint; saves over another run's
+        if resumed is not None:
+            check_resume_data(resumed, cfg)  # its data position under this run's data.seed, shuffle and files
+    check_tokenizer(cfg)
     check_ray_cpus(cfg)
     check_ray_address(cfg.trainer.ray_address)
     if cfg.model.path:
@@ -182,6 +187,106 @@ def check_checkpoint(path: str, divisible_by: int, mtp: str = "auto") -> None:
         raise ConfigError(f"model.path={path!r} does not hold the weights its config.json describes:\n  {shown}")
 
 
+#: HF config fields that are sizes or counts (null allowed: a family's default) and fields that are numbers
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size", "num_experts",
+               "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "shared_expert_intermediate_size",
+               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "first_k_dense_replace", "decoder_sparse_step", "n_group", "topk_group", "num_nextn_predict_layers")
+_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "initializer_range")
+
+
+def check_hf_config_values(cfg: RLConfig) -> None:
+    """The model's HF config (model.path's config.json, else model.hf_config) holds integers where sizes go and
+    numbers where floats go: a quoted "64" is refused naming the field and the file, not met as a TypeError later."""
+    if cfg.model.path:
+        where = os.path.join(cfg.model.path, "config.json")
+        try:
+            with open(where) as f:
+                hf = json.load(f)
+        except (OSError, ValueError):
+            return  # named by the config's own check and the checkpoint check
+        prefix = f"{where}: field"
+    else:
+        hf, prefix = dict(cfg.model.hf_config), "model.hf_config."
+    if not isinstance(hf, dict):
+        return
+    for key in _INT_FIELDS + _NUMBER_FIELDS:
+        value = hf.get(key)
+        if value is None:
+            continue
+        integer = key in _INT_FIELDS
+        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if not ok or isinstance(value, bool):
+            sep = " " if cfg.model.path else ""
+            raise ConfigError(
+                f"{prefix}{sep}{key} is {value!r} ({type(value).__name__}); expected "
+                f"{'an integer' if integer else 'a number'} (without quotes)"
+            )
+
+
+def check_tokenizer(cfg: RLConfig) -> None:
+    """model.tokenizer exists and loads (the error names the directory), and every id it can produce is below the
+    model's vocab_size: a larger one was found only by the engine's 400 after Ray and the ranks had started."""
+    from mcore_rl.checkpoint.manager import hf_config_of
+
+    if cfg.model.tokenizer:
+        where = f"model.tokenizer={cfg.model.tokenizer!r}"
+        if not os.path.isdir(cfg.model.tokenizer):
+            raise ConfigError(f"{where}: no such directory")
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+        except Exception as err:  # noqa: BLE001 - transformers raises many types for a broken directory
+            raise ConfigError(
+                f"{where}: cannot load a tokenizer from it ({type(err).__name__}: {str(err)[:500]}); expected an HF "
+                "tokenizer directory (tokenizer.json or the files of a slow tokenizer, and tokenizer_config.json)"
+            ) from None
+    else:
+        from mcore_rl.data.tokenizer import build_tiny_tokenizer
+
+        where, tokenizer = "the built-in tiny tokenizer (model.tokenizer=null)", build_tiny_tokenizer(
+            None, tools=cfg.agent.enabled
+        )
+    try:
+        vocab_size = hf_config_of(cfg).get("vocab_size")
+    except (OSError, ValueError):
+        return  # a missing or broken config.json is named by the config's own check
+    if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
+        return
+    largest = max(tokenizer.get_vocab().values(), default=-1)
+    if largest >= vocab_size:
+        source = f"{cfg.model.path}/config.json" if cfg.model.path else "model.hf_config"
+        raise ConfigError(
+            f"{where} has token ids up to {largest} ({len(tokenizer)} tokens), but the model's vocab_size is "
+            f"{vocab_size} ({source}): expected the model's own tokenizer, whose ids are all below vocab_size"
+        )
+
+
+def check_resume_data(path: Any, cfg: RLConfig) -> None:
+    """The data position in the checkpoint at `path` means the same prompts in this run: the same data.seed and
+    data.shuffle, and the same data files' bytes (when the run names files and the checkpoint has their sha256)."""
+    from mcore_rl.checkpoint.store import LOOP_STATE, read_loop_state
+
+    loader, file = read_loop_state(path)["loader"], os.path.join(str(path), LOOP_STATE)
+    for key, ours in (("seed", cfg.data.seed), ("shuffle", cfg.data.shuffle)):
+        if key in loader and loader[key] != ours:
+            raise ConfigError(
+                f"data.{key}={ours!r}, but the checkpoint's data position was saved with {key}={loader[key]!r} "
+                f"({file}): the saved position would point into another order; expected data.{key}={loader[key]!r}"
+                ", or a new run"
+            )
+    saved = loader.get("data_fingerprint")
+    if saved and cfg.data.train_files:
+        from mcore_rl.data.dataset import check_same_data, data_fingerprint
+
+        try:
+            check_same_data(saved, data_fingerprint(list(cfg.data.train_files)))
+        except ValueError as err:
+            raise ConfigError(f"data.train_files: {err} ({file})") from None
+
+
 def expected_hf_tensors(hf: dict[str, Any], divisible_by: int) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """(HF tensor name -> shape the actor loads, every name it knows including optional aliases), from the family's
     model built on the meta device (world of one)."""
@@ -256,5 +361,10 @@ if __name__ == "__main__":
     from mcore_rl.parallel.cpu_runtime import enable_cpu_runtime
 
     enable_cpu_runtime(allow_with_gpu=True)  # meta tensors only: nothing runs on a device here
-    problems, note = checkpoint_problems(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "auto")
+    try:
+        problems, note = checkpoint_problems(
+            sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "auto"
+        )
+    except (TypeError, ValueError, KeyError, AssertionError) as err:  # a value the family cannot build from
+        problems, note = [f"{sys.argv[1]}/config.json cannot be built ({type(err).__name__}: {err})"], None
     print(json.dumps({"problems": problems, "note": note}))

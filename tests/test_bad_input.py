@@ -167,6 +167,56 @@ def test_truncated_checkpoint_found_before_ray(checkpoint, tmp_path) -> None:
     assert_user_error(train(f"model.path={bad}", f"trainer.run_dir={tmp_path}/run"), "truncated")
 
 
+def test_a_quoted_size_in_config_json_is_named_not_a_crash(checkpoint, tmp_path) -> None:
+    """`"hidden_size": "64"` crashed the checkpoint pre-flight (exit 1, a traceback of the child)."""
+    bad = _variant(checkpoint, tmp_path / "bad", lambda t: None)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_size": str(config["hidden_size"])}))
+    assert_user_error(train(f"model.path={bad}", f"trainer.run_dir={tmp_path}/run"),
+                      f"{bad}/config.json: field hidden_size is '{config['hidden_size']}' (str); expected an integer")  # fmt: skip
+
+
+def test_a_quoted_size_in_model_hf_config_is_named(tmp_path) -> None:
+    assert_user_error(train("model.hf_config.num_attention_heads='4'", f"trainer.run_dir={tmp_path}"),
+                      "model.hf_config.num_attention_heads is '4' (str); expected an integer")  # fmt: skip
+
+
+def test_checkpoint_child_names_a_config_it_cannot_build(checkpoint, tmp_path) -> None:
+    """A value of the right type that the family still cannot build from is a problem of the checkpoint, named."""
+    from mcore_rl.config import ConfigError
+    from mcore_rl.preflight import check_checkpoint
+
+    bad = _variant(checkpoint, tmp_path / "bad", lambda t: None)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_size": str(config["hidden_size"])}))
+    with pytest.raises(ConfigError, match="config.json cannot be built"):
+        check_checkpoint(str(bad), 64)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_ray(tmp_path) -> None:
+    from mcore_rl.data.tokenizer import build_tiny_tokenizer
+
+    build_tiny_tokenizer(str(tmp_path / "tok"), tools=True)  # ids past the default model's vocab_size of 63
+    assert_user_error(train(f"model.tokenizer={tmp_path}/tok", f"trainer.run_dir={tmp_path}/run"),
+                      f"model.tokenizer='{tmp_path}/tok' has token ids up to", "but the model's vocab_size is 63")  # fmt: skip
+
+
+def test_a_tokenizer_that_does_not_load_is_named(tmp_path) -> None:
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer_config.json").write_text('{"tokenizer_class": ')
+    assert_user_error(train(f"model.tokenizer={tmp_path}/tok", f"trainer.run_dir={tmp_path}/run"),
+                      f"model.tokenizer='{tmp_path}/tok': cannot load a tokenizer from it")  # fmt: skip
+
+
+def test_router_timeout_below_a_second_is_rounded_up_not_down() -> None:
+    from mcore_rl.rollout.router import Router
+
+    cmd = Router(["http://127.0.0.1:1"], port=1, request_timeout_s=0.001).command()
+    assert cmd[cmd.index("--request-timeout-secs") + 1] == "1"
+    cmd = Router(["http://127.0.0.1:1"], port=1, request_timeout_s=2.5).command()
+    assert cmd[cmd.index("--request-timeout-secs") + 1] == "3"
+
+
 def test_preflight_passes_an_intact_checkpoint(checkpoint) -> None:
     from mcore_rl.preflight import check_checkpoint
 
@@ -258,6 +308,37 @@ def test_ctrl_c_ends_with_one_line_exit_130_and_a_failed_marker(tmp_path) -> Non
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert "interrupted after step" in err and "of 200" in err
     assert (run_dir / "FAILED").read_text().startswith("interrupted (Ctrl-C) after step")
+
+
+@pytest.mark.slow
+def test_sigterm_of_a_real_run_exits_143_with_a_failed_marker(tmp_path) -> None:
+    """What Slurm's scancel and time limit send: the run dir must not look like a finished run (issue 30)."""
+    import psutil
+
+    proc, run_dir = _start_run(tmp_path)
+    started = {p.pid: p.create_time() for p in psutil.Process(proc.pid).children(recursive=True)}
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "terminated (SIGTERM) after step" in err
+    assert (run_dir / "FAILED").read_text().startswith("terminated (SIGTERM) after step")
+    assert not (run_dir / "summary.json").exists()
+
+    def alive() -> list[int]:
+        out = []
+        for pid, created in started.items():
+            try:
+                p = psutil.Process(pid)
+                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(pid)
+            except psutil.Error:
+                pass
+        return out
+
+    deadline = time.time() + 20  # the run's clean-up, then the watchdog's 2 s grace
+    while alive() and time.time() < deadline:
+        time.sleep(0.5)
+    assert not alive()
 
 
 @pytest.mark.slow

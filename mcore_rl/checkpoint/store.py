@@ -115,7 +115,87 @@ def read_meta(path: Path) -> dict[str, Any]:
     for name in needed:
         if not (path / name).exists():
             raise CheckpointError(f"{path / name}: missing (the checkpoint is incomplete)")
+    for name in needed:
+        if name.endswith("/.metadata"):
+            check_shard_sizes(path / name)
+    read_loop_state(path)
     return meta
+
+
+def read_loop_state(path: Path) -> dict[str, Any]:
+    """loop_state.json of checkpoint `path` as a dict holding a `loader` dict; names the file when it is cut short
+    or not one (checked before anything starts: the resume itself reads it after the ranks have loaded)."""
+    file = path / LOOP_STATE
+    try:
+        state = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file}: not valid JSON ({err}); the checkpoint is damaged (cut short?)") from None
+    if not isinstance(state, dict) or not isinstance(state.get("loader"), dict):
+        raise CheckpointError(f"{file}: expected an object with a 'loader' object (the data position), found "
+                              f"{type(state).__name__} with keys {sorted(state) if isinstance(state, dict) else []}")
+    return state
+
+
+# The classes a torch.distributed.checkpoint `.metadata` pickle names (torch 2.x): data records only. Anything else
+# is not unpickled here (the size check is skipped; Megatron's loader reads the file itself at resume, as trusted).
+_DCP_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.planner", name)
+     for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath")}  # fmt: skip
+
+
+class _UnexpectedClass(Exception):
+    pass
+
+
+def _dcp_storage(metadata_file: Path) -> list[tuple[str, int, int]] | None:
+    """(file, offset, length) of every item a torch_dist `.metadata` places, unpickled with an exact allow-list
+    (no code runs); None when the file names a class outside it (another torch release)."""
+    import pickle
+
+    import torch
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if (module, name) in _DCP_CLASSES:
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            raise _UnexpectedClass(f"{module}.{name}")
+
+    try:
+        with open(metadata_file, "rb") as f:
+            metadata = Unpickler(f).load()
+        return [(info.relative_path, int(info.offset), int(info.length)) for info in metadata.storage_data.values()]
+    except _UnexpectedClass:
+        return None
+    except Exception as err:  # noqa: BLE001 - a cut or foreign pickle fails in many ways; all mean a damaged file
+        raise CheckpointError(f"{metadata_file}: not a readable torch.distributed checkpoint index ({err!r})") from None
+
+
+def check_shard_sizes(metadata_file: Path) -> None:
+    """Every shard file a torch_dist `.metadata` names exists and is long enough for the bytes it places there: a
+    truncated shard (an interrupted copy, a full disk) is refused before anything starts, naming the file."""
+    storage = _dcp_storage(metadata_file)
+    if storage is None:
+        return
+    folder, ends = metadata_file.parent, {}
+    for name, offset, length in storage:
+        ends[name] = max(ends.get(name, 0), offset + length)
+    for name, end in sorted(ends.items()):
+        shard = folder / name
+        if not shard.is_file():
+            raise CheckpointError(f"{shard}: missing; {metadata_file} places {end} bytes in it (incomplete checkpoint)")
+        size = shard.stat().st_size
+        if size < end:
+            raise CheckpointError(
+                f"{shard}: {size} bytes, but {metadata_file} places data up to byte {end}: the file is truncated (an "
+                f"interrupted copy or a full disk); copy the checkpoint again, or resume from another one"
+            )
 
 
 def model_identity(hf_config: dict[str, Any], dtype: str, divisible_by: int, padded_vocab: int) -> dict[str, Any]:

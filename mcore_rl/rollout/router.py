@@ -16,6 +16,7 @@ the worker is listed healthy) and removed with `DELETE /workers/{id}`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -85,7 +86,8 @@ class Router:
         cmd = [
             sys.executable, "-m", "sglang_router.launch_router",
             "--host", self.host, "--port", str(self.port), "--policy", self.policy,
-            "--request-timeout-secs", str(int(self.request_timeout_s)),
+            # whole seconds, rounded up: int() truncated rollout.request_timeout_s=0.001 to 0
+            "--request-timeout-secs", str(max(1, math.ceil(self.request_timeout_s))),
             # A dead engine's requests are retried on the others; the controller, not the router's periodic probe,
             # decides when an engine is dead and removes it, so the probe only needs to be slow and cheap.
             "--retry-max-retries", "3", "--health-check-interval-secs", "30", "--log-level", "warn",
