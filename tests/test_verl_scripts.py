@@ -2,7 +2,8 @@
 config check with only the program name changed: every override is mapped or explained, none is unknown, and the
 translated config validates (RLConfig.validate: layouts against the model's shape, batches against the GPUs).
 
-rollout.name=vllm is refused until rollout.engine accepts vllm; the test then counts that one refusal per script."""
+rollout.name=vllm maps to rollout.engine=vllm where this build's rollout config accepts vllm; where it does not, the
+test expects that one refusal per script (naming both keys) and checks the rest with rollout.name=sglang."""
 
 from __future__ import annotations
 

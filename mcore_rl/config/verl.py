@@ -334,21 +334,22 @@ VERL_KEYS: dict[str, Rule] = {
     f"{AR}.rollout.top_p": Map("rollout.top_p"),
     f"{AR}.rollout.top_k": Ignore("no top-k truncation", _top_k_off, "top-k sampling (not wired: expected -1 or 0)"),
     f"{AR}.rollout.do_sample": Ignore("training rollouts sample", _is(True), "greedy training rollouts"),
-    f"{AR}.rollout.tensor_model_parallel_size": Derived("rollout.sglang.tp, rollout.num_engines"),
-    f"{AR}.rollout.data_parallel_size": Map("rollout.sglang.dp"),
-    f"{AR}.rollout.expert_parallel_size": Map("rollout.sglang.ep"),
-    f"{AR}.rollout.gpu_memory_utilization": Map(
-        "rollout.sglang.mem_fraction_static", note="vLLM's share of GPU memory is SGLang's --mem-fraction-static"
+    # the engine's own settings: rollout.sglang.* or rollout.vllm.*, by rollout.name (config/verl_derive.py)
+    f"{AR}.rollout.tensor_model_parallel_size": Derived("rollout.{sglang,vllm}.tp, rollout.num_engines"),
+    f"{AR}.rollout.data_parallel_size": Derived("rollout.{sglang,vllm}.dp"),
+    f"{AR}.rollout.expert_parallel_size": Derived("rollout.sglang.ep | rollout.vllm.enable_expert_parallel"),
+    f"{AR}.rollout.gpu_memory_utilization": Derived(
+        "rollout.sglang.mem_fraction_static (SGLang's name for it) | rollout.vllm.gpu_memory_utilization"
     ),
     f"{AR}.rollout.max_num_seqs": Map("rollout.max_running_requests"),
-    f"{AR}.rollout.load_format": Map("rollout.sglang.load_format"),
+    f"{AR}.rollout.load_format": Derived("rollout.{sglang,vllm}.load_format"),
     f"{AR}.rollout.log_prob_micro_batch_size_per_gpu": Map("actor.logprob_micro_batch_size"),
     f"{AR}.rollout.log_prob_use_dynamic_bsz": Ignore("the old-logprob pass shares the actor's micro-batching"),
     f"{AR}.rollout.log_prob_max_token_len_per_gpu": Ignore("the old-logprob pass shares the actor's token budget"),
     f"{AR}.rollout.enable_chunked_prefill": Ignore("SGLang chunks long prefills by default"),
     f"{AR}.rollout.max_num_batched_tokens": Ignore("vLLM scheduler knob; SGLang sizes its batches from memory"),
-    f"{AR}.rollout.max_model_len": Ignore("the engine's context is the model's; prompts and responses are capped"),
-    f"{AR}.rollout.enforce_eager": Ignore("vLLM knob; SGLang's CUDA graphs are its own (rollout.sglang.extra_args)"),
+    f"{AR}.rollout.max_model_len": Derived("rollout.vllm.max_model_len (SGLang: the model's context)"),
+    f"{AR}.rollout.enforce_eager": Derived("rollout.vllm.extra_args --enforce-eager (SGLang: its own CUDA graphs)"),
     f"{AR}.rollout.free_cache_engine": Ignore("colocated engines release weights and KV cache while the actor trains"),
     f"{AR}.rollout.enable_prefix_caching": Ignore("SGLang's radix cache is on"),
     f"{AR}.rollout.disable_log_stats": Ignore("engine logs go to <run_dir>/rollout"),

@@ -199,7 +199,8 @@ def _gpus(d: _Derivation) -> None:
     gpus = nnodes * per_node
     why = f"trainer.nnodes={nnodes} x n_gpus_per_node={per_node}"
     d.set("actor.world_size", gpus, why)
-    d.set("rollout.sglang.tp", rollout_tp, f"{AR}.rollout.tensor_model_parallel_size")
+    engine = _engine_settings(d)
+    d.set(f"rollout.{engine}.tp", rollout_tp, f"{AR}.rollout.tensor_model_parallel_size")
     if gpus % rollout_tp:
         d.fail(f"verl's {AR}.rollout.tensor_model_parallel_size={rollout_tp} (our rollout.sglang.tp) is invalid: "
                f"expected a divisor of the {gpus} GPUs ({why})")  # fmt: skip
@@ -212,6 +213,38 @@ def _gpus(d: _Derivation) -> None:
         tp = d.current(f"{role}.layout.tp", 1)
         if f"{role}.layout.sequence_parallel" not in d.settings:  # verl's default is on; Megatron uses it with tp > 1
             d.out[f"{role}.layout.sequence_parallel"] = isinstance(tp, int) and tp > 1
+
+
+def _engine_settings(d: _Derivation) -> str:
+    """verl's rollout.* engine knobs -> the chosen engine's group (rollout.sglang or rollout.vllm); returns its name."""
+    engine = "vllm" if d.settings.get("rollout.engine") == "vllm" else "sglang"
+    prefix = f"{AR}.rollout."
+    for verl_key, sglang, vllm in (
+        ("data_parallel_size", "dp", "dp"),
+        ("gpu_memory_utilization", "mem_fraction_static", "gpu_memory_utilization"),
+        ("load_format", "load_format", "load_format"),
+        ("max_model_len", None, "max_model_len"),
+    ):
+        if prefix + verl_key in d.given:
+            ours = sglang if engine == "sglang" else vllm
+            if ours is None:
+                d.lines.append(f"{prefix}{verl_key}: ignored: SGLang serves the model's context (prompts and "
+                               "responses are capped by data.max_prompt_length / max_response_length)")  # fmt: skip
+            else:
+                d.set(f"rollout.{engine}.{ours}", d.given[prefix + verl_key], prefix + verl_key)
+    ep = d.given.get(prefix + "expert_parallel_size")
+    if ep is not None:
+        if engine == "sglang":
+            d.set("rollout.sglang.ep", ep, prefix + "expert_parallel_size")
+        else:
+            d.set("rollout.vllm.enable_expert_parallel", ep > 1, prefix + "expert_parallel_size (vLLM: over tp x dp)")
+    if d.given.get(prefix + "enforce_eager"):
+        if engine == "vllm":
+            d.set("rollout.vllm.extra_args", ["--enforce-eager"], prefix + "enforce_eager")
+        else:
+            d.lines.append(f"{prefix}enforce_eager: ignored: a vLLM flag; SGLang's CUDA graphs are its own "
+                           "(rollout.sglang.extra_args: --disable-cuda-graph)")  # fmt: skip
+    return engine
 
 
 def _algorithm(d: _Derivation) -> None:
