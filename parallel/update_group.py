@@ -42,11 +42,14 @@ def new_update_group(
     world_size: int,
     group_name: str,
     timeout_s: float = 300.0,
+    listener: Any = None,
 ) -> UpdateGroup:
     """Join (rank 0: host) the broadcast group `group_name`; blocks until all `world_size` ranks have joined.
 
-    `backend` is gloo (CPU tensors) or nccl (CUDA tensors). Raises ValueError for a bad argument, RuntimeError (from
-    torch) when the rendezvous times out.
+    `backend` is gloo (CPU tensors) or nccl (CUDA tensors). `listener` (rank 0): a socket already bound to
+    `master_port` and listening (`reserve_port`), which the TCP store serves on, so no other process can take the
+    port between the moment it was given out and the store (EADDRINUSE). Raises ValueError for a bad argument,
+    RuntimeError (from torch) when the rendezvous times out.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
@@ -55,7 +58,9 @@ def new_update_group(
     if not group_name:
         raise ValueError("group_name must not be empty")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout)
+    # the store's server owns the socket from here (it closes it): the Python object lets go of it
+    fd = {"master_listen_fd": listener.detach()} if rank == 0 and listener is not None else {}
+    store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout, **fd)
     prefixed = sglang_group_store(store, group_name, backend)
     if backend == "gloo":
         # Gloo advertises the address its hostname resolves to, which is loopback on many machines (and in network
@@ -74,6 +79,19 @@ def new_update_group(
     # ours alike
     group._set_sequence_number_for_group()
     return UpdateGroup(group_name, rank, world_size, backend, group, store)
+
+
+def reserve_port(host: str) -> Any:
+    """A socket bound to a free port of `host` and listening: the port is this process's from now on (give
+    `socket.getsockname()[1]` out, then the socket to `new_update_group(listener=...)`)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(1024)
+    return listener
 
 
 def sglang_group_store(store: dist.Store, group_name: str, backend: str) -> dist.PrefixStore:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from mcore_rl.config import SyncConfig
-from mcore_rl.controller.weight_sync import SyncError, _is_port_taken, check_model_info, update_groups_per_engine_gpu
+from mcore_rl.controller.weight_sync import SyncError, check_model_info, update_groups_per_engine_gpu
 
 QWEN3_MOE = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_hidden_layers": 2}
 
@@ -51,10 +51,24 @@ def test_groups_per_engine_gpu_are_bounded_and_stated() -> None:
     assert update_groups_per_engine_gpu(SyncConfig(max_update_groups=66), 66) == 66
 
 
-def test_a_taken_rendezvous_port_is_recognised() -> None:
-    """What torch's TCPStore raises when free_port's port was bound by another process first (then: new ports)."""
-    assert _is_port_taken(
-        RuntimeError("The server socket has failed to bind to [::]:29500 (errno: 98 - Address already in use).")
-    )
-    assert _is_port_taken(RuntimeError("EADDRINUSE"))
-    assert not _is_port_taken(RuntimeError("Connection refused"))
+def test_rendezvous_port_is_held_until_the_store_serves_it() -> None:
+    """Issue 30: a port found free was taken by an engine's HTTP server before the leader's TCP store bound it
+    (EADDRINUSE). The leader now binds the port when it gives it out and hands that socket to the store."""
+    import datetime
+    import socket
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from mcore_rl.actor.sync_sender import SyncSender
+    from mcore_rl.resharding.sync.plan import Stream
+
+    sender = SyncSender(SimpleNamespace(rendezvous_address=lambda: ("127.0.0.1", 0), rank=0))
+    sender.plan_ = SimpleNamespace(streams=[Stream(0, 0, None, 0, (0,), "pp0")])  # type: ignore[assignment]
+    ((host, port),) = sender.addresses().values()
+    with socket.socket() as other, pytest.raises(OSError):  # e.g. an engine's HTTP server asking for a port
+        other.bind((host, port))
+    sender.join("pp0", host, port, 1, "gloo", 10)
+    client = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=10))
+    client.set("k", "v")
+    assert sender.groups["pp0"].store.get("k") == b"v", "the group's store serves on the handed-over socket"

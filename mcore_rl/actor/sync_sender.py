@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_rl.parallel.update_group import UpdateGroup, new_update_group
+from mcore_rl.parallel.update_group import UpdateGroup, new_update_group, reserve_port
 from mcore_rl.resharding.sync.execute import SyncExecutor
 from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
 from mcore_rl.resharding.sync.order import InGlobalOrder, global_order
@@ -34,6 +34,7 @@ class SyncSender:
         self.plan_: SyncPlan | None = None
         self.executor: SyncExecutor | None = None
         self.groups: dict[str, UpdateGroup] = {}
+        self._listeners: dict[str, Any] = {}  # sockets holding the ports `addresses` gave out, until `join`
         self._sends = 0  # syncs run so far (the same count on every rank): names each one's keys in the store
 
     def plan(self, engines: dict[str, int], bucket_bytes: int, mode: str, fp8: bool = False) -> str:
@@ -85,16 +86,22 @@ class SyncSender:
         return self.plan_
 
     def addresses(self) -> dict[str, tuple[str, int]]:
-        """A rendezvous address (this node, a free port) for every stream this rank leads."""
+        """A rendezvous address (this node, a port) for every stream this rank leads. The port is bound and held
+        until `join` hands its socket to the group's store: a port merely found free could be taken meanwhile (an
+        engine's HTTP server took one once: EADDRINUSE)."""
         host, _ = self.actor.rendezvous_address()
-        from mcore_rl.parallel.groups import free_port
-
-        return {s.name: (host, free_port()) for s in self._plan().streams if s.leader == self.actor.rank}
+        for listener in self._listeners.values():
+            listener.close()
+        self._listeners = {
+            s.name: reserve_port(host) for s in self._plan().streams if s.leader == self.actor.rank
+        }  # fmt: skip
+        return {name: (host, listener.getsockname()[1]) for name, listener in self._listeners.items()}
 
     def join(self, name: str, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         """Host the broadcast group `name` as its rank 0 (blocks until every engine rank has joined)."""
         self.groups.pop(name, None)
-        self.groups[name] = new_update_group(backend, host, port, 0, world_size, name, timeout_s)
+        listener = self._listeners.pop(name, None)
+        self.groups[name] = new_update_group(backend, host, port, 0, world_size, name, timeout_s, listener)
 
     def drop_groups(self) -> None:
         self.groups.clear()

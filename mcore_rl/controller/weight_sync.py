@@ -108,20 +108,12 @@ class WeightSync:
             for url in self._connected:
                 if url in urls:  # engines already in groups leave them; dead ones are gone anyway
                     self.pool.client.run(self._leave_all(url, self.summary["stream_names"]))
-            last: Exception | None = None
-            for attempt in range(3):
-                try:
-                    self._connect_once(urls)
-                    break
-                except _PortTaken as err:  # the port free_port found was bound by another process meanwhile
-                    last = err
-                    log.warning("broadcast group rendezvous: %s; again on new ports (try %d)", err, attempt + 2)
-            else:
-                raise SyncError(f"broadcast groups: a rendezvous port was taken three times in a row ({last})")
+            self._connect_once(urls)
             self._connected = list(urls)
 
     def _connect_once(self, urls: list[str]) -> None:
-        """One rendezvous of every stream's group with every engine in `urls` (_PortTaken: try new ports)."""
+        """One rendezvous of every stream's group with every engine in `urls`. Each leader holds its rendezvous port
+        from `sync_addresses` until its store serves on it (update_group.reserve_port): no other process takes it."""
         ray.get([h.sync_drop_groups.remote() for h in self.actor.handles])
         addresses: dict[str, tuple[int, tuple[str, int]]] = {}
         for rank, found in enumerate(ray.get([h.sync_addresses.remote() for h in self.actor.handles])):
@@ -147,15 +139,12 @@ class WeightSync:
             return await asyncio.gather(*calls, return_exceptions=True)
 
         answers = self.pool.client.run(_all())
-        hosted = [None] * len(joins)
+        hosted: list[BaseException | None] = [None] * len(joins)
         for i, ref in enumerate(joins):
             try:
                 ray.get(ref)
-            except Exception as err:  # noqa: BLE001 (sorted below: a taken port is retried, the rest raised)
+            except Exception as err:  # noqa: BLE001 (raised below with the engines' answers)
                 hosted[i] = err
-        taken = [e for e in hosted if e is not None and _is_port_taken(e)]
-        if taken:
-            raise _PortTaken(str(taken[0]).splitlines()[0])
         failed = [e for e in [*hosted, *answers] if isinstance(e, BaseException)]
         if failed:
             raise SyncError(f"broadcast groups of {urls} not joined: {failed[0]}") from failed[0]
@@ -257,12 +246,3 @@ def update_groups_per_engine_gpu(cfg: SyncConfig, streams: int) -> int:
         )
     log.info("weight sync: %d broadcast group(s) per engine GPU (one per stream)", groups)
     return groups
-
-
-class _PortTaken(RuntimeError):
-    """A broadcast group's rendezvous port was bound by someone else between free_port and the TCP store."""
-
-
-def _is_port_taken(err: BaseException) -> bool:
-    text = str(err)
-    return "EADDRINUSE" in text or "ddress already in use" in text
