@@ -199,3 +199,20 @@ def test_the_key_table_in_the_docs_is_the_code_s() -> None:
     path = os.path.join(os.path.dirname(__file__), "..", "docs", "verl_keys.md")
     with open(path) as f:
         assert f.read() == markdown_table(), "regenerate: python -m mcore_rl.config.verl > docs/verl_keys.md"
+
+
+def test_engine_knobs_go_to_the_chosen_engine(model_dir: str) -> None:
+    knobs = [f"{AR}.rollout.gpu_memory_utilization=0.6", f"{AR}.rollout.enforce_eager=True",
+             f"{AR}.rollout.max_model_len=2048"]  # fmt: skip
+    args = [a for a in _verl(model_dir, *knobs) if not a.startswith(f"{AR}.rollout.name")]
+    cfg, _ = _run([*args, f"{AR}.rollout.name=sglang"])
+    assert cfg.rollout.sglang.mem_fraction_static == 0.6 and cfg.rollout.sglang.tp == 1
+    from mcore_rl.config import ConfigError, RolloutConfig
+
+    try:
+        RolloutConfig(engine="vllm").validate()
+    except ConfigError:
+        pytest.skip("this build's rollout.engine does not accept vllm")
+    cfg, _ = _run([*args, f"{AR}.rollout.name=vllm"])
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.vllm.gpu_memory_utilization == 0.6
+    assert cfg.rollout.vllm.extra_args == ["--enforce-eager"] and cfg.rollout.vllm.max_model_len == 2048
