@@ -110,6 +110,13 @@ def test_async_reward_is_awaited_and_reward_kwargs_reach_it(tmp_path) -> None:
     assert fn(data_source="s", solution_str="7", ground_truth="7", extra_info=None) == 1.5
     assert fn(data_source="s", solution_str="6", ground_truth="7", extra_info=None) == 0.5
 
+    async def inside_a_loop() -> float:  # a caller that is itself a coroutine (the agent loop's thread)
+        return fn(data_source="s", solution_str="7", ground_truth="7", extra_info=None)
+
+    import asyncio
+
+    assert asyncio.run(inside_a_loop()) == 1.5
+
 
 def test_reward_kwargs_reach_the_function_through_the_config(tmp_path) -> None:
     from mcore_rl.config import RewardConfig

@@ -223,7 +223,15 @@ def _awaited(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        return asyncio.run(fn(*args, **kwargs))
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop in this thread: the usual case
+            return asyncio.run(fn(*args, **kwargs))
+        # called from inside a running loop (asyncio.run would refuse): its own loop on a helper thread
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            return pool.submit(asyncio.run, fn(*args, **kwargs)).result()
 
     return call
 
