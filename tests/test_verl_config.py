@@ -216,3 +216,20 @@ def test_engine_knobs_go_to_the_chosen_engine(model_dir: str) -> None:
     cfg, _ = _run([*args, f"{AR}.rollout.name=vllm"])
     assert cfg.rollout.engine == "vllm" and cfg.rollout.vllm.gpu_memory_utilization == 0.6
     assert cfg.rollout.vllm.extra_args == ["--enforce-eager"] and cfg.rollout.vllm.max_model_len == 2048
+
+
+@pytest.mark.parametrize("truncation", ["left", "right"])
+def test_truncation_cuts_the_templated_prompt_as_verl_does(tmp_path, truncation: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mcore_rl.data.dataset import PromptDataset
+    from mcore_rl.data.tokenizer import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer(None)
+    path = str(tmp_path / "long.parquet")
+    rows = [{"role": "user", "content": "repeat: " + "7" * 40}]
+    pq.write_table(pa.table({"data_source": ["s"], "prompt": [rows], "reward_model": [{"ground_truth": "7"}]}), path)
+    full = PromptDataset([path], tokenizer, 1000)[0]["prompt_token_ids"]
+    cut = PromptDataset([path], tokenizer, 16, overlong=truncation)[0]["prompt_token_ids"]
+    assert cut == (full[-16:] if truncation == "left" else full[:16])  # left keeps the end: the generation prompt
