@@ -83,6 +83,12 @@ def run(cfg: RLConfig) -> dict[str, float]:
         reason = sglang_unavailable_reason()
         if reason is not None:
             raise ValueError(f"rollout.engine=sglang cannot run here: {reason}")
+    if cfg.rollout.engine == "vllm":  # the vLLM virtualenv, its version and the plugin, before Ray starts
+        from mcore_rl.rollout.vllm_launcher import vllm_unavailable_reason
+
+        reason = vllm_unavailable_reason(cfg.rollout.vllm)
+        if reason is not None:
+            raise ValueError(f"rollout.engine=vllm cannot run here: {reason}")
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     tokenizer, loader, tokenizer_dir = setup_data(cfg)  # before Ray: a bad dataset is refused before anything starts
     reward = RewardManager(

@@ -200,16 +200,18 @@ def test_bad_push_keeps_weights_and_version(client: RolloutClient, server: Any) 
 
 @pytest.mark.parametrize("mode", ["abort", "in_place"])
 def test_pause_during_push(client: RolloutClient, server: Any, mode: str) -> None:
-    """A long request paused for a push (vLLM's abort: continued by the client as a partial rollout; keep: frozen
-    and resumed) completes with its tokens' weight versions: the old one before the push, the new one after."""
+    """A long request paused for a push completes with its whole budget. abort (vLLM's abort): the engine ends it,
+    the client continues it from its tokens as a partial rollout, and its tokens' versions are the old one then the
+    new one; in_place (vLLM's keep): it is frozen and resumed in place, one piece, never continued."""
     model = hf_model(seed=5)
     pusher = Pusher(client, server.url())
     pusher.push(dict(model.state_dict()), version=20)
-    params = dict(PARAMS, max_new_tokens=400, ignore_eos=True)
+    params = dict(PARAMS, max_new_tokens=480, ignore_eos=True)
+    continued = client.stats["continued_after_abort"]
     out: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: out.update(s=client.generate_samples([[3, 4]], 1, params, seed=1)))
     thread.start()
-    time.sleep(2.0)  # a few decode steps in
+    time.sleep(1.0)  # a few decode steps in
     client.post(server.url(), "/pause_generation", {"mode": mode})
     try:
         pusher.push(dict(hf_model(seed=6).state_dict()), version=21)
@@ -217,6 +219,11 @@ def test_pause_during_push(client: RolloutClient, server: Any, mode: str) -> Non
         client.post(server.url(), "/continue_generation")
     thread.join(timeout=300)
     (sample,) = out["s"]
-    assert len(sample.response_ids) == 400
+    assert len(sample.response_ids) == 480 and sample.finish_reason == "length"
     versions = [v for v, _, _ in sample.weight_versions]
-    assert versions[0] == 20 and versions[-1] == 21, sample.weight_versions
+    if mode == "abort":
+        assert client.stats["continued_after_abort"] > continued
+        assert versions[0] == 20 and versions[-1] == 21, sample.weight_versions
+    else:
+        assert client.stats["continued_after_abort"] == continued
+        assert versions[0] == 20, sample.weight_versions

