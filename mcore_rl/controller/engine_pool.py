@@ -33,8 +33,8 @@ from mcore_rl.controller.engine_state import MEMORY_TAGS, EngineHealth, Released
 from mcore_rl.controller.placement import ray_wait, wait_scheduled
 from mcore_rl.rollout.client import RolloutClient
 from mcore_rl.rollout.router import Router
-from mcore_rl.rollout.vllm_dialect import VLLMRouter
 from mcore_rl.rollout.sampling import Sample
+from mcore_rl.rollout.vllm_dialect import VLLMRouter
 
 log = logging.getLogger(__name__)
 #: an embedded engine's Ray actor builds its server (the model) in its constructor; the wait for its URL ends here
