@@ -203,9 +203,87 @@ def _agreement(server: list[list[int]], hf: list[list[int]]) -> tuple[int, float
     return same, sum(prefix) / len(prefix)
 
 
-def vllm_throughput(model_dir: str, work: Workload, threads: int) -> tuple[list[list[int]], float]:
+def _raw_receiver(port: int, nbytes: int, repeats: int) -> None:
+    """Rank 1 of a raw gloo broadcast (a child process): receive `repeats` buffers of `nbytes`."""
+    from mcore_rl.parallel.update_group import broadcast, new_update_group
+
+    group = new_update_group("gloo", "127.0.0.1", port, 1, 2, "raw")
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    for _ in range(repeats):
+        broadcast(group, buffer)
+
+
+def raw_broadcast_seconds(nbytes: int, repeats: int) -> float:
+    """The bare medium: the median seconds of one gloo broadcast of `nbytes` to another process."""
+    import multiprocessing
+
+    from mcore_rl.parallel.groups import free_port
+    from mcore_rl.parallel.update_group import broadcast, new_update_group
+
+    port = free_port()
+    child = multiprocessing.get_context("spawn").Process(target=_raw_receiver, args=(port, nbytes, repeats))
+    child.start()
+    group = new_update_group("gloo", "127.0.0.1", port, 0, 2, "raw")
+    buffer = torch.ones(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        broadcast(group, buffer)
+        times.append(time.perf_counter() - start)
+    child.join()
+    return sorted(times)[len(times) // 2]
+
+
+def vllm_push_seconds(
+    client: RolloutClient, url: str, model: PreTrainedModel, bucket_bytes: int, repeats: int
+) -> float:
+    """The median seconds of a whole push of `model`'s weights into the vLLM engine at `url`, as the fence runs it
+    (begin -> buckets through the distributed transport into the plugin's gloo backend -> end, version + 1)."""
+    import threading
+    from types import SimpleNamespace
+
+    from mcore_rl.parallel.groups import free_port
+    from mcore_rl.parallel.update_group import new_update_group
+    from mcore_rl.resharding.sync.transports import DistributedTransport
+
+    port = free_port()
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "pp0-dense", "backend": "gloo"}  # fmt: skip
+    joining = threading.Thread(target=client.post, args=(url, "/init_weights_update_group", body))
+    joining.start()
+    group = new_update_group("gloo", "127.0.0.1", port, 0, 2, "pp0-dense")
+    joining.join()
+    tensors = [(n, t.detach().contiguous()) for n, t in model.state_dict().items()]
+    buckets, current, size = [], [], 0
+    for name, tensor in tensors:
+        if current and size + tensor.nbytes > bucket_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append((name, tensor))
+        size += tensor.nbytes
+    buckets.append(current)
+    flats = [torch.cat([t.view(-1).view(torch.uint8) for _, t in b]) for b in buckets]
+    times = []
+    for version in range(1, repeats + 1):
+        transport = DistributedTransport({"pp0-dense": group}, [url], api_key=None, weight_version=str(version))
+        start = time.perf_counter()
+        client.post(url, "/begin_weight_update")
+        for index, (bucket, flat) in enumerate(zip(buckets, flats)):
+            entries = [SimpleNamespace(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=tuple(t.shape))
+                       for n, t in bucket]  # fmt: skip
+            transport.send(SimpleNamespace(name="pp0-dense"), SimpleNamespace(index=index, entries=entries), flat)
+        transport.wait()
+        client.post(url, "/end_weight_update")
+        times.append(time.perf_counter() - start)
+        transport.close()
+    return sorted(times)[len(times) // 2]
+
+
+def vllm_throughput(
+    model_dir: str, work: Workload, threads: int, model: PreTrainedModel | None = None
+) -> tuple[list[list[int]], float, float | None]:
     """The workload through a real vLLM engine serving `model_dir` (started here, stopped after), greedy with
-    ignore_eos, R concurrent requests: (tokens per request, seconds)."""
+    ignore_eos, R concurrent requests: (tokens per request, seconds, median push seconds of `model` or None)."""
     import os
 
     from mcore_rl.rollout.vllm_config import VLLMConfig
@@ -229,13 +307,14 @@ def vllm_throughput(model_dir: str, work: Workload, threads: int) -> tuple[list[
         start = time.perf_counter()
         answers = client.run(send_all(work.prompts, params))
         seconds = time.perf_counter() - start
+        push_s = None if model is None else vllm_push_seconds(client, engine.url(), model, 64 << 20, 3)
     finally:
         client.close()
         engine.stop()
     outputs = [list(a[0]["output_ids"]) for a in answers]
     if any(len(out) != b for out, b in zip(outputs, work.budgets)):
         raise RuntimeError("vLLM did not generate exactly each budget despite ignore_eos")
-    return outputs, seconds
+    return outputs, seconds, push_s
 
 
 def build_both(config: dict[str, Any], max_running: int, seed: int) -> tuple[EngineServer, PreTrainedModel]:
@@ -307,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.vllm:
         with tempfile.TemporaryDirectory(prefix="bench_rollout_vllm_") as tmp:
             hf_model.save_pretrained(tmp)
-            vllm_out, vllm_s = vllm_throughput(tmp, work, args.threads)
+            vllm_out, vllm_s, push_s = vllm_throughput(tmp, work, args.threads, hf_model)
+        model_bytes = sum(t.nbytes for t in hf_model.state_dict().values())
+        raw_s = raw_broadcast_seconds(model_bytes, 3)
+        print(f"vllm push: {model_bytes / 2**20:.1f} MiB in {push_s:.3f} s (begin, 64 MiB buckets, end: median of 3); "
+              f"raw gloo broadcast of the same bytes {raw_s:.3f} s; push/raw {push_s / raw_s:.1f}")  # fmt: skip
         vllm_rate = tokens / vllm_s
         same_v, _ = _agreement(vllm_out, hf_out)
         print(f"vllm:   {tokens} tokens in {vllm_s:.2f} s = {vllm_rate:.1f} tok/s; {same_v}/{len(work.prompts)} "
