@@ -199,3 +199,57 @@ def test_a_failed_bucket_fails_the_later_ones_at_once(cluster) -> None:
     _lead(STREAMS[1], leaders, urls, store, errors, prefix="sync2")
     messages = [str(e) for e in errors]
     assert len(messages) == 1 and "an earlier bucket failed" in messages[0], messages
+
+
+def test_a_refused_bucket_does_not_wedge_its_sender() -> None:
+    """An engine without a weight-update session refuses the bucket at once and never joins the broadcast (SGLang
+    and our server alike): the leader gives the broadcast up on the refusal instead of waiting out the group's
+    timeout (60 s here), and says so."""
+    name, port = "pp0", free_port("127.0.0.1")
+    joined: dict[str, object] = {}
+    engine_side = threading.Thread(
+        target=lambda: joined.update(engine=new_update_group("gloo", "127.0.0.1", port, 1, 2, name, 60))
+    )
+    engine_side.start()
+    leader = new_update_group("gloo", "127.0.0.1", port, 0, 2, name, 60)
+    engine_side.join(timeout=60)
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"success": False, "message": "no weight-update session is open"}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/update_weights_from_distributed", refuse)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    serving.start()
+    errors: list[Exception] = []
+    sender = threading.Thread(target=_lead_one, args=(leader, name, url, errors), daemon=True)
+    try:
+        sender.start()
+        sender.join(timeout=30)  # a hang detector, far below the group's 60 s: the sender must come back on its own
+        assert not sender.is_alive(), "the sender waited in a broadcast no engine joined"
+        (error,) = errors
+        assert "no weight-update session is open" in str(error) and "abandoned" in str(error)
+    finally:
+        # the engine rank takes its part now, so the abandoned broadcast ends without waiting for its timeout
+        broadcast(joined["engine"], torch.empty(16, dtype=torch.uint8))  # type: ignore[arg-type]
+        sender.join(timeout=60)
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join(timeout=10)
+
+
+def _lead_one(group: object, name: str, url: str, errors: list) -> None:
+    sink = DistributedTransport({name: group}, [url], api_key=None, weight_version="1", timeout_s=60)
+    try:
+        sink.send(STREAMS[0], BUCKETS[(0, 0)], torch.zeros(16, dtype=torch.uint8))
+        sink.wait()
+    except Exception as err:  # noqa: BLE001 (the test reads it)
+        errors.append(err)
+    finally:
+        sink.close()

@@ -11,12 +11,14 @@ One group per stream, so pipeline stages and EP ranks stream to the engines in p
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from mcore_rl.parallel.update_group import UpdateGroup, broadcast
+from mcore_rl.parallel.update_group import UpdateGroup
 from mcore_rl.resharding.sync.plan import Bucket, Stream
 from mcore_rl.resharding.sync.transports.base import BackgroundSender, TransportError, http_post
 
@@ -68,15 +70,20 @@ class DistributedTransport:
             self._http.submit(http_post, url + "/update_weights_from_distributed", body, self.api_key, self.timeout_s)
             for url in self.engine_urls
         ]
+        abandoned = False
         try:
-            broadcast(group, buffer)
+            abandoned = not _broadcast_unless_refused(group, buffer, calls)
         finally:
             errors = []
             for url, call in zip(self.engine_urls, calls):
+                if abandoned and not call.done():
+                    continue  # an engine inside the abandoned broadcast answers when its group times out
                 try:
                     call.result()
                 except TransportError as err:
                     errors.append(f"bucket {bucket.index} of {stream.name} -> {url}: {err}")
+        if abandoned:
+            errors.append(f"the broadcast of bucket {bucket.index} of {stream.name} was abandoned")
         if errors:
             raise TransportError("; ".join(errors))
 
@@ -86,3 +93,23 @@ class DistributedTransport:
     def close(self) -> None:
         self._sender.close()
         self._http.shutdown(wait=False)
+
+
+def _broadcast_unless_refused(group: UpdateGroup, buffer: torch.Tensor, calls: list[Future]) -> bool:
+    """Broadcast `buffer` from rank 0; False (the broadcast abandoned) as soon as an engine refuses the bucket before
+    it ends. A refusing engine never joins the broadcast (SGLang answers at once without a session, and so does our
+    server), so waiting for it would wedge this sender until the group's timeout. An abandoned group is out of step:
+    the controller rebuilds the groups before the next push."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    work = group.group.broadcast([buffer], options)
+    pause = 1e-4  # the answers are polled while the broadcast runs; at most 5 ms late once it ended
+    while not work.is_completed():
+        done, pending = futures.wait(calls, timeout=pause, return_when=futures.FIRST_EXCEPTION)
+        if any(call.exception() is not None for call in done):
+            return False
+        if not pending:  # every engine has its bytes: the rest of the broadcast is the leader's own completion
+            break
+        pause = min(2 * pause, 0.005)
+    work.wait()  # raises what the broadcast raised (a timeout)
+    return True
