@@ -376,3 +376,37 @@ def test_ranks_per_node_come_from_the_driver_not_the_visible_devices(tmp_path) -
         (tmp_path / f"0000:{i:02x}:00.0").mkdir()
     assert node_gpus(str(tmp_path)) == 8
     assert node_gpus(str(tmp_path / "missing")) >= 1
+
+
+# ------------------------------------------------------------------------------------------ MoE dispatch options
+@pytest.mark.parametrize(
+    "settings,te,needle",
+    [
+        (dict(moe_dispatcher="flex"), False, "needs Transformer Engine, the deep_ep package"),
+        (dict(moe_dispatcher="flex"), True, "needs the deep_ep package"),
+        (dict(moe_permute_fusion=True), False, "moe_permute_fusion=true needs Transformer Engine"),
+    ],
+)
+def test_moe_options_that_need_te_or_deepep_are_refused(settings: dict, te: bool, needle: str) -> None:
+    from mcore_rl.actor.runtime import check_runtime
+    from mcore_rl.config import ConfigError
+
+    cfg = _cfg()
+    for key, value in settings.items():
+        setattr(cfg.actor, key, value)
+    with pytest.raises(ConfigError, match=needle):
+        check_runtime(cfg, visible_gpus=8, te=te)
+
+
+def test_alltoall_on_cpu_is_refused_and_moe_options_reach_the_config() -> None:
+    from mcore_rl.actor.megatron_actor import megatron_overrides
+    from mcore_rl.actor.runtime import check_runtime
+    from mcore_rl.config import ActorConfig, ConfigError
+
+    cfg = _cfg()
+    cfg.trainer.runtime, cfg.actor.moe_dispatcher = "cpu", "alltoall"
+    with pytest.raises(ConfigError, match="actor.moe_dispatcher='alltoall' needs trainer.runtime=cuda"):
+        check_runtime(cfg)
+    overrides = megatron_overrides(ActorConfig(moe_dispatcher="flex", moe_permute_fusion=True), "disabled")
+    want = dict(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep", moe_permute_fusion=True)
+    assert {k: overrides[k] for k in want} == want

@@ -91,12 +91,12 @@ class MegatronActor:
         self.cfg, self.model_cfg, self.role = actor_cfg, model_cfg, role
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This rank's node address and a port free on it: asked of rank 0, which hosts torch.distributed's store."""
-        import ray
+        """This rank's rendezvous host (loopback in a one-node run: parallel/groups.rendezvous_host) and a port free
+        on it: asked of rank 0, which hosts torch.distributed's store."""
+        from mcore_rl.parallel.groups import free_port, rendezvous_host
 
-        from mcore_rl.parallel.groups import free_port
-
-        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1", free_port()
+        host = rendezvous_host()
+        return host, free_port(host)
 
     def initialize(self, address: tuple[str, int]) -> None:
         """Join the process group at rank 0's address (host, port), build the model(s) and the optimizer (all ranks
@@ -657,7 +657,8 @@ def _sum_metrics(outputs: list[dict[str, float]]) -> dict[str, float]:
 
 def megatron_overrides(cfg: Any, routing_mode: str) -> dict[str, Any]:
     """TransformerConfig fields the worker's config sets on top of the family's translation: routing replay, the expert
-    bias update rate (DeepSeek-V3's aux-loss-free balancing; frozen by default in RL) and activation recompute."""
+    bias update rate (DeepSeek-V3's aux-loss-free balancing; frozen by default in RL), activation recompute, the MoE
+    dispatcher and permute fusion."""
     out: dict[str, Any] = {"moe_enable_routing_replay": True} if routing_mode != "disabled" else {}
     rate = getattr(cfg, "router_bias_update_rate", 0.0)
     if rate:
@@ -665,6 +666,13 @@ def megatron_overrides(cfg: Any, routing_mode: str) -> dict[str, Any]:
     recompute = getattr(cfg, "recompute", None)
     if recompute is not None:
         out.update(recompute.megatron_fields())
+    dispatcher = getattr(cfg, "moe_dispatcher", None)
+    if dispatcher == "flex":  # DeepEP's kernels behind Megatron's flex dispatcher
+        out.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
+    elif dispatcher:
+        out["moe_token_dispatcher_type"] = dispatcher
+    if getattr(cfg, "moe_permute_fusion", False):
+        out["moe_permute_fusion"] = True
     return out
 
 

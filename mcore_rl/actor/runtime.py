@@ -141,9 +141,29 @@ def check_runtime(cfg: RLConfig, visible_gpus: int | None = None, te: bool | Non
                 why = None
             if why:
                 raise ConfigError(f"{name}.packing=true {why}; expected {name}.packing=false")
+        moe_problem = _moe_problem(name, group, runtime, te)
+        if moe_problem:
+            raise ConfigError(moe_problem)
         if group.optim.offload_fraction and runtime == "cuda" and not te:
             # 0.16.1's HybridDeviceOptimizer runs through the precision-aware optimizer, which asks TE's version
             raise ConfigError(
                 f"{name}.optim.offload_fraction={group.optim.offload_fraction!r} needs Transformer Engine (Megatron's "
                 "precision-aware optimizer), which is not importable here; expected 0, or install the GPU extra"
             )
+
+
+def _moe_problem(name: str, group: Any, runtime: str, te: bool) -> str | None:
+    """Why the MoE dispatcher / permute settings cannot run here, or None."""
+    import importlib.util
+
+    dispatcher = getattr(group, "moe_dispatcher", None)
+    if dispatcher == "alltoall" and runtime != "cuda":
+        return f"{name}.moe_dispatcher='alltoall' needs trainer.runtime=cuda (it creates a CUDA stream); expected null"
+    if dispatcher == "flex":
+        missing = [what for what, ok in (("trainer.runtime=cuda", runtime == "cuda"), ("Transformer Engine", te),
+                   ("the deep_ep package", importlib.util.find_spec("deep_ep") is not None)) if not ok]  # fmt: skip
+        if missing:
+            return f"{name}.moe_dispatcher='flex' (DeepEP) needs {', '.join(missing)}; expected null or alltoall"
+    if getattr(group, "moe_permute_fusion", False) and not te:
+        return f"{name}.moe_permute_fusion=true needs Transformer Engine's fused permute kernels; expected false"
+    return None

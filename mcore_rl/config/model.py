@@ -221,6 +221,11 @@ class ActorConfig:
     #: micro_batch_size samples, or max_tokens_per_microbatch real tokens); needs Transformer Engine (trainer.runtime
     #: =cuda), no routing replay, not with dynamic_batching
     packing: bool = False
+    #: MoE token dispatcher: null = the runtime's (alltoall on CUDA, allgather on CPU) | alltoall | flex (DeepEP's
+    #: dispatch/combine kernels: needs trainer.runtime=cuda, Transformer Engine and the deep_ep package)
+    moe_dispatcher: str | None = None
+    #: Transformer Engine's fused token permute / unpermute in MoE layers (needs Transformer Engine)
+    moe_permute_fusion: bool = False
     mini_batches: int = 2  #: optimizer steps per RL step (the batch is split into this many mini-batches)
     ppo_epochs: int = 1  #: passes over the batch per RL step
     clip_ratio_low: float = 0.2  #: PPO clip epsilon below 1
@@ -278,6 +283,12 @@ class ActorConfig:
         self.layout.to_layout().check_world_size(self.world_size)
         _check(self.stale_tis_cap is None or self.stale_tis_cap > 0, "actor.stale_tis_cap", self.stale_tis_cap, "> 0")
         self.recompute.validate()
+        _check(
+            self.moe_dispatcher in (None, "alltoall", "flex"),
+            "actor.moe_dispatcher",
+            self.moe_dispatcher,
+            "null, alltoall or flex",
+        )
         _check(self.router_bias_update_rate >= 0, "actor.router_bias_update_rate", self.router_bias_update_rate, ">= 0")
 
 
