@@ -106,7 +106,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     try:
         if not placement.overlap_startup:
             actor.ready()
-        critic = CriticGroup(cfg) if cfg.critic.enable else None
+        critic = CriticGroup(cfg, options=placement.critic_options) if cfg.critic.enable else None
         engines = EnginePool(
             cfg.rollout,
             model=_engine_model(cfg),

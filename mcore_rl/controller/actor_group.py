@@ -14,6 +14,7 @@ layout (the critic's TP/PP/EP need not be the actor's).
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +43,7 @@ class ActorGroup:
     ) -> None:
         """`options(rank)`: extra Ray options of a rank (controller/placement.py: its placement-group bundle)."""
         world = actor_cfg.world_size
+        self.role = role
         num_gpus = 1 if runtime == "cuda" else 0
         base = {"num_cpus": actor_cfg.num_cpus_per_rank, "num_gpus": num_gpus}
         self.handles = [
@@ -63,8 +65,15 @@ class ActorGroup:
     def ready(self) -> ActorGroup:
         """Wait until every rank has initialised (raises a rank's start-up error); idempotent."""
         if self._starting is not None:
+            from mcore_rl.controller.placement import ray_wait, wait_scheduled
+
             starting, self._starting = self._starting, None
-            ray.get(starting)
+            what = f"{self.role} ranks"
+            wait_scheduled(self.handles, what)  # a rank Ray cannot place is named now, not waited for forever
+            # Start-up builds the model and may read a checkpoint of a terabyte: it gets as long as a collective
+            # may wait for a peer (MCORE_RL_DIST_TIMEOUT_S, which launch/submit.py sets to an hour on clusters).
+            limit = float(os.environ.get("MCORE_RL_DIST_TIMEOUT_S", "600"))
+            ray_wait(starting, f"the {what} to build their model and load their checkpoint", limit)
             self.ranks = self.call("ping")
         return self
 

@@ -11,6 +11,9 @@ value head (actor/value_head.py) and initialised from critic.path or the policy'
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from mcore_rl.actor.batch import TrainBatch
@@ -22,9 +25,12 @@ from mcore_rl.controller.samples import reduce_rank_metrics
 class CriticGroup:
     """The critic's ranks and the calls the loop makes on them."""
 
-    def __init__(self, cfg: RLConfig) -> None:
+    def __init__(self, cfg: RLConfig, options: Callable[[int], dict[str, Any]] | None = None) -> None:
+        """`options(rank)`: the critic rank's Ray options from the placement (its bundle, its GPU share)."""
         self.warmup_steps = cfg.critic.warmup_steps
-        self.group = ActorGroup(cfg.model, cfg.critic, cfg.trainer.runtime, seed=cfg.trainer.seed, role="critic")
+        self.group = ActorGroup(
+            cfg.model, cfg.critic, cfg.trainer.runtime, seed=cfg.trainer.seed, role="critic", options=options
+        )
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token values [B, R] of the batch (0 on padding)."""
