@@ -126,6 +126,10 @@ def step_env(rec: Recorder, dry: bool) -> None:
             rec[dist] = version(dist)
         except PackageNotFoundError:
             rec[dist] = None
+    rec["summary"] = (
+        f"{rec['device']}; torch {torch.__version__} (CUDA {torch.version.cuda}), triton {rec['triton']}, "
+        f"megatron-core {rec['megatron-core']}, TE {rec['transformer-engine']}, transformers {rec['transformers']}"
+    )
     if not dry and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device visible: run with --dry-cpu on a machine without a GPU")
 
