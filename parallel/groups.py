@@ -61,12 +61,58 @@ def init_distributed(
         return
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    from mcore_rl.rollout.sglang_launcher import is_loopback
+
+    if is_loopback(master_addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
+        # gloo listens on the address the hostname resolves to (often the LAN's): keep a local world on loopback
+        interface = _loopback_interface()
+        if interface is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = interface
     dist.init_process_group(
         backend=backend_for(runtime),
+        store=_store(master_addr, master_port, rank, world_size, timeout),
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
+
+
+def rendezvous_host() -> str:
+    """Where a run's ranks meet (torch.distributed's store, weight-update groups): loopback when every process of the
+    run is on this machine (no Ray, or a Ray cluster of one node), so nothing listens beyond it; else this node's
+    address. (A node that joins later does not change a rendezvous already made.)"""
+    import ray
+
+    if not ray.is_initialized():
+        return "127.0.0.1"
+    if sum(1 for node in ray.nodes() if node.get("Alive")) == 1:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
+
+
+def _loopback_interface() -> str | None:
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses):
+            return name
+    return None
+
+
+def _store(master_addr: str, master_port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """torch.distributed's TCP store, served by rank 0 on `master_addr` only: torch's own (init_method env://) listens
+    on every interface (`::`) without authentication, so a local run bound all of them. Rank 0 binds the socket and
+    hands it to the store (master_listen_fd, libuv backend)."""
+    listener = None
+    if rank == 0:
+        family = socket.AF_INET6 if ":" in master_addr else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((master_addr, master_port))
+        listener.listen(1024)
+    fd = {"master_listen_fd": listener.detach()} if listener is not None else {}  # the store closes it
+    return dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout, **fd)
 
 
 def initialize_model_parallel(layout: ParallelLayout, seed: int = 1234):
