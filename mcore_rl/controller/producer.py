@@ -10,6 +10,7 @@ that keep generating until a batch is full, multi-turn agent episodes, generatio
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,8 @@ from mcore_rl.config import RLConfig
 from mcore_rl.controller.samples import samples_to_batch
 from mcore_rl.metrics.logger import StepTimer
 from mcore_rl.rollout.sampling import Sample
+
+log = logging.getLogger(__name__)
 
 PROMPT_FIELDS = ("data_source", "ground_truth", "extra_info")
 """Per-prompt columns (verl's schema) handed to the reward function with each response."""
@@ -38,12 +41,35 @@ class Rollouts:
     baseline_scores: torch.Tensor | None = None  #: [B*n] ReMax: the reward of a greedy rollout of each prompt
 
 
+#: estimators whose baseline is the prompt's group of n samples: identical samples give every one a zero advantage
+GROUP_BASELINES = ("grpo", "rloo", "opo", "reinforce_plus_plus_baseline")
+_warned_identical = False
+
+
+def warn_identical_groups(cfg: RLConfig) -> None:
+    """Warn once: greedy sampling (rollout.temperature=0) with n > 1 under a group baseline makes a prompt's n samples
+    the same, so every advantage is zero and the run trains on nothing, silently."""
+    global _warned_identical
+    rollout, estimator = cfg.rollout, cfg.algorithm.adv_estimator
+    if _warned_identical or rollout.temperature != 0 or rollout.n < 2 or estimator not in GROUP_BASELINES:
+        return
+    _warned_identical = True
+    log.warning(
+        "rollout.temperature=0 with rollout.n=%d under algorithm.adv_estimator=%s: greedy decoding makes the %d "
+        "samples of a prompt identical, so their group advantages are all zero and the policy does not learn; "
+        "expected rollout.temperature > 0 (1.0 is usual) or rollout.n=1 with a non-group estimator",
+        rollout.n, estimator, rollout.n,
+    )  # fmt: skip
+
+
 class RolloutProducer:
     """Single-turn rollouts: `rollout.n` samples per prompt from the engines, scored by the reward manager."""
 
     def __init__(self, cfg: RLConfig, loader: Any, engines: Any, reward: Any, tokenizer: Any) -> None:
         self.cfg, self.loader, self.engines, self.reward, self.tokenizer = cfg, loader, engines, reward, tokenizer
         self.eos = [tokenizer.eos_token_id]
+        warn_identical_groups(cfg)
+
 
     def seed(self, step: int, num_prompts: int) -> int:
         """Disjoint seeds per step: sample j of prompt i gets seed + i * n + j."""
