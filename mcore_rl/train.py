@@ -2,6 +2,8 @@
 
     python -m mcore_rl.train                                  # the default tiny CPU job (configs/default.yaml)
     python -m mcore_rl.train trainer.steps=3 rollout.n=4      # any field of mcore_rl/config/, by dotted name
+    python -m mcore_rl.train <verl's overrides>               # a verl launch line (docs/coming_from_verl.md)
+    python -m mcore_rl.train --print-config ...               # the validated config in our keys, then stop
 
 One step:  prompts -> rollout engines behind sglang-router (SGLang's HTTP API) -> reward (controller/producer.py)
            -> actor logprobs (old, and the reference's in the same call when a KL term uses it) -> advantages
