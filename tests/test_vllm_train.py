@@ -52,3 +52,39 @@ def test_vllm_refuses_a_head_size_it_cannot_serve(vllm_venv) -> None:  # noqa: F
     found = probe(vllm_python(vllm_venv))
     with pytest.raises(VLLMUnavailable, match=r"model\.hf_config\.head_dim=16"):
         check_model({"head_dim": 16, "hidden_size": 64, "num_attention_heads": 4}, found["head_sizes"])
+
+
+def test_an_engine_killed_mid_step_the_step_completes(vllm_venv, tmp_path: Path) -> None:  # noqa: F811
+    """The vLLM server is SIGKILLed (its whole process group) right after step 1: the pool finds it dead, starts a
+    new one and syncs it before it serves, the client's retries wait for it (one engine: nothing else can serve),
+    and every step completes."""
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [*TRAIN, "rollout.engine=vllm", "model.hf_config.head_dim=32", "trainer.steps=4", f"trainer.run_dir={run_dir}",
+         "trainer.loggers=[console,jsonl]", "rollout.max_retries=9", ray_address_override()],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env(),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 1200
+        while not (
+            metrics.exists() and any('"critic/score/mean"' in line for line in metrics.read_text().splitlines())
+        ):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended or stalled before step 1"
+            time.sleep(0.5)
+        found = subprocess.run(["pgrep", "-f", f"vllm.entrypoints.openai.api_server --model {run_dir}"],
+                               capture_output=True, text=True)  # fmt: skip
+        (pid,) = [int(p) for p in found.stdout.split()]
+        os.killpg(pid, signal.SIGKILL)  # the server leads its own process group (engine core, worker)
+        out, err = proc.communicate(timeout=1500)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records if "critic/score/mean" in r] == [1, 2, 3, 4]
+    assert "restarted" in err + out

