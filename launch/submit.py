@@ -617,6 +617,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"--time {args.time!r} is not a Slurm time limit; expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
                 "D-HH:MM:SS or UNLIMITED (e.g. 24:00:00)"
             )
+        # a newline in the name wrote lines into the sbatch script; a '../' put the script outside the run dir
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", args.job_name, re.ASCII):
+            raise SubmitError(
+                f"--job-name {args.job_name!r} is not a job name; expected up to 128 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit (it names <run_dir>/<job-name>.sbatch and its #SBATCH --job-name)"
+            )
         if args.dry_run and args.local:
             raise SubmitError("--dry-run and --local exclude each other")
         comm_env(args)  # refuse a malformed --env early

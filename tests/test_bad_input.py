@@ -277,6 +277,16 @@ def test_submit_refuses_a_malformed_time() -> None:
     assert res.returncode == 2 and "--time 'banana' is not a Slurm time limit" in res.stderr
 
 
+@pytest.mark.parametrize("name", ["j\n#SBATCH --wrap=id", "../../escape", "a/b", "-x", ""])
+def test_submit_refuses_a_job_name_that_injects_lines_or_leaves_the_run_dir(name, tmp_path) -> None:
+    res = subprocess.run([sys.executable, str(REPO / "launch" / "submit.py"), "--nodes", "1", "--gpus-per-node", "0",
+                          "--partition", "p", "--time", "1:00:00", f"--job-name={name}", "--dry-run", "--",
+                          f"trainer.run_dir={tmp_path}/run"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 2, (res.stdout[-2000:], res.stderr[-2000:])
+    assert f"--job-name {name!r} is not a job name" in res.stderr and "Traceback" not in res.stderr
+    assert "#SBATCH --wrap" not in res.stdout
+
+
 # ------------------------------------------------------------------------------------------------ endings
 def _start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
