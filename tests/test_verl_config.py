@@ -233,3 +233,9 @@ def test_truncation_cuts_the_templated_prompt_as_verl_does(tmp_path, truncation:
     full = PromptDataset([path], tokenizer, 1000)[0]["prompt_token_ids"]
     cut = PromptDataset([path], tokenizer, 16, overlong=truncation)[0]["prompt_token_ids"]
     assert cut == (full[-16:] if truncation == "left" else full[:16])  # left keeps the end: the generation prompt
+
+
+def test_our_config_names_do_not_mix_with_verl_keys(model_dir: str) -> None:
+    t = translate(["--config-name", "dpo", *_verl(model_dir)])
+    assert len(t.errors) == 1 and "--config-name 'dpo' with verl's keys" in t.errors[0]
+    assert translate(["--config-name", "ppo_megatron_trainer", "--config-path=config", *_verl(model_dir)]).errors == []

@@ -147,11 +147,17 @@ def translate(args: list[str]) -> Translation:
     if config_name is not None:
         t.lines.append(f"--config-name={config_name}: {V.VERL_CONFIG_NAMES[config_name]}")
     for flag in flags:
-        if flag.startswith("--config-path") or flag.startswith("--config-name") or flag in V.VERL_CONFIG_NAMES:
+        name = flag.split("=", 1)[1] if flag.startswith("--config-name=") else flag
+        if flag in ("--config-name", "--config-path") or flag.startswith("--config-path="):
             continue
-        if not flag.startswith("-") and flag.removesuffix(".yaml") in V.VERL_CONFIG_NAMES:
-            continue  # the value of a separate --config-name
-        if flag.startswith("-"):
+        if name.removesuffix(".yaml") in V.VERL_CONFIG_NAMES:
+            continue  # verl's config names (as --config-name=X, or the word after --config-name)
+        if flag.startswith("--config-name=") or not flag.startswith("-"):
+            t.errors.append(
+                f"--config-name {name!r} with verl's keys: a verl command is composed over verl's defaults; expected "
+                f"one of {tuple(V.VERL_CONFIG_NAMES)} or no --config-name"
+            )
+        else:
             t.errors.append(f"{flag!r}: not a flag a verl command takes here; expected key=value overrides")
 
     given: dict[str, Any] = {}  # verl keys read by derive(), as the command gave them
