@@ -159,3 +159,16 @@ def test_pause_mode_with_sglang_is_never_none() -> None:
     for mode in ("none", "in_place"):
         with pytest.raises(ConfigError, match="sync.pause_mode='.*' is invalid: expected abort, retract or auto"):
             SyncConfig(pause_mode=mode).pause_mode_for("sglang")
+
+
+def test_run_config_with_sglang_and_pause_none_is_refused_before_start() -> None:
+    from tiny_models import tiny_qwen3_moe
+
+    from mcore_rl.config import RLConfig
+    from mcore_rl.config.checks import ConfigError
+
+    cfg = RLConfig()
+    cfg.model.hf_config = tiny_qwen3_moe()
+    cfg.rollout.engine, cfg.sync.pause_mode = "sglang", "none"
+    with pytest.raises(ConfigError, match="sync.pause_mode='none' is invalid"):
+        cfg.validate()

@@ -42,6 +42,7 @@ def validate_run(cfg: RLConfig) -> None:
     if cfg.trainer.mode == "dpo":
         check_dpo(cfg)
     check_algorithm(cfg)
+    cfg.sync.pause_mode_for(cfg.rollout.engine)  # SGLang cannot be updated under pause mode none or in_place
     if (
         cfg.sync.transport == "tensor"
         and cfg.rollout.engine == "sglang"
