@@ -71,6 +71,13 @@ def client(server: Any) -> Any:
     c.close()
 
 
+def checkpoint(model: Any) -> dict[str, torch.Tensor]:
+    """The model's weights under HF checkpoint names (per-expert, as the actor's export sends them)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, dict(model.state_dict())))
+
+
 def hf_model(seed: int) -> Any:
     """The actor's weights, as a transformers model (fp32) with a seeded random init."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -151,7 +158,7 @@ def test_moe_push_matches_actor(client: RolloutClient, server: Any) -> None:
     """After a push through the gloo backend, vLLM's logprobs are the actor's (fp32): the MoE repack works."""
     model = hf_model(seed=1)
     pusher = Pusher(client, server.url())
-    pusher.push(dict(model.state_dict()), version=1)
+    pusher.push(checkpoint(model), version=1)
     assert version(client, server.url()) == "1"
     prompt = [5, 9, 13, 2, 7]
     for sample in client.generate_samples([prompt], 2, PARAMS, seed=3):

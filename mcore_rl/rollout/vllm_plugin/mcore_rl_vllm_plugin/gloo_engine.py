@@ -98,13 +98,21 @@ def join_group(info: GlooInitInfo, rank: int) -> tuple[Any, Any]:
 
 
 def hf_checkpoint_shapes(hf_config: Any) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of the model's HF checkpoint and its shape, from a meta-device transformers model (no
-    memory): what a push may name."""
+    """Every tensor name a push may use and its shape, from a meta-device transformers model (no memory): the HF
+    checkpoint's names (transformers 5 fuses a MoE's experts in memory; `revert_weight_conversion` gives the
+    per-expert names checkpoints and the actor's export use) and transformers' in-memory ones (vLLM loads both)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    state = model.state_dict()
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: its state dict is the checkpoint's
+        return shapes
+    shapes.update({name: tuple(t.shape) for name, t in revert_weight_conversion(model, dict(state)).items()})
+    return shapes
 
 
 def repack_cpu_moe(model: torch.nn.Module) -> int:
