@@ -127,10 +127,10 @@ def test_every_problem_of_a_command_is_reported_at_once(model_dir: str) -> None:
 
 def test_ignored_keys_say_why(model_dir: str) -> None:
     _, t = _run(_verl(model_dir, f"{AR}.actor.fsdp_config.param_offload=True", f"{AR}.model.use_remove_padding=True",
-                      f"+{AR}.actor.megatron.override_transformer_config.moe_permute_fusion=True"))  # fmt: skip
+                      f"+{AR}.actor.megatron.override_transformer_config.apply_rope_fusion=True"))  # fmt: skip
     lines = "\n".join(t.lines)
     assert "fsdp_config.param_offload=True: ignored: FSDP setting" in lines
-    assert "use_remove_padding=True: ignored:" in lines and "moe_permute_fusion=True: ignored: always on" in lines
+    assert "use_remove_padding=True: ignored:" in lines and "apply_rope_fusion=True: ignored: always on" in lines
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -75,3 +75,18 @@ def test_the_cli_prints_the_translation_and_the_config_in_our_keys(world: str) -
     assert "verl: critic.ppo_micro_batch_size_per_gpu=4 -> critic.micro_batch_size=4" in out.stdout
     assert "adv_estimator: gae" in out.stdout and "enable: true" in out.stdout  # gae brings its critic
     assert "batch_size: 256" in out.stdout
+
+
+def test_the_moe_script_keeps_its_deepep_dispatcher(world: str) -> None:
+    """verl's Qwen3-30B script asks for DeepEP (flex dispatcher) and fused permutes: they are settings here, which
+    pre-flight checks against the machine (TE, CUDA, deep_ep), not knobs silently dropped."""
+    from mcore_rl.config import to_config
+    from mcore_rl.config.verl_cli import compose, translate
+
+    t = translate(script_args("grpo_qwen3moe_30b_megatron", world))
+    if t.errors:  # rollout.engine without vllm here
+        t = translate([a.replace("rollout.name=vllm", "rollout.name=sglang") for a in script_args(
+            "grpo_qwen3moe_30b_megatron", world)])  # fmt: skip
+    cfg = to_config(compose(t))
+    assert cfg.actor.moe_dispatcher == "flex" and cfg.actor.moe_permute_fusion is True
+    assert cfg.actor.layout.ep == 8 and cfg.actor.optim.offload_fraction == 1.0

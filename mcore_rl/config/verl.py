@@ -109,6 +109,13 @@ def _bucket_bytes(megabytes: Any) -> int:
     return int(megabytes) << 20
 
 
+def _dispatcher(value: Any) -> str | None:
+    """verl's moe_token_dispatcher_type -> actor.moe_dispatcher (alltoall | flex; null = the runtime's)."""
+    if value in ("alltoall", "flex"):
+        return value
+    raise VerlValueError("alltoall or flex (Megatron's allgather dispatcher is the CPU runtime's own choice)")
+
+
 def _falsy(value: Any) -> bool:
     return value in (None, False, 0, "", [], {}, "null")
 
@@ -203,18 +210,21 @@ def _megatron(verl: str, ours: str) -> dict[str, Rule]:
             f"{verl}.override_transformer_config.moe_router_dtype": Ignore(
                 "the MoE families route in fp32 here", _is("fp32", "float32", None), "a router dtype other than fp32"
             ),
-            f"{verl}.override_transformer_config.moe_token_dispatcher_type": Ignore(
-                "Megatron's alltoall dispatcher here (DeepEP's flex dispatcher is not wired: same routing, slower)"
-            ),
-            f"{verl}.override_transformer_config.moe_enable_deepep": Ignore(
-                "Megatron's alltoall dispatcher here (DeepEP is not wired: same routing, slower)"
-            ),
         }
     )
+    if ours == "actor":  # the actor's MoE dispatcher settings (the critic's group has none: it uses the runtime's)
+        rules[f"{verl}.override_transformer_config.moe_token_dispatcher_type"] = Map(
+            "actor.moe_dispatcher", _dispatcher, "flex is DeepEP's dispatcher: pre-flight checks TE, CUDA and deep_ep"
+        )
+        rules[f"{verl}.override_transformer_config.moe_enable_deepep"] = Derived("actor.moe_dispatcher (flex)")
+        rules[f"{verl}.override_transformer_config.moe_permute_fusion"] = Map("actor.moe_permute_fusion")
+    else:
+        for knob in ("moe_token_dispatcher_type", "moe_enable_deepep", "moe_permute_fusion"):
+            rules[f"{verl}.override_transformer_config.{knob}"] = Ignore("the critic's MoE layers use the runtime's")
     for fusion in (
         "apply_rope_fusion", "masked_softmax_fusion", "bias_activation_fusion", "bias_dropout_fusion",
-        "gradient_accumulation_fusion", "persist_layer_norm", "moe_grouped_gemm", "moe_permute_fusion",
-        "deallocate_pipeline_outputs", "cross_entropy_loss_fusion",
+        "gradient_accumulation_fusion", "persist_layer_norm", "moe_grouped_gemm", "deallocate_pipeline_outputs",
+        "cross_entropy_loss_fusion",
     ):  # fmt: skip
         rules[f"{verl}.override_transformer_config.{fusion}"] = Ignore(_FUSION)
     return rules
@@ -263,7 +273,10 @@ VERL_KEYS: dict[str, Rule] = {
     f"{AR}.model.path": Derived("model.path"),
     f"{AR}.model.tokenizer_path": Map("model.tokenizer"),
     f"{AR}.model.enable_gradient_checkpointing": Derived("actor.recompute"),
-    f"{AR}.model.use_remove_padding": Ignore("micro-batches are padded to their longest sequence; the same loss"),
+    f"{AR}.model.use_remove_padding": Ignore(
+        "micro-batches are padded to their longest sequence: the same loss; sequence packing (THD) is actor.packing "
+        "here (GPU with Transformer Engine)"
+    ),
     f"{AR}.model.use_fused_kernels": Ignore(_FUSION),
     f"{AR}.model.fused_kernel_options.impl_backend": Ignore(_FUSION),
     f"{AR}.model.use_liger": Ignore("Liger kernels are for HF models; the actor is Megatron with its fused kernels"),

@@ -111,6 +111,7 @@ def derive(
     _gpus(d)
     _algorithm(d)
     _recompute(d, megatron)
+    _deepep(d)
     _validation(d)
     _trainer(d)
     _reference(d)
@@ -254,6 +255,20 @@ def _algorithm(d: _Derivation) -> None:
     use_kl = d.get(f"{AR}.actor.use_kl_loss")
     coef = d.get(f"{AR}.actor.kl_loss_coef")
     d.set("actor.kl_loss_coef", coef if use_kl else 0.0, f"{AR}.actor.use_kl_loss={use_kl} / kl_loss_coef={coef}")
+
+
+def _deepep(d: _Derivation) -> None:
+    """moe_enable_deepep=True is Megatron's flex dispatcher over DeepEP (actor.moe_dispatcher=flex)."""
+    key = f"{AR}.actor.megatron.override_transformer_config.moe_enable_deepep"
+    if d.given.get(key):
+        dispatcher = d.current("actor.moe_dispatcher", None)
+        if dispatcher not in (None, "flex"):
+            d.fail(f"verl's {key}=True (our actor.moe_dispatcher=flex) contradicts moe_token_dispatcher_type="
+                   f"{dispatcher!r}; expected flex")  # fmt: skip
+        else:
+            d.set("actor.moe_dispatcher", "flex", key)
+    elif key in d.given:
+        d.lines.append(f"{key}=False: ignored: DeepEP off (actor.moe_dispatcher as set)")
 
 
 def _recompute(d: _Derivation, megatron: bool) -> None:
