@@ -386,7 +386,9 @@ VERL_KEYS: dict[str, Rule] = {
     "critic.strategy": Ignore("the critic is Megatron here", _is("megatron", "fsdp", "fsdp2"), "another backend"),
     "critic.model.path": Derived("critic.path"),
     "critic.model.tokenizer_path": Ignore("the critic reads the policy's tokens"),
-    "critic.model.enable_gradient_checkpointing": Ignore("the critic recomputes as the actor does"),
+    "critic.model.enable_gradient_checkpointing": Ignore(
+        "the critic keeps its activations (it has no recompute setting here): more memory, the same values"
+    ),
     "critic.model.use_remove_padding": Ignore("micro-batches are padded to their longest sequence; the same loss"),
     "critic.model.trust_remote_code": Ignore("no remote code runs", _falsy, "the model's remote code"),
     **_optim("critic.optim", "critic.optim"),
