@@ -360,13 +360,15 @@ VERL_KEYS: dict[str, Rule] = {
     f"{AR}.rollout.log_prob_use_dynamic_bsz": Ignore("the old-logprob pass shares the actor's micro-batching"),
     f"{AR}.rollout.log_prob_max_token_len_per_gpu": Ignore("the old-logprob pass shares the actor's token budget"),
     f"{AR}.rollout.enable_chunked_prefill": Ignore("SGLang chunks long prefills by default"),
-    f"{AR}.rollout.max_num_batched_tokens": Ignore("vLLM scheduler knob; SGLang sizes its batches from memory"),
+    f"{AR}.rollout.max_num_batched_tokens": Ignore(
+        "the engine's own scheduler budget (pass it in rollout.vllm.extra_args or rollout.sglang.extra_args)"
+    ),
     f"{AR}.rollout.max_model_len": Derived("rollout.vllm.max_model_len (SGLang: the model's context)"),
     f"{AR}.rollout.enforce_eager": Derived("rollout.vllm.extra_args --enforce-eager (SGLang: its own CUDA graphs)"),
     f"{AR}.rollout.free_cache_engine": Ignore("colocated engines release weights and KV cache while the actor trains"),
-    f"{AR}.rollout.enable_prefix_caching": Ignore("SGLang's radix cache is on"),
+    f"{AR}.rollout.enable_prefix_caching": Ignore("the engines' prefix caches are on (SGLang's radix cache, vLLM's)"),
     f"{AR}.rollout.disable_log_stats": Ignore("engine logs go to <run_dir>/rollout"),
-    f"{AR}.rollout.cudagraph_capture_sizes": Ignore("vLLM knob; SGLang's CUDA graphs are its own"),
+    f"{AR}.rollout.cudagraph_capture_sizes": Ignore("the engine's own CUDA graph sizes (its extra_args)"),
     f"{AR}.rollout.dtype": Ignore("engines serve model.dtype"),
     f"{AR}.rollout.ignore_eos": Ignore("responses stop at eos", _falsy, "generation past eos"),
     f"{AR}.rollout.calculate_log_probs": Ignore("the engines always return their logprobs"),
@@ -460,7 +462,10 @@ VERL_KEYS: dict[str, Rule] = {
     "trainer.max_actor_ckpt_to_keep": Map("trainer.keep_last"),
     "trainer.max_critic_ckpt_to_keep": Ignore("the critic is saved with the actor (trainer.keep_last)"),
     "trainer.log_val_generations": Ignore("validation logs scores, not generations"),
-    "trainer.balance_batch": Ignore("micro-batches are cut by token budget (max_tokens_per_microbatch) instead"),
+    "trainer.balance_batch": Ignore(
+        "dp shards are balanced by tokens only with actor.dynamic_batching=true (needs actor.layout.ep=1): the same "
+        "loss, the slowest rank sets the pace"
+    ),
     "trainer.device": Map("trainer.runtime", lambda v: {"cuda": "cuda", "cpu": "cpu"}.get(v, v)),
     "trainer.default_hdfs_dir": Ignore("checkpoints stay in trainer.run_dir", _falsy, "copies to HDFS"),
     "trainer.del_local_ckpt_after_load": Ignore("checkpoints are kept (trainer.keep_last)", _falsy, "deletion"),
