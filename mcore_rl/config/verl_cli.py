@@ -178,7 +178,10 @@ def translate(args: list[str]) -> Translation:
             t.errors.append(f"verl's {bare}={value!r} cannot be honoured here: {rule.lost}")
         elif isinstance(rule, V.Ignore):
             if rule.accept is not None and not rule.accept(value):
-                t.errors.append(f"verl's {bare}={value!r} cannot be honoured here: {rule.lost or rule.reason}")
+                t.errors.append(
+                    f"verl's {bare}={value!r} cannot be honoured here: {rule.lost or 'not supported'}; expected a "
+                    f"value that asks for what this build does ({rule.reason}), or the key left out"
+                )
             else:
                 t.lines.append(f"{bare}={value!r}: ignored: {rule.reason}")
         elif isinstance(rule, V.Map):
