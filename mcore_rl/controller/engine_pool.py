@@ -399,8 +399,13 @@ class EnginePool:
         self.wait_for_restarts()
         self.client.close()
         self.router.stop()
-        for engine in self.engines:
-            for handle in engine.handle if isinstance(engine.handle, list) else [engine.handle]:
-                if self.cfg.engine in ("sglang", "vllm"):
-                    ray.get(handle.stop.remote())  # the server runs in its own process group
-                ray.kill(handle, no_restart=True)
+        handles = [h for e in self.engines for h in (e.handle if isinstance(e.handle, list) else [e.handle])]
+        if self.cfg.engine in ("sglang", "vllm"):
+            # each server runs in its own process group, which its actor stops (SIGTERM, SIGKILL after a grace):
+            # all at once, as they started
+            try:
+                ray.get([h.stop.remote() for h in handles], timeout=120)
+            except Exception:  # noqa: BLE001 (shutting down: say so and kill the actors anyway)
+                log.exception("stopping the engine servers")
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
