@@ -13,8 +13,9 @@
 
 Every ending but success leaves <run_dir>/FAILED holding the message (written to a temporary file, then renamed; on a
 full disk an empty FAILED, never a leftover temporary file), so a run dir never looks like a finished run when it is
-not; a new run in the same dir removes a stale one. SIGTERM's marker is written in the signal handler, before the
-clean-up that a scheduler's SIGKILL may cut short.
+not; a new run in the same dir removes a stale one. Before Ray starts, SIGTERM's marker is written in the signal
+handler itself; ray.init then installs its own handler (sys.exit(15)), and the marker follows the run's clean-up, which
+took seconds in the tests (a scheduler's SIGKILL follows SIGTERM after its grace period: Slurm's KillWait, 30 s).
 """
 
 from __future__ import annotations
