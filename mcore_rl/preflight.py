@@ -188,11 +188,32 @@ def check_checkpoint(path: str, divisible_by: int, mtp: str = "auto") -> None:
 
 
 #: HF config fields that are sizes or counts (null allowed: a family's default) and fields that are numbers
-_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size", "num_experts",
-               "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "shared_expert_intermediate_size",
-               "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-               "first_k_dense_replace", "decoder_sparse_step", "n_group", "topk_group", "num_nextn_predict_layers")
+_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "n_routed_experts",
+    "n_shared_experts",
+    "shared_expert_intermediate_size",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "first_k_dense_replace",
+    "decoder_sparse_step",
+    "n_group",
+    "topk_group",
+    "num_nextn_predict_layers",
+)
 _NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "initializer_range")
 
 
@@ -246,8 +267,9 @@ def check_tokenizer(cfg: RLConfig) -> None:
     else:
         from mcore_rl.data.tokenizer import build_tiny_tokenizer
 
-        where, tokenizer = "the built-in tiny tokenizer (model.tokenizer=null)", build_tiny_tokenizer(
-            None, tools=cfg.agent.enabled
+        where, tokenizer = (
+            "the built-in tiny tokenizer (model.tokenizer=null)",
+            build_tiny_tokenizer(None, tools=cfg.agent.enabled),
         )
     try:
         vocab_size = hf_config_of(cfg).get("vocab_size")

@@ -172,8 +172,8 @@ def test_a_quoted_size_in_config_json_is_named_not_a_crash(checkpoint, tmp_path)
     bad = _variant(checkpoint, tmp_path / "bad", lambda t: None)
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "hidden_size": str(config["hidden_size"])}))
-    assert_user_error(train(f"model.path={bad}", f"trainer.run_dir={tmp_path}/run"),
-                      f"{bad}/config.json: field hidden_size is '{config['hidden_size']}' (str); expected an integer")  # fmt: skip
+    expected = f"{bad}/config.json: field hidden_size is '{config['hidden_size']}' (str); expected an integer"
+    assert_user_error(train(f"model.path={bad}", f"trainer.run_dir={tmp_path}/run"), expected)
 
 
 def test_a_quoted_size_in_model_hf_config_is_named(tmp_path) -> None:
@@ -197,8 +197,8 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_ray(tmp
     from mcore_rl.data.tokenizer import build_tiny_tokenizer
 
     build_tiny_tokenizer(str(tmp_path / "tok"), tools=True)  # ids past the default model's vocab_size of 63
-    assert_user_error(train(f"model.tokenizer={tmp_path}/tok", f"trainer.run_dir={tmp_path}/run"),
-                      f"model.tokenizer='{tmp_path}/tok' has token ids up to", "but the model's vocab_size is 63")  # fmt: skip
+    res = train(f"model.tokenizer={tmp_path}/tok", f"trainer.run_dir={tmp_path}/run")
+    assert_user_error(res, f"model.tokenizer='{tmp_path}/tok' has token ids up to", "but the model's vocab_size is 63")
 
 
 def test_a_tokenizer_that_does_not_load_is_named(tmp_path) -> None:

@@ -8,7 +8,6 @@ group: DCP's single-process mode); the end-to-end refusals start the real CLI on
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil

@@ -61,7 +61,9 @@ def test_a_local_runs_actor_ranks_listen_on_no_wildcard_address(tmp_path) -> Non
         while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.5)
-        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if "MegatronActor" in " ".join(p.cmdline())]
+        ranks = [
+            p for p in psutil.Process(proc.pid).children(recursive=True) if "MegatronActor" in " ".join(p.cmdline())
+        ]
         assert ranks
         found = {p.pid: [a for a in _listening(p.pid) if a[0] in WILDCARD] for p in ranks}
         # Ray's own core-worker server listens on the wildcard address in every Ray process, the driver included

@@ -204,8 +204,10 @@ def _interrupts(**_):
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
-@pytest.mark.parametrize("fn,message", [(_exits, r"called sys.exit\(0\)"),
-                                        (_interrupts, "raised KeyboardInterrupt \\(no Ctrl-C was pressed\\)")])  # fmt: skip
+@pytest.mark.parametrize(
+    "fn,message",
+    [(_exits, r"called sys.exit\(0\)"), (_interrupts, r"raised KeyboardInterrupt \(no Ctrl-C was pressed\)")],
+)
 def test_sys_exit_or_keyboard_interrupt_in_a_reward_is_the_rewards_error(fn, message, num_threads):
     """A reward's sys.exit(0) ended the run with exit 0 and no marker; its KeyboardInterrupt read as Ctrl-C."""
     manager = RewardManager(fn, num_threads=num_threads)

@@ -25,8 +25,9 @@ def guarded(run_dir: Path, body: str, timeout: float = 120, wait_for: Path | Non
     """`run_guarded` in a child process with `def job(cfg): <body>` as the run; optionally send `sig` once `wait_for`
     exists. Returns the finished process."""
     run_dir.mkdir(parents=True, exist_ok=True)  # as pre-flight makes it before the run starts
-    code = textwrap.dedent(
-        """
+    code = (
+        textwrap.dedent(
+            """
         import json, os, sys, time
         from mcore_rl.config import RLConfig
         from mcore_rl.lifecycle import run_guarded
@@ -38,7 +39,10 @@ def guarded(run_dir: Path, body: str, timeout: float = 120, wait_for: Path | Non
 
         def job(cfg):
         """
-    ) + textwrap.indent(textwrap.dedent(body), " " * 4) + "\nrun_guarded(cfg, job)\n"
+        )
+        + textwrap.indent(textwrap.dedent(body), " " * 4)
+        + "\nrun_guarded(cfg, job)\n"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),

@@ -131,8 +131,10 @@ def read_loop_state(path: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{file}: not valid JSON ({err}); the checkpoint is damaged (cut short?)") from None
     if not isinstance(state, dict) or not isinstance(state.get("loader"), dict):
-        raise CheckpointError(f"{file}: expected an object with a 'loader' object (the data position), found "
-                              f"{type(state).__name__} with keys {sorted(state) if isinstance(state, dict) else []}")
+        raise CheckpointError(
+            f"{file}: expected an object with a 'loader' object (the data position), found "
+            f"{type(state).__name__} with keys {sorted(state) if isinstance(state, dict) else []}"
+        )
     return state
 
 

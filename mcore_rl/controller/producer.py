@@ -70,7 +70,6 @@ class RolloutProducer:
         self.eos = [tokenizer.eos_token_id]
         warn_identical_groups(cfg)
 
-
     def seed(self, step: int, num_prompts: int) -> int:
         """Disjoint seeds per step: sample j of prompt i gets seed + i * n + j."""
         return self.cfg.rollout.seed * 1_000_003 + step * num_prompts * self.cfg.rollout.n

@@ -239,9 +239,7 @@ def data_fingerprint(paths: Sequence[str]) -> str:
     return digest.hexdigest()
 
 
-def _warn_suspicious(
-    rows: list[dict[str, Any]], token_ids: list[list[int]], tokenizer: Any, paths: list[str]
-) -> None:
+def _warn_suspicious(rows: list[dict[str, Any]], token_ids: list[list[int]], tokenizer: Any, paths: list[str]) -> None:
     """Warn (once per dataset, with the fraction) about prompts that train on nothing useful: mostly the tokenizer's
     unknown token (a tokenizer that does not match the data), or a chat with no user message (only a system one)."""
     unk = getattr(tokenizer, "unk_token_id", None)

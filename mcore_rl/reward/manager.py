@@ -189,7 +189,9 @@ class RewardManager:
         def call() -> RewardResult:
             info = copy.deepcopy(extra_info)  # see the module docstring
             try:
-                return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=info)
+                return fn(
+                    data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=info
+                )
             except Exception as exc:
                 raise RewardFunctionError(
                     f"reward function {self.name} raised on row {row} (data_source={data_source!r}): "
