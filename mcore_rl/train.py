@@ -263,6 +263,20 @@ def start(cfg: RLConfig) -> None:
 PRINT_CONFIG = False  #: --print-config: print the validated config in our keys and stop
 
 
+#: Hydra settings of configs/default.yaml, for a command composed over the schema alone
+_HYDRA_SETTINGS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra.job.chdir=false", "hydra/job_logging=stdout"]
+
+
+def _base_of(args: list[str]) -> list[str]:
+    """A command that names its model (model.path) without a recipe is composed over the schema's defaults: the tiny
+    CPU job of configs/default.yaml (its model, EP 2, lr 2e-3, micro-batch 32) does not leak into it."""
+    recipe = any(a in ("--config-name", "-cn") or a.startswith(("--config-name=", "-cn=")) for a in args)
+    if recipe or not any(a.startswith("model.path=") for a in args):
+        return []
+    print("model.path names the model: composed over mcore_rl/config/'s defaults, not configs/default.yaml's tiny job")
+    return ["--config-name=rl_schema", *_HYDRA_SETTINGS]
+
+
 def command_line(argv: list[str]) -> None:
     """`python -m mcore_rl.train [--print-config] overrides...`: our keys go to Hydra over configs/default.yaml; a
     command with verl's keys is translated (mcore_rl/config/verl.py) over verl's defaults instead. Every unknown or
@@ -282,7 +296,7 @@ def command_line(argv: list[str]) -> None:
             print(f"config error: {error}", file=sys.stderr)
         sys.exit(2)
     if not t.verl:
-        sys.argv = [sys.argv[0], *args]
+        sys.argv = [sys.argv[0], *_base_of(args), *args]
         cli(main)
         return
     import logging

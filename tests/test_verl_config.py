@@ -239,3 +239,10 @@ def test_our_config_names_do_not_mix_with_verl_keys(model_dir: str) -> None:
     t = translate(["--config-name", "dpo", *_verl(model_dir)])
     assert len(t.errors) == 1 and "--config-name 'dpo' with verl's keys" in t.errors[0]
     assert translate(["--config-name", "ppo_megatron_trainer", "--config-path=config", *_verl(model_dir)]).errors == []
+
+
+def test_a_command_naming_its_model_gets_no_tiny_job_settings(model_dir: str) -> None:
+    """`model.path=<a dense model>` was refused: configs/default.yaml's tiny MoE job asked for actor.layout.ep=2."""
+    out = _cli("--print-config", f"model.path={model_dir}")
+    assert out.returncode == 0, out.stderr
+    assert "\n    ep: 1\n" in out.stdout and "micro_batch_size: 16" in out.stdout and "hf_config: {}" in out.stdout
