@@ -77,6 +77,12 @@ def _ended(exc: SystemExit | KeyboardInterrupt, where: str) -> RewardFunctionErr
     return RewardFunctionError(f"{where} {what}; a reward function must return a score, not end the process")
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """repr(value), cut to `limit` characters (a reward returning 10**400 printed 401 digits)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit // 2]}... ({len(text)} characters)"
+
+
 def _function_name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or getattr(getattr(fn, "func", None), "__qualname__", None) or repr(fn)
 
@@ -279,7 +285,7 @@ class RewardManager:
             value = value.item()
         if not isinstance(value, numbers.Real):
             raise RewardFunctionError(
-                f"{where} returned {value!r} of type {type(value).__name__}; "
+                f"{where} returned {_shown(value)} of type {type(value).__name__}; "
                 "expected a finite float or a dict with a finite float 'score'"
             )
         try:
@@ -287,7 +293,7 @@ class RewardManager:
         except OverflowError:  # an int beyond float's range (10**400)
             score = math.inf
         if not math.isfinite(score):
-            raise RewardFunctionError(f"{where} returned {value!r}; expected a finite score")
+            raise RewardFunctionError(f"{where} returned {_shown(value)}; expected a finite score")
         return score, extras
 
     @staticmethod
