@@ -140,6 +140,8 @@ class EnginePool:
             request_timeout_s=cfg.request_timeout_s,
         )
         self.router.start()
+        log.info("rollout engines at %s behind sglang-router at %s", ", ".join(e.url for e in self.engines),
+                 self.router.url)  # fmt: skip
         self.client = RolloutClient(
             self.router.url,
             api_key=self.api_key,
