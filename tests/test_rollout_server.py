@@ -202,7 +202,8 @@ def test_bad_generate_requests_get_400_naming_the_key(server, body, message) -> 
 def test_malformed_json_and_auth(server) -> None:
     bad = requests.post(server.url + "/generate", data="{nope", headers=AUTH, timeout=10)
     assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
-    assert requests.get(server.url + "/health", timeout=10).status_code == 200  # /health needs no key
+    for route in ("/health", "/health_generate"):  # probes need no key (SGLang's auth exempts /health*)
+        assert requests.get(server.url + route, timeout=30).status_code == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         assert requests.get(server.url + "/model_info", headers=headers, timeout=10).status_code == 401
         assert requests.post(server.url + "/generate", json={"input_ids": [1]}, headers=headers).status_code == 401

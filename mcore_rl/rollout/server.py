@@ -17,13 +17,14 @@ weight routes --> WeightReceiver (check + stage) --end_weight_update--> commit b
 Bad requests get 400 with a message naming the key (and, for a limit, the flag that raises it); nothing a client
 sends is parsed or tokenized on the event loop, so /health answers while a large request is refused. It binds
 127.0.0.1 unless told otherwise, refuses a non-loopback bind without --api-key, and with a key every route but
-/health needs `Authorization: Bearer <key>`.
+/health and /health_generate (as SGLang's) needs `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -178,8 +179,11 @@ class EngineServer(WeightRoutes):
 
     @web.middleware
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.api_key is not None and request.path != "/health":
-            if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+        # as SGLang's auth (srt/utils/auth.py): /health and /health_generate answer without a key (probes), and the
+        # key is compared in constant time
+        if self.api_key is not None and not request.path.startswith("/health"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
                 return web.json_response({"error": {"message": "missing or wrong API key", "code": 401}}, status=401)
         try:
             return await handler(request)
