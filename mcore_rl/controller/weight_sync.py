@@ -215,7 +215,7 @@ class WeightSync:
             if self.version is None or self.actor_version != self.version:
                 return False
             self.check_engine(url)
-            alive = [u for u in self.pool.urls if u not in self.pool.pending] + [url]
+            alive = [u for u in self.pool.live_urls if u not in self.pool.pending] + [url]  # not one being replaced
             self.connect(alive)
             self.push(self.version, urls=[url])
             return True
