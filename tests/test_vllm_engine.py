@@ -205,32 +205,50 @@ def test_bad_push_keeps_weights_and_version(client: RolloutClient, server: Any) 
     assert version(client, server.url()) == "12"
 
 
+def running_requests(url: str) -> int:
+    """vLLM's gauge of requests in its running batch (GET /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return int(
+        sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running"))
+    )
+
+
 @pytest.mark.parametrize("mode", ["abort", "in_place"])
 def test_pause_during_push(client: RolloutClient, server: Any, mode: str) -> None:
-    """A long request paused for a push completes with its whole budget. abort (vLLM's abort): the engine ends it,
-    the client continues it from its tokens as a partial rollout, and its tokens' versions are the old one then the
-    new one; in_place (vLLM's keep): it is frozen and resumed in place, one piece, never continued."""
+    """Requests paused mid-decode for a push complete with their whole budget, their tokens' versions the old one
+    then the new one. abort (vLLM's abort): the engine ends them, the client continues each from its tokens as a
+    partial rollout; in_place (vLLM's keep): they are frozen and resumed in place, never continued."""
     model = hf_model(seed=5)
     pusher = Pusher(client, server.url())
-    pusher.push(dict(model.state_dict()), version=20)
+    pusher.push(checkpoint(model), version=20)
     params = dict(PARAMS, max_new_tokens=480, ignore_eos=True)
+    prompts = [[3, 4, i] for i in range(8)]
     continued = client.stats["continued_after_abort"]
     out: dict[str, Any] = {}
-    thread = threading.Thread(target=lambda: out.update(s=client.generate_samples([[3, 4]], 1, params, seed=1)))
+    # keep with seeded requests crashes vLLM 0.32's CPU engine on resume (docs/vllm.md): unseeded there
+    seed = 1 if mode == "abort" else None
+    thread = threading.Thread(target=lambda: out.update(s=client.generate_samples(prompts, 2, params, seed=seed)))
     thread.start()
-    time.sleep(1.0)  # a few decode steps in
+    deadline = time.monotonic() + 60
+    while running_requests(server.url()) == 0:  # paused only once they decode
+        assert time.monotonic() < deadline and thread.is_alive(), "the requests never ran"
+        time.sleep(0.05)
     client.post(server.url(), "/pause_generation", {"mode": mode})
     try:
-        pusher.push(dict(hf_model(seed=6).state_dict()), version=21)
+        pusher.push(checkpoint(hf_model(seed=6)), version=21)
     finally:
         client.post(server.url(), "/continue_generation")
     thread.join(timeout=300)
-    (sample,) = out["s"]
-    assert len(sample.response_ids) == 480 and sample.finish_reason == "length"
-    versions = [v for v, _, _ in sample.weight_versions]
+    samples = out["s"]
+    assert len(samples) == 16
+    assert all(len(s.response_ids) == 480 and s.finish_reason == "length" for s in samples)
+    spans = [[v for v, _, _ in s.weight_versions] for s in samples]
+    assert all(v[0] == 20 for v in spans), spans
+    assert any(v[-1] == 21 for v in spans), spans  # paused mid-decode: the rest of its tokens are the new version
     if mode == "abort":
         assert client.stats["continued_after_abort"] > continued
-        assert versions[0] == 20 and versions[-1] == 21, sample.weight_versions
     else:
         assert client.stats["continued_after_abort"] == continued
-        assert versions[0] == 20, sample.weight_versions

@@ -8,7 +8,7 @@ POST /generate {input_ids, sampling_params, return_logprob}      -> POST /infere
                                                                     {token_ids, sampling_params: vLLM's names}
    [{output_ids, meta_info: {output_token_logprobs, finish_reason,  <- choices: token_ids, logprobs.content,
      weight_version, weight_versions}}] (prompt-major)                 finish_reason, weight_versions
-/pause_generation {mode: in_place | retract | abort}             -> /pause?mode=keep | keep | abort
+/pause_generation {mode: in_place | retract | abort}             -> /pause?mode=keep | abort | abort
 /continue_generation                                             -> /resume
 /init_weights_update_group {master_address, ..., group_name}     -> /init_weight_transfer_engine {init_info}
 /begin_weight_update                                             -> /abandon_weight_update, /start_weight_update
@@ -49,7 +49,9 @@ SAMPLING_NAMES: dict[str, str | None] = {
     "no_stop_trim": None,  # vLLM keeps a stop token id in token_ids, as SGLang with no_stop_trim
     "spaces_between_special_tokens": None,
 }
-PAUSE_MODES = {"in_place": "keep", "retract": "keep", "abort": "abort"}  #: SGLang pause mode -> vLLM's
+#: SGLang pause mode -> vLLM's: in_place freezes requests where they are (keep); retract frees their KV and runs them
+#: again later with their tokens, which vLLM's abort + the client's continuation does
+PAUSE_MODES = {"in_place": "keep", "retract": "abort", "abort": "abort"}
 _NOT_ON_VLLM = {
     "/update_weights_from_tensor": "sync.transport=tensor",
     "/update_weights_from_disk": "sync.transport=disk",
