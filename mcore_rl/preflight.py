@@ -41,6 +41,7 @@ def check(cfg: RLConfig) -> None:
         problem = megatron_version_problem()
         if problem is not None:
             raise ConfigError(f"trainer.runtime=cpu: {problem}")
+        check_recompute_on_cpu(cfg)
     from mcore_rl.actor.runtime import check_runtime
 
     check_runtime(cfg)  # runtime=cuda without a GPU, cp > 1 (sequences are not split per CP rank)
@@ -62,6 +63,19 @@ def check(cfg: RLConfig) -> None:
     check_ray_address(cfg.trainer.ray_address)
     if cfg.model.path:
         check_checkpoint(cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
+
+
+def check_recompute_on_cpu(cfg: RLConfig) -> None:
+    """actor.recompute on trainer.runtime=cpu: Megatron's recompute (full and selective alike go through
+    tensor_parallel.checkpoint) saves and restores the CUDA RNG state, so the first update failed on a machine
+    without CUDA, after Ray and the ranks had started. Refused here, naming the key."""
+    granularity = cfg.actor.recompute.granularity
+    if granularity is not None:
+        raise ConfigError(
+            f"actor.recompute.granularity={granularity!r} is invalid with trainer.runtime=cpu: Megatron's activation "
+            "recompute saves the CUDA RNG state, which a CPU run has not; expected actor.recompute.granularity=null "
+            "on CPU (recompute is for GPU runs)"
+        )
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -185,65 +199,6 @@ def check_checkpoint(path: str, divisible_by: int, mtp: str = "auto") -> None:
     if problems:
         shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
         raise ConfigError(f"model.path={path!r} does not hold the weights its config.json describes:\n  {shown}")
-
-
-#: HF config fields that are sizes or counts (null allowed: a family's default) and fields that are numbers
-_INT_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "max_position_embeddings",
-    "moe_intermediate_size",
-    "num_experts",
-    "num_experts_per_tok",
-    "n_routed_experts",
-    "n_shared_experts",
-    "shared_expert_intermediate_size",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "qk_rope_head_dim",
-    "v_head_dim",
-    "first_k_dense_replace",
-    "decoder_sparse_step",
-    "n_group",
-    "topk_group",
-    "num_nextn_predict_layers",
-)
-_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "initializer_range")
-
-
-def check_hf_config_values(cfg: RLConfig) -> None:
-    """The model's HF config (model.path's config.json, else model.hf_config) holds integers where sizes go and
-    numbers where floats go: a quoted "64" is refused naming the field and the file, not met as a TypeError later."""
-    if cfg.model.path:
-        where = os.path.join(cfg.model.path, "config.json")
-        try:
-            with open(where) as f:
-                hf = json.load(f)
-        except (OSError, ValueError):
-            return  # named by the config's own check and the checkpoint check
-        prefix = f"{where}: field"
-    else:
-        hf, prefix = dict(cfg.model.hf_config), "model.hf_config."
-    if not isinstance(hf, dict):
-        return
-    for key in _INT_FIELDS + _NUMBER_FIELDS:
-        value = hf.get(key)
-        if value is None:
-            continue
-        integer = key in _INT_FIELDS
-        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if not ok or isinstance(value, bool):
-            sep = " " if cfg.model.path else ""
-            raise ConfigError(
-                f"{prefix}{sep}{key} is {value!r} ({type(value).__name__}); expected "
-                f"{'an integer' if integer else 'a number'} (without quotes)"
-            )
 
 
 def check_tokenizer(cfg: RLConfig) -> None:

@@ -177,10 +177,7 @@ def test_the_config_layer_imports_nothing_above_it() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    # mcore_rl.preflight: check_model calls preflight.check_hf_config_values (a pure check of config.json's values,
-    # added there while this was written); it reads no file system beyond what check_model reads, starts no Ray
-    loaded = set(eval(out.stdout.strip())) - {"mcore_rl.preflight"}
-    assert loaded == set()
+    assert eval(out.stdout.strip()) == []
 
 
 def test_a_checker_gets_the_config_of_a_verl_command_or_none(model_dir: str) -> None:

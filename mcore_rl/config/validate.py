@@ -155,7 +155,7 @@ def check_model(cfg: RLConfig) -> None:
         hf = HFConfig(raw)
     else:
         hf = HFConfig(cfg.model.hf_config)
-    from mcore_rl.preflight import check_hf_config_values
+    from mcore_rl.config.hf_config import check_hf_config_values
 
     check_hf_config_values(cfg)  # a quoted "64" is named here, not met as a TypeError in the layout check
     family = get_family(hf.model_type)
