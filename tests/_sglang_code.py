@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import subprocess
 import sys
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 SGLANG_DIR = Path(__file__).resolve().parents[1] / ".venv" / "sglang-0.5.23"
@@ -48,16 +49,26 @@ def load_sglang_receiver() -> types.ModuleType:
 
 
 @contextlib.contextmanager
-def sglang_receiver_process(tp_rank: int = 0, defer_copy_s: float = 0.0, timeout_s: float = 120.0) -> Iterator[str]:
+def sglang_receiver_process(
+    tp_rank: int = 0,
+    defer_copy_s: float = 0.0,
+    timeout_s: float = 120.0,
+    peers: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[str]:
     """Run tests/_sglang_receiver.py (an engine rank receiving with SGLang's code) in a child process; yields its URL.
+    `peers`: the URLs of the engine's other TP ranks (given to rank 0, which hands them each tensor update); `env`:
+    variables set in the child (CUDA_VISIBLE_DEVICES: the one GPU an engine rank sees).
 
     Skips the calling test, as load_sglang_receiver does, when set-up did not build SGLang's code."""
     load_sglang_receiver()
     script = Path(__file__).resolve().parent / "_sglang_receiver.py"
     child = subprocess.Popen(
-        [sys.executable, str(script), "--tp-rank", str(tp_rank), "--defer-copy-s", str(defer_copy_s)],
+        [sys.executable, str(script), "--tp-rank", str(tp_rank), "--defer-copy-s", str(defer_copy_s)]
+        + [arg for url in peers for arg in ("--peer", url)],
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, **env} if env else None,
     )
     try:
         ready = threading.Timer(timeout_s, child.kill)  # a child that never says READY is killed, not waited on

@@ -1,6 +1,6 @@
 """A rollout-engine rank whose weight-receiving code is SGLang 0.5.23's own, for tests and tools/bench_sync.py.
 
-    python tests/_sglang_receiver.py [--tp-rank 0] [--defer-copy-s 0]   # prints "READY http://HOST:PORT", serves
+    python tests/_sglang_receiver.py [--tp-rank 0] [--defer-copy-s 0] [--peer URL ...]  # prints "READY http://H:P"
 
 It answers the HTTP calls our sync transports make, and does on each what SGLang's engine does, with SGLang's
 functions (tests/_sglang_code.py loads them from the pinned wheel; nothing here re-implements them):
@@ -17,7 +17,13 @@ functions (tests/_sglang_code.py loads them from the pinned wheel; nothing here 
   POST /destroy_weights_update_group  torch.distributed.destroy_process_group(group)
   POST /begin_weight_update, /end_weight_update   accepted (the session itself is not what this checks)
   POST /dump_received {"path", "names"?}  test hook: the tensors received so far (the last copy of each name; all,
-                                    or those of `names`) as a safetensors file, and how many times each arrived
+                                    or those of `names`) as a safetensors file, how many times each arrived, and
+                                    `owners`: per tensor payload opened, the pids that allocated its shared-memory
+                                    segments (torch names a `file_system` segment `/torch_<pid>_...`; CPU only)
+
+An engine of several TP ranks is one process per rank: rank 0 (started with `--peer URL` for each other rank) hands
+every `/update_weights_from_tensor` body to its peers as well, as SGLang's tokenizer manager hands a request to every
+TP rank's scheduler, and answers once all ranks have; each rank opens only `serialized_named_tensors[tp_rank]`.
 
 Where SGLang loads a received tensor into its model (`model.load_weights`), this keeps a copy of it instead, so a
 test can check every byte. One process is one engine TP rank; the group is gloo, payloads may be CUDA IPC handles.
@@ -48,8 +54,10 @@ sglang = load_sglang_receiver()
 class Receiver:
     """What one SGLang TP rank keeps: its update groups and (here) the tensors it would load."""
 
-    def __init__(self, tp_rank: int, defer_copy_s: float = 0.0) -> None:
+    def __init__(self, tp_rank: int, defer_copy_s: float = 0.0, peers: list[str] | None = None) -> None:
         self.tp_rank = tp_rank
+        self.peers = list(peers or [])
+        self.owners: list[list[int]] = []
         self.defer_copy_s = defer_copy_s
         self.pending: list[threading.Thread] = []
         self.weight_version: str | None = None  # SGLang moves it when an update request names one
@@ -98,7 +106,20 @@ class Receiver:
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     def update_weights_from_tensor(self, body: dict) -> dict:
+        peers = [_forward(url + "/update_weights_from_tensor", body) for url in self.peers]
+        for call in peers:
+            call.start()
+        try:
+            answer = self._update_weights_from_tensor(body)
+        finally:
+            for call in peers:
+                call.join()
+        refused = [call.answer for call in peers if not call.answer.get("success")]
+        return refused[0] if refused else answer
+
+    def _update_weights_from_tensor(self, body: dict) -> dict:
         payloads = sglang.normalize_serialized_named_tensor_payloads(body["serialized_named_tensors"])
+        self.owners.append(_segment_owners(payloads[self.tp_rank]))
         sglang.monkey_patch_torch_reductions()  # TpModelWorker.deserialize_own_rank
         named = sglang.MultiprocessingSerializer.deserialize(payloads[self.tp_rank])
         if body.get("load_format") == "flattened_bucket":  # WeightUpdater._update_weights_from_flattened_bucket
@@ -142,7 +163,43 @@ class Receiver:
         with self.lock:
             names = body.get("names") or list(self.received)
             save_file({name: self.received[name] for name in names if name in self.received}, body["path"])
-            return {"success": True, "arrivals": dict(self.arrivals), "count": len(self.received)}
+            return {
+                "success": True, "arrivals": dict(self.arrivals), "count": len(self.received), "owners": self.owners,
+            }  # fmt: skip
+
+
+def _segment_owners(payload: Any) -> list[int]:
+    """The pids in the names of the shared-memory segments a payload refers to (torch's `file_system` strategy
+    names each `/torch_<pid>_<random>_<n>` in the process that allocated it); [] for CUDA IPC handles."""
+    import base64
+    import pickletools
+    import re
+
+    raw = payload if isinstance(payload, bytes) else base64.b64decode(payload)
+    args = (arg for _, arg, _ in pickletools.genops(raw) if isinstance(arg, (str, bytes)))
+    found = (re.match(rb"/torch_(\d+)_", a if isinstance(a, bytes) else a.encode()) for a in args)
+    return [int(m.group(1)) for m in found if m]
+
+
+class _forward(threading.Thread):  # noqa: N801 (used as a call)
+    """POST `body` to a peer TP rank's process on a thread; `answer` is its JSON (or the failure as SGLang's)."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.answer = url, body, {}
+
+    def run(self) -> None:
+        import urllib.request
+
+        request = urllib.request.Request(
+            self.url, data=json.dumps(self.body).encode(), headers={"Content-Type": "application/json"}
+        )
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(request, timeout=300) as response:
+                self.answer = json.loads(response.read())
+        except Exception as err:  # noqa: BLE001 (a refusal is answered, not raised)
+            self.answer = {"success": False, "message": f"TP peer {self.url}: {type(err).__name__}: {err}"}
 
 
 def _one_at_a_time(fn: Any, lock: threading.Lock) -> Any:
@@ -194,8 +251,9 @@ def main() -> None:
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--defer-copy-s", type=float, default=0.0, help="answer tensor updates first, copy this later")
+    parser.add_argument("--peer", action="append", default=[], help="another TP rank's URL (rank 0 of an engine)")
     args = parser.parse_args()
-    server = ThreadingHTTPServer((args.host, 0), _handler(Receiver(args.tp_rank, args.defer_copy_s)))
+    server = ThreadingHTTPServer((args.host, 0), _handler(Receiver(args.tp_rank, args.defer_copy_s, args.peer)))
     print(f"READY http://{args.host}:{server.server_address[1]}", flush=True)
     server.serve_forever()
 

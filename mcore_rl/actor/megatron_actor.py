@@ -608,11 +608,12 @@ class MegatronActor:
         ranks_per_engine: int = 1,
         timeout_s: float = 300.0,
         keep_buffers: bool = True,
+        colocation: list[list[int]] | None = None,
     ) -> dict[str, Any]:
         """Send this rank's part of the plan (collective within each stream's gather group); the sync buffers stay
-        resident for the next one unless `keep_buffers` is false."""
+        resident for the next one unless `keep_buffers` is false. `colocation`: see SyncSender.send."""
         return self._sender().send(
-            version, transport, engine_urls, api_key, disk_dir, ranks_per_engine, timeout_s, keep_buffers
+            version, transport, engine_urls, api_key, disk_dir, ranks_per_engine, timeout_s, keep_buffers, colocation
         )
 
     def offload(self) -> dict[str, int]:

@@ -116,9 +116,12 @@ class SyncSender:
         ranks_per_engine: int = 1,
         timeout_s: float = 300.0,
         keep_buffers: bool = True,
+        colocation: list[list[int]] | None = None,
     ) -> dict[str, Any]:
         """Run this rank's part of the plan through `transport` (collective within each stream's gather group).
-        The executor's bucket and gather buffers stay for the next sync unless `keep_buffers` is false."""
+        The executor's bucket and gather buffers stay for the next sync unless `keep_buffers` is false.
+        `colocation[i][r]` (tensor transport): the actor rank on the GPU of `engine_urls[i]`'s TP rank r; given, every
+        rank takes part in every bucket and makes the payloads of the engine ranks beside it (transports/tensor.py)."""
         if self.executor is None:
             raise RuntimeError("weight sync has no plan yet: call sync_plan first")
         device = torch.device("cuda", torch.cuda.current_device()) if self.actor.runtime == "cuda" else "cpu"
@@ -137,7 +140,7 @@ class SyncSender:
         elif transport == "tensor":
             sink = TensorTransport(
                 engine_urls, api_key=api_key, weight_version=str(version), ranks_per_engine=ranks_per_engine,
-                timeout_s=timeout_s, device=device,
+                timeout_s=timeout_s, device=device, colocation=colocation, rank=self.actor.rank,
             )  # fmt: skip
         elif transport == "disk":
             if disk_dir is None:

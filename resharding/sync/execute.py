@@ -52,6 +52,8 @@ class Transport(Protocol):
     (e.g. "cpu", "cpu-shared", "cuda:0"): buffers are reused while it stays the same."""
 
     memory: str
+    # Optional `every_rank` (read with getattr): True when `send` is collective over the actor's ranks, called on
+    # every rank for every bucket of the plan in one global order, with None as the buffer where it does not lead.
 
     def allocate(self, nbytes: int) -> torch.Tensor: ...
 
@@ -151,6 +153,12 @@ class SyncExecutor:
         order = sorted((b.index / counts[b.stream], b.stream, b.index) for b in plan.buckets if b.stream in mine)
         buckets = {(b.stream, b.index): b for b in plan.buckets if b.stream in mine}
         self._schedule = [(mine[stream], buckets[(stream, index)]) for _, stream, index in order]
+        # a transport whose every rank takes part in every bucket (the tensor transport with colocated engines: it
+        # broadcasts the bucket to the ranks on the engine ranks' GPUs) walks all buckets in the same global order
+        every = {s.index: s for s in plan.streams}
+        order = sorted((b.index / counts[b.stream], b.stream, b.index) for b in plan.buckets)
+        by_key = {(b.stream, b.index): b for b in plan.buckets}
+        self._every_schedule = [(every[stream], by_key[(stream, index)]) for _, stream, index in order]
         # reused buffers (see the module docstring): two bucket buffers, one gather buffer
         self._buffers: list[torch.Tensor] = []
         self._buffer_memory: str | None = None
@@ -210,7 +218,8 @@ class SyncExecutor:
         with self.alloc._lock:  # this run's peak, not the largest of every run so far
             self.alloc.peak = self.alloc.current
         start = time.perf_counter()
-        for stream, bucket in self._schedule:
+        every_rank = getattr(transport, "every_rank", False)
+        for stream, bucket in self._every_schedule if every_rank else self._schedule:
             buffer = self._bucket_buffer(bucket.nbytes, transport) if stream.leader == self.rank else None
             for chunk in self._chunks.get((stream.index, bucket.index), []):
                 t0 = time.perf_counter()
@@ -221,6 +230,10 @@ class SyncExecutor:
                     self._pack_chunk(bucket, chunk, gathered, buffer)
                     stats.pack_s += time.perf_counter() - t0
             if buffer is None:
+                if every_rank:  # its part of the bucket's collective send (not counted: the leader sends it)
+                    t0 = time.perf_counter()
+                    transport.send(stream, bucket, None)
+                    stats.wait_s += time.perf_counter() - t0
                 continue
             t0 = time.perf_counter()
             self._pack_local(bucket, buffer)

@@ -7,8 +7,11 @@ element r of `serialized_named_tensors` with its `MultiprocessingSerializer` (af
 Metadata records are `types.SimpleNamespace`, which SGLang's SafeUnpickler admits and its loader reads by attribute.
 
 CPU: the buffer is allocated in shared memory (torch's `file_system` strategy: the default `file_descriptor` one
-cannot cross between unrelated processes), so the engine maps the same pages and nothing is copied on the way; every
-rank may open the same payload (each attach counts itself in the segment's reference count).
+cannot cross between unrelated processes), so the engine maps the same pages and nothing is copied on the way. Each
+pickle of a segment hands over one reference (torch's `reduce_storage` increments the segment's count, and the
+`rebuild_storage_filename` that opens it decrements once), so every opener gets a pickle of its own: one payload
+opened by two engine ranks let the segment's count reach 0 while the sender still held it, and the next bucket packed
+into that buffer failed to open ("unable to open shared memory object"). Pickles are cheap (the metadata and a name).
 
 GPU (CUDA IPC), as SGLang 0.5.23 expects it:
 - one payload per engine rank, each its own copy of the bucket on the GPU that rank can see (`rank_devices`, the GPU
@@ -23,6 +26,16 @@ GPU (CUDA IPC), as SGLang 0.5.23 expects it:
   and drops it after the POST: torch keeps a shared block out of reuse until every receiver has released it, and a
   receiver synchronises its stream before releasing (torch's CUDA IPC reference counting). Cost: one device copy per
   engine rank and bucket, and up to that many bucket copies in flight per GPU.
+
+Colocated engines spanning GPUs (`colocation` given: engine i's TP rank r shares a GPU with actor rank
+`colocation[i][r]`, from the placement's bundle order), slime's design: rank r's payload must be made on r's own GPU,
+and only the actor rank on that GPU can make it. So every actor rank takes part in every bucket (the executor calls
+`send` on all of them in one global order; `every_rank`): the stream leader broadcasts the packed bucket over the
+actor's process group (NCCL between distinct GPUs, gloo on CPU), each mapped rank shares its own copy (CUDA IPC with
+the UUID; shared memory on CPU), `gather_object` brings the payloads to the leader, which posts each engine one
+`/update_weights_from_tensor` whose element r came from the rank on r's GPU, and broadcasts the outcome: every rank
+raises if an engine refused, and drops its copy only after every engine answered. That last collective makes a
+bucket synchronous (the next bucket is packed after this one's POSTs, not during them).
 
 Segments are reused on CPU: the executor (resharding/sync/execute.py) packs every bucket of every sync into one of
 two buffers this transport allocated once. That is safe because (1) an engine answers the POST only after it has
@@ -40,9 +53,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mcore_rl.resharding.sync.plan import Bucket, Stream
-from mcore_rl.resharding.sync.transports.base import BackgroundSender, http_post
+from mcore_rl.resharding.sync.transports.base import BackgroundSender, TransportError, http_post
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -142,7 +156,12 @@ class TensorTransport:
         timeout_s: float = 300.0,
         device: torch.device | str = "cpu",
         rank_devices: list[torch.device | str] | None = None,
+        colocation: list[list[int]] | None = None,
+        rank: int = 0,
+        group: Any = None,
     ) -> None:
+        """`colocation[i][r]`: the actor rank on the GPU of engine `engine_urls[i]`'s TP rank r (see the module
+        docstring); `rank` is this actor rank, `group` the actor's process group (None: the default one)."""
         self.engine_urls = list(engine_urls)
         self.api_key = api_key
         self.weight_version = weight_version
@@ -157,6 +176,24 @@ class TensorTransport:
         #: where allocate puts buffers: the executor reuses them while this stays the same, so one pair of shared
         #: segments serves every bucket of every sync (a fresh segment per bucket faulted in 64 MB of pages each time)
         self.memory = "cpu-shared" if self.device.type == "cpu" else str(self.device)
+        self.colocation = [list(ranks) for ranks in colocation] if colocation is not None else None
+        if self.colocation is not None:
+            if len(self.colocation) != len(self.engine_urls):
+                raise ValueError(f"colocation names {len(self.colocation)} engines for {len(self.engine_urls)} URLs")
+            for url, ranks in zip(self.engine_urls, self.colocation):
+                if len(ranks) != ranks_per_engine:
+                    raise ValueError(f"colocation of {url} names {len(ranks)} actor ranks for {ranks_per_engine}")
+            world = dist.get_world_size(group) if dist.is_initialized() else 1
+            outside = sorted({a for ranks in self.colocation for a in ranks if not 0 <= a < world})
+            if outside:
+                raise ValueError(f"colocation names actor ranks {outside}, outside the actor's {world} ranks")
+        #: the executor calls `send` on every actor rank for every bucket (None buffer where it does not lead)
+        self.every_rank = self.colocation is not None
+        self.rank, self.group = rank, group
+        self._slots = [
+            (i, r) for i, ranks in enumerate(self.colocation or []) for r, a in enumerate(ranks) if a == rank
+        ]  # fmt: skip
+        self._receive: torch.Tensor | None = None  # CPU: the shared segment broadcasts land in (synchronous: reused)
         self._http = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)), thread_name_prefix="sync-http")
         self._sender = BackgroundSender(self._send)
 
@@ -164,28 +201,94 @@ class TensorTransport:
         buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return buffer.share_memory_() if self.device.type == "cpu" else buffer
 
-    def send(self, stream: Stream, bucket: Bucket, buffer: torch.Tensor) -> None:
+    def send(self, stream: Stream, bucket: Bucket, buffer: torch.Tensor | None) -> None:
+        if self.colocation is not None:
+            self._send_colocated(stream, bucket, buffer)
+            return
         self._sender.submit((stream, bucket, buffer))
 
-    def _send(self, item: tuple[Stream, Bucket, torch.Tensor]) -> None:
-        stream, bucket, buffer = item
+    def _send_colocated(self, stream: Stream, bucket: Bucket, buffer: torch.Tensor | None) -> None:
+        """One bucket, collective over the actor's group (module docstring): broadcast, share, gather, post."""
+        leader = stream.leader == self.rank
+        if leader:
+            if buffer is None:
+                raise ValueError(f"stream {stream.name}'s leader (rank {self.rank}) sends without a bucket buffer")
+            data = buffer
+        elif self.device.type == "cpu":
+            if self._receive is None or self._receive.numel() < bucket.nbytes:
+                self._receive = torch.empty(bucket.nbytes, dtype=torch.uint8).share_memory_()
+            data = self._receive[: bucket.nbytes]
+        else:  # fresh per bucket: it is what the engine ranks open (see the module docstring on reuse)
+            data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+        dist.broadcast(data, src=stream.leader, group=self.group)
         metadata = [_record(e.name, e.shape, getattr(torch, e.dtype), e.offset, e.nbytes) for e in bucket.entries]
-        if buffer.device.type == "cpu":
-            payloads = [encode({"flattened_tensor": buffer, "metadata": metadata})] * self.ranks_per_engine
-        else:  # one fresh copy per engine rank, never the executor's reused buffer (see the module docstring)
-            payloads = [
-                encode_cuda({"flattened_tensor": buffer.to(device, copy=True), "metadata": metadata})
-                for device in self.rank_devices
-            ]
-        body = {
+        mine: dict[tuple[int, int], SharedPayload] = {}
+        if self._slots and self.device.type == "cpu":  # one pickle per opener (module docstring)
+            mine = {slot: encode({"flattened_tensor": data, "metadata": metadata}) for slot in self._slots}
+        elif self._slots:  # one copy per engine rank: a CUDA IPC share is counted once (module docstring)
+            copies = [data.clone() if leader or i else data for i in range(len(self._slots))]
+            mine = {
+                slot: encode_cuda({"flattened_tensor": c, "metadata": metadata}) for slot, c in zip(self._slots, copies)
+            }
+        # plain str over the wire (the payloads stay alive in `mine` on this rank until the outcome is known)
+        sent = {slot: str(p) for slot, p in mine.items()}
+        everyone: list[Any] | None = [None] * dist.get_world_size(self.group) if leader else None
+        dist.gather_object(sent, everyone, dst=stream.leader, group=self.group)
+        outcome: list[Any] = [None]
+        if leader:
+            try:
+                self._post_colocated(stream, bucket, everyone or [])
+            except Exception as err:  # noqa: BLE001 (every rank raises it below)
+                outcome = [f"{type(err).__name__}: {err}"]
+        dist.broadcast_object_list(outcome, src=stream.leader, group=self.group)
+        del mine, data
+        if outcome[0] is not None:
+            raise TransportError(f"bucket {bucket.index} of stream {stream.name}: {outcome[0]}")
+
+    def _post_colocated(self, stream: Stream, bucket: Bucket, gathered: list[dict[tuple[int, int], str]]) -> None:
+        by_slot = {slot: payload for part in gathered for slot, payload in (part or {}).items()}
+        bodies = []
+        for i, url in enumerate(self.engine_urls):
+            missing = [r for r in range(self.ranks_per_engine) if (i, r) not in by_slot]
+            if missing:
+                raise TransportError(
+                    f"no payload for engine {url} TP rank(s) {missing} (colocation {self.colocation[i]})"
+                )
+            payloads = [by_slot[(i, r)] for r in range(self.ranks_per_engine)]
+            bodies.append((url, self._body(payloads)))
+        calls = [
+            self._http.submit(http_post, url + "/update_weights_from_tensor", body, self.api_key, self.timeout_s)
+            for url, body in bodies
+        ]
+        for call in calls:
+            call.result()
+
+    def _body(self, payloads: list[str]) -> dict[str, Any]:
+        return {
             "serialized_named_tensors": payloads,
             "load_format": "flattened_bucket",
             "flush_cache": False,
             "weight_version": self.weight_version,
         }
+
+    def _send(self, item: tuple[Stream, Bucket, torch.Tensor]) -> None:
+        stream, bucket, buffer = item
+        metadata = [_record(e.name, e.shape, getattr(torch, e.dtype), e.offset, e.nbytes) for e in bucket.entries]
+        if buffer.device.type == "cpu":
+            sources = [buffer] * self.ranks_per_engine
+            share = encode
+        else:  # one fresh copy per engine rank, never the executor's reused buffer (see the module docstring)
+            sources = [buffer.to(device, copy=True) for device in self.rank_devices]
+            share = encode_cuda
+        # one pickle per opener: each share hands over one reference (module docstring), so every engine's rank
+        # gets its own payload even where they all map the same memory
+        bodies = [
+            self._body([share({"flattened_tensor": source, "metadata": metadata}) for source in sources])
+            for _ in self.engine_urls
+        ]
         calls = [
             self._http.submit(http_post, url + "/update_weights_from_tensor", body, self.api_key, self.timeout_s)
-            for url in self.engine_urls
+            for url, body in zip(self.engine_urls, bodies)
         ]
         for call in calls:
             call.result()

@@ -1,0 +1,244 @@
+"""Colocated engines spanning GPUs: each engine TP rank's `/update_weights_from_tensor` payload is made by the actor
+rank that shares its GPU (the placement's colocation map), not by the stream leader.
+
+A CUDA IPC handle opens only in a process that sees its GPU (SGLang: "Invalid device_uuid"), so engine TP rank r
+must get a payload made on r's GPU, and only the actor rank colocated with r holds memory there. With a colocation
+map the tensor transport broadcasts each packed bucket to the actor ranks, each shares its own copy, the payloads
+are gathered to the leader and posted as one body per engine, element r from `colocation[i][r]`.
+
+On CPU (slow: real Megatron ranks on gloo) the receivers are SGLang's own code (tests/_sglang_receiver.py), one
+process per engine TP rank, rank 0 handing each update to rank 1 as SGLang's tokenizer manager does; every byte is
+checked on every receiver rank, and so is who made each payload: torch names a shared-memory segment after the pid
+that allocated it (`/torch_<pid>_...`), and the receiver records the pids of every payload it opened. The `gpu` test
+runs the same push on two GPUs into receivers that each see only their own GPU (CUDA_VISIBLE_DEVICES).
+
+Run: `.venv/bin/pytest tests/test_colocated_payloads.py` (after `make setup`, which extracts SGLang's code).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import torch.distributed as dist
+from _sglang_code import sglang_receiver_process
+from safetensors.torch import load_file
+from tiny_models import tiny_qwen3_moe
+
+from mcore_rl.parallel.harness import run_on_ranks
+from mcore_rl.resharding.sync.transports.tensor import TensorTransport
+
+MOE = tiny_qwen3_moe(vocab_size=70, initializer_range=0.5, max_position_embeddings=64, num_hidden_layers=3)
+TIMEOUT_S = 60
+
+
+def _sync_rank(rank: int, world: int, urls: list[str], layout: dict, colocation: list[list[int]], cuda: bool):
+    """One tensor-transport sync with `colocation`; rank 0 returns the HF export of all ranks and every rank's pid."""
+    from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
+    from mcore_rl.resharding.weight_map import export_hf_weights
+
+    if cuda:
+        torch.cuda.set_device(rank)
+    actor = MegatronActor(
+        rank, world, ModelConfig(hf_config=MOE), ActorConfig(world_size=world, layout=LayoutConfig(**layout))
+    )
+    actor.initialize(("127.0.0.1", 0))
+    actor.sync_plan(dict(num_engines=len(urls), tp=len(colocation[0])), 1 << 14, "full")
+    stats = actor.sync_send(3, "tensor", urls, None, None, len(colocation[0]), TIMEOUT_S, True, colocation)
+    reference = {
+        n: t.detach().cpu().clone()
+        for n, t in export_hf_weights(actor.chunks, actor.contexts, actor.weight_map, actor.pg.tp, actor.pg.expt_tp)
+    }
+    parts: list = [None] * world
+    dist.all_gather_object(parts, (reference, os.getpid(), stats["buckets"]))
+    if rank != 0:
+        return None
+    return {k: v for p in parts for k, v in p[0].items()}, [p[1] for p in parts], sum(p[2] for p in parts)
+
+
+@contextlib.contextmanager
+def _engines(count: int, tp: int, cuda_devices: list[str] | None = None):
+    """`count` engines of `tp` ranks receiving with SGLang's code; yields [[rank URL per TP rank] per engine]."""
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for e in range(count):
+            envs = [{"CUDA_VISIBLE_DEVICES": cuda_devices[e * tp + r]} if cuda_devices else None for r in range(tp)]
+            others = [stack.enter_context(sglang_receiver_process(r, env=envs[r])) for r in range(1, tp)]
+            first = stack.enter_context(sglang_receiver_process(0, peers=others, env=envs[0]))
+            engines.append([first, *others])
+        yield engines
+
+
+def _check(engines: list[list[str]], colocation, reference, pids, tmp_path: Path, cpu: bool) -> None:
+    for e, ranks in enumerate(engines):
+        for r, url in enumerate(ranks):
+            path = tmp_path / f"received-{e}-{r}.safetensors"
+            answer = requests.post(url + "/dump_received", json={"path": str(path)}, timeout=120).json()
+            got = load_file(path)
+            assert answer["arrivals"] == {name: 1 for name in reference}, f"engine {e} rank {r}"
+            for name, tensor in reference.items():
+                mine = got[name]
+                assert mine.dtype == tensor.dtype and mine.shape == tensor.shape, (e, r, name)
+                assert torch.equal(mine.view(torch.uint8), tensor.contiguous().view(torch.uint8)), (e, r, name)
+            if cpu:  # every payload this rank opened was allocated by the actor rank on its GPU, and by no other
+                owners = answer["owners"]
+                assert owners and all(o == [pids[colocation[e][r]]] for o in owners), (e, r, owners, pids)
+
+
+CASES = [("ep2", dict(ep=2)), ("tp2", dict(tp=2, sequence_parallel=True))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, layout", CASES, ids=[c[0] for c in CASES])
+def test_each_engine_rank_opens_the_payload_of_its_colocated_actor_rank(tmp_path, name, layout) -> None:
+    """Two engines of TP2 on two actor ranks, mapped crosswise (engine 0: ranks 1, 0; engine 1: ranks 0, 1): every
+    receiver rank gets every byte once, from a segment the mapped actor rank allocated (both ranks lead streams
+    with EP2, so the leader's own rank is not always the mapped one)."""
+    colocation = [[1, 0], [0, 1]]
+    with _engines(2, 2) as engines:
+        urls = [ranks[0] for ranks in engines]
+        reference, pids, buckets = run_on_ranks(_sync_rank, 2, (urls, layout, colocation, False))[0]
+        assert buckets > 1
+        _check(engines, colocation, reference, pids, tmp_path, cpu=True)
+
+
+def test_colocation_must_name_every_engine_rank_inside_the_actor() -> None:
+    """A map that does not match the engines is refused before anything moves, naming what is wrong."""
+    with pytest.raises(ValueError, match="colocation names 1 engines for 2 URLs"):
+        TensorTransport(["a", "b"], api_key=None, weight_version="1", ranks_per_engine=2, colocation=[[0, 1]])
+    with pytest.raises(ValueError, match="colocation of a names 1 actor ranks for 2"):
+        TensorTransport(["a"], api_key=None, weight_version="1", ranks_per_engine=2, colocation=[[0]])
+    with pytest.raises(ValueError, match=r"actor ranks \[1\], outside the actor's 1 ranks"):
+        TensorTransport(["a"], api_key=None, weight_version="1", ranks_per_engine=2, colocation=[[0, 1]])
+
+
+def test_without_a_map_the_transport_stays_leader_only() -> None:
+    """No colocation map (CPU single node, split placement): the leader sends alone, as before."""
+    transport = TensorTransport(["a"], api_key=None, weight_version="1", ranks_per_engine=2)
+    try:
+        assert not transport.every_rank
+    finally:
+        transport.close()
+
+
+SHAPES = [((16, 8), "float32"), ((3, 7), "int32"), ((5,), "bfloat16")]
+
+
+def _bucket(k: int) -> tuple[types.SimpleNamespace, dict[str, torch.Tensor]]:
+    """Bucket k as the transport reads it (index, nbytes, entries) and the tensors it carries, distinct per k."""
+    entries, tensors, offset = [], {}, 0
+    for i, (shape, dtype) in enumerate(SHAPES):
+        numel = torch.Size(shape).numel()
+        tensor = (torch.arange(numel) * (k + 1) + 1000 * k + i).to(getattr(torch, dtype)).reshape(shape)
+        name, nbytes = f"bucket{k}.tensor{i}", tensor.numel() * tensor.element_size()
+        entries.append(types.SimpleNamespace(name=name, shape=shape, dtype=dtype, offset=offset, nbytes=nbytes))
+        tensors[name] = tensor
+        offset += nbytes
+    return types.SimpleNamespace(index=k, nbytes=offset, entries=tuple(entries)), tensors
+
+
+def _transport_rank(rank: int, world: int, port: int, urls: list[str], colocation: list[list[int]], cuda: bool, out):  # noqa: ANN001
+    """Actor rank `rank` (cuda:rank on NCCL, or CPU on gloo): four buckets, rank 0 leading, through the colocated
+    tensor transport; puts (rank, what was sent, pid) on `out`."""
+    if cuda:
+        torch.cuda.set_device(rank)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    transport = TensorTransport(
+        urls, api_key=None, weight_version="1", ranks_per_engine=len(colocation[0]), timeout_s=TIMEOUT_S,
+        device=f"cuda:{rank}" if cuda else "cpu", colocation=colocation, rank=rank,
+    )  # fmt: skip
+    stream = types.SimpleNamespace(name="pp0-dense", index=0, leader=0)
+    sent: dict[str, torch.Tensor] = {}
+    try:
+        buffer = transport.allocate(_bucket(0)[0].nbytes) if rank == 0 else None
+        for k in range(4):  # one buffer repacked for every bucket: each engine rank must read its own copy
+            bucket, tensors = _bucket(k)
+            if buffer is not None:
+                for e in bucket.entries:
+                    buffer[e.offset : e.offset + e.nbytes].copy_(tensors[e.name].reshape(-1).view(torch.uint8))
+            transport.send(stream, bucket, None if buffer is None else buffer[: bucket.nbytes])
+            sent.update(tensors)
+        transport.wait()
+        out.put((rank, sent, os.getpid()))
+    except BaseException:
+        import traceback
+
+        out.put((rank, traceback.format_exc(), os.getpid()))  # the test fails at once with the rank's error
+        raise
+    finally:
+        transport.close()
+        dist.destroy_process_group()
+
+
+def _run_transport_ranks(urls: list[str], colocation: list[list[int]], cuda: bool) -> tuple[dict, list[int]]:
+    import multiprocessing
+
+    from mcore_rl.parallel.groups import free_port
+
+    context, port = multiprocessing.get_context("spawn"), free_port()
+    out = context.Queue()
+    ranks = [context.Process(target=_transport_rank, args=(r, 2, port, urls, colocation, cuda, out)) for r in range(2)]
+    for proc in ranks:
+        proc.start()
+    try:
+        results = sorted(out.get(timeout=TIMEOUT_S * 2) for _ in ranks)
+    finally:
+        for proc in ranks:
+            proc.join(TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+    failed = [text for _, text, _ in results if isinstance(text, str)]
+    assert not failed, failed[0]
+    return results[0][1], [r[2] for r in results]
+
+
+@pytest.mark.slow
+def test_transport_alone_two_gloo_ranks_one_leader(tmp_path) -> None:
+    """The transport without Megatron: rank 0 leads every bucket, rank 1 makes engine 0's rank 0 payload and engine
+    1's rank 1 payload; each receiver rank gets every byte from the mapped rank's segment."""
+    colocation = [[1, 0], [0, 1]]
+    with _engines(2, 2) as engines:
+        sent, pids = _run_transport_ranks([ranks[0] for ranks in engines], colocation, cuda=False)
+        _check(engines, colocation, sent, pids, tmp_path, cpu=True)
+
+
+def test_leader_only_payloads_one_segment_for_two_engines_through_reused_buffers(tmp_path) -> None:
+    """No map: the leader's shared segment goes to two engines, bucket k packed into bucket k - 2's buffer. One pickle
+    opened by both engines consumed the sender's own reference and the segment was gone by the third bucket."""
+    with _engines(2, 1) as engines:
+        urls = [ranks[0] for ranks in engines]
+        transport = TensorTransport(urls, api_key=None, weight_version="1", timeout_s=TIMEOUT_S)
+        stream, sent = types.SimpleNamespace(name="pp0-dense", index=0, leader=0), {}
+        try:
+            buffers = [transport.allocate(_bucket(0)[0].nbytes) for _ in range(2)]
+            for k in range(4):
+                bucket, tensors = _bucket(k)
+                buffer = buffers[k % 2][: bucket.nbytes]
+                for e in bucket.entries:
+                    buffer[e.offset : e.offset + e.nbytes].copy_(tensors[e.name].reshape(-1).view(torch.uint8))
+                transport.send(stream, bucket, buffer)
+                sent.update(tensors)
+            transport.wait()
+        finally:
+            transport.close()
+        _check(engines, [[0], [0]], sent, [os.getpid()], tmp_path, cpu=True)
+
+
+@pytest.mark.gpu
+def test_cuda_payloads_open_on_engine_ranks_that_see_only_their_own_gpu(tmp_path) -> None:
+    """Two GPUs, one engine of TP2: engine rank r sees only GPU r (CUDA_VISIBLE_DEVICES=r); actor rank r is on cuda:r
+    (NCCL) and leader 0 packs every bucket. A payload made on the other GPU would not open there (SGLang: Invalid
+    device_uuid), so every byte arriving on both engine ranks shows each opened its colocated rank's copy."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    colocation = [[0, 1]]
+    with _engines(1, 2, cuda_devices=["0", "1"]) as engines:
+        sent, _ = _run_transport_ranks([engines[0][0]], colocation, cuda=True)
+        _check(engines, colocation, sent, None, tmp_path, cpu=False)
