@@ -124,38 +124,22 @@ class CheckReport:
     run_dir: str = "runs/latest"
 
 
-def split_config_name(overrides: list[str]) -> tuple[str, list[str]]:
-    """Pull Hydra's `--config-name X` / `--config-name=X` / `-cn X` out of the overrides (default: "default")."""
-    name, rest, i = "default", [], 0
-    while i < len(overrides):
-        arg = overrides[i]
-        if arg in ("--config-name", "-cn") and i + 1 < len(overrides):
-            name, i = overrides[i + 1], i + 2
-            continue
-        if arg.startswith("--config-name="):
-            name = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-        i += 1
-    return name, rest
-
-
 def compose_config(overrides: list[str]) -> Any:
-    """Compose and validate the run's config exactly as `python -m mcore_rl.train <overrides>` would."""
-    from hydra import compose, initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
+    """The run's validated config, composed by the function `python -m mcore_rl.train <overrides>` composes it with
+    (mcore_rl/config/verl_cli.py: compose_command): verl's keys translated over verl's defaults (each translated key
+    printed, as train prints it), ours over configs/<recipe>, or over the schema's defaults when the command names
+    model.path without a recipe. Every problem of the command in one SubmitError (exit 2)."""
+    from mcore_rl.config.verl_cli import SCHEMA_BASE_NOTE, compose_command, resolve
 
-    from mcore_rl.config import register_schema, to_config
-
-    register_schema()
-    name, rest = split_config_name(overrides)
-    GlobalHydra.instance().clear()
+    t = resolve(overrides)
+    for line in t.lines:
+        print(f"verl: {line}")
+    if not t.verl and len(t.hydra_args) > len(overrides):
+        print(SCHEMA_BASE_NOTE)
     try:
-        with initialize_config_module("mcore_rl.configs", version_base=None):
-            dcfg = compose(config_name=name, overrides=rest)
-        return to_config(dcfg)
-    except Exception as err:  # Hydra's override/composition errors and ConfigError/LayoutError: all bad input
-        raise SubmitError(f"config error: {err}") from None
+        return compose_command(overrides, t)
+    except ValueError as err:  # ConfigError (every problem, one per line) and models' LayoutError
+        raise SubmitError("config error: " + str(err).replace("\n", "\nconfig error: ")) from None
 
 
 def _hf_dict(cfg: Any) -> dict[str, Any]:
@@ -212,6 +196,13 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
     except PlacementError as err:
         raise SubmitError(str(err)) from None
     report.lines.append(f"placement: {count.describe()} ({nodes} nodes x {gpus_per_node} GPUs)")
+    from mcore_rl.actor.runtime import layout_problem
+
+    for name, group in [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.critic.enable else []):
+        # what pre-flight refuses on the GPU node (with Transformer Engine there): a layout the workers cannot run
+        problem = layout_problem(name, group.layout.cp, "cuda", te=True)
+        if problem:
+            raise SubmitError(problem)
     problems, note = gpu_extra_problems()  # the GPU packages, where this machine has them
     if problems:
         raise SubmitError("the GPU extra is not the tested set: " + "; ".join(problems))
@@ -240,7 +231,7 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
     # while the engines generate, which the estimate alone does not model
     est = _estimate(cfg, cfg.actor, hf, None if colocated else engine, use_ref=cfg.actor.use_ref)
     report.lines.append(
-        f"memory per GPU (estimate; micro_batch={cfg.actor.micro_batch_size}, seq={cfg.model.max_sequence_length}, "
+        f"memory per GPU (estimate; micro_batch={_micro_batch(cfg, cfg.actor)}, seq={cfg.model.max_sequence_length}, "
         f"recompute={cfg.actor.recompute.granularity or 'off'}):"
     )
     report.lines.append(est.describe())
@@ -280,6 +271,15 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
     return report
 
 
+def _micro_batch(cfg: Any, group: Any) -> int:
+    """Samples of full length in one micro-batch of a worker group: micro_batch_size, or fewer where a token budget
+    (max_tokens_per_microbatch, verl's use_dynamic_bsz + ppo_max_token_len_per_gpu) caps it (one sample at least)."""
+    budget = getattr(group, "max_tokens_per_microbatch", None)
+    if not budget:
+        return group.micro_batch_size
+    return max(1, min(group.micro_batch_size, budget // cfg.model.max_sequence_length))
+
+
 def _estimate(cfg: Any, group: Any, hf: dict[str, Any], engine: Any, use_ref: bool) -> Any:
     """models/estimate.py's per-GPU figures of one worker group (the actor, or the critic) at its own layout."""
     from mcore_rl.actor.optimizer import optimizer_plan
@@ -298,7 +298,7 @@ def _estimate(cfg: Any, group: Any, hf: dict[str, Any], engine: Any, use_ref: bo
         vpp=lay.vpp,
         first_stage_layers=lay.first_stage_layers,
         last_stage_layers=lay.last_stage_layers,
-        micro_batch=group.micro_batch_size,
+        micro_batch=_micro_batch(cfg, group),
         seq_len=cfg.model.max_sequence_length,
         plan=optimizer_plan(group.optim, cfg.model.dtype, cfg.trainer.runtime),
         recompute=recompute,

@@ -263,50 +263,34 @@ def start(cfg: RLConfig) -> None:
 PRINT_CONFIG = False  #: --print-config: print the validated config in our keys and stop
 
 
-#: Hydra settings of configs/default.yaml, for a command composed over the schema alone
-_HYDRA_SETTINGS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra.job.chdir=false", "hydra/job_logging=stdout"]
-
-
-def _base_of(args: list[str]) -> list[str]:
-    """A command that names its model (model.path) without a recipe is composed over the schema's defaults: the tiny
-    CPU job of configs/default.yaml (its model, EP 2, lr 2e-3, micro-batch 32) does not leak into it."""
-    recipe = any(a in ("--config-name", "-cn") or a.startswith(("--config-name=", "-cn=")) for a in args)
-    if recipe or not any(a.startswith("model.path=") for a in args):
-        return []
-    print("model.path names the model: composed over mcore_rl/config/'s defaults, not configs/default.yaml's tiny job")
-    return ["--config-name=rl_schema", *_HYDRA_SETTINGS]
-
-
 def command_line(argv: list[str]) -> None:
     """`python -m mcore_rl.train [--print-config] overrides...`: our keys go to Hydra over configs/default.yaml; a
     command with verl's keys is translated (mcore_rl/config/verl.py) over verl's defaults instead. Every unknown or
     refused key of the command is reported at once (exit 2)."""
     global PRINT_CONFIG
-    from mcore_rl.config.verl_cli import compose, translate
+    from mcore_rl.config.verl_cli import SCHEMA_BASE_NOTE, compose_command, resolve
     from mcore_rl.lifecycle import cli
 
     PRINT_CONFIG = "--print-config" in argv
     args = [a for a in argv if a != "--print-config"]
-    t = translate(args)
+    t = resolve(args)  # the decision launch/submit.py --dry-run makes too
     for line in t.lines:
         print(f"verl: {line}")
-    cfg = compose(t) if t.verl and not t.errors else None
-    if t.errors:
-        for error in t.errors:
-            print(f"config error: {error}", file=sys.stderr)
-        sys.exit(2)
-    if not t.verl:
-        sys.argv = [sys.argv[0], *_base_of(args), *args]
+    if not t.verl and not t.errors:
+        if len(t.hydra_args) > len(args):  # base_of put the schema's defaults under it
+            print(SCHEMA_BASE_NOTE)
+        sys.argv = [sys.argv[0], *t.hydra_args]
         cli(main)
         return
+    try:
+        cfg = compose_command(args, t)
+    except ValueError as err:  # ConfigError, and models' LayoutError from to_config
+        for error in str(err).splitlines():
+            print(f"config error: {error}", file=sys.stderr)
+        sys.exit(2)
     import logging
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)  # Hydra's job_logging=stdout
-    try:
-        cfg = to_config(cfg)
-    except ValueError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        sys.exit(2)
     start(cfg)
 
 

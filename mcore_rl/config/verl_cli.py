@@ -2,6 +2,8 @@
 
     translate(argv)   -> Translation: our settings (key -> value), one line per verl key, every error
     compose(t)        -> the DictConfig of the run (schema <- verl's defaults <- the command), to_config's input
+    resolve(argv)     -> translate, plus the Hydra arguments of a command of ours (base_of: which base it composes over)
+    compose_command(argv) -> the validated RLConfig the command runs (train and launch/submit.py --dry-run share it)
 
 A command is a verl command when it names a key that only verl has (or verl's --config-name); then verl's defaults
 apply under what it sets and the tiny CPU job of configs/default.yaml is not read at all. Otherwise the command is
@@ -199,6 +201,16 @@ def translate(args: list[str]) -> Translation:
     t.errors.extend(problems)
     for key, value in derived.items():
         t.settings.setdefault(key, value)  # a key of ours in the command wins over what verl's keys derive
+    placement = t.settings.get("trainer.placement", V.VERL_DEFAULTS["trainer.placement"][0])
+    runtime = t.settings.get("trainer.runtime", V.VERL_DEFAULTS["trainer.runtime"][0])
+    if placement == "colocated" and runtime == "cuda" and "sync.transport" not in t.settings:
+        # the schema's default (distributed: NCCL broadcast) cannot serve verl's hybrid engine: NCCL refuses an actor
+        # rank and an engine rank of one group on one GPU, so every colocated verl run would be refused
+        t.settings["sync.transport"] = "tensor"
+        t.lines.append(
+            "sync.transport=tensor: verl's hybrid engine (colocated) shares each GPU between an actor rank and an "
+            "engine rank; the weights go by CUDA IPC"
+        )
     return t
 
 
@@ -225,16 +237,88 @@ def expand(path: str) -> str:
     return os.path.expanduser(os.path.expandvars(path))
 
 
-def config_of_verl_command(args: list[str]) -> Any:
-    """The validated RLConfig of a verl command line (what `python -m mcore_rl.train <args>` runs), or None when the
-    command is ours (then Hydra composes it over configs/). Every problem of the command raises one ConfigError
-    holding all of them, one per line. For callers that check a command without running it (launch/submit.py)."""
-    from mcore_rl.config import ConfigError, to_config
+#: Hydra settings of configs/default.yaml, for a command composed over the schema alone (rl_schema has none)
+HYDRA_SETTINGS = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra.job.chdir=false", "hydra/job_logging=stdout"]
 
+#: printed when a command of ours is composed over the schema's defaults
+SCHEMA_BASE_NOTE = (
+    "model.path names the model: composed over mcore_rl/config/'s defaults, not configs/default.yaml's tiny job"
+)
+
+
+def base_of(args: list[str]) -> list[str]:
+    """Hydra arguments put before a command of ours: a command that names its model (model.path) without a recipe is
+    composed over the schema's defaults, so the tiny CPU job of configs/default.yaml (its model, EP 2, lr 2e-3,
+    micro-batch 32) does not leak into it; otherwise none (configs/default.yaml or the named recipe)."""
+    recipe = any(a in ("--config-name", "-cn") or a.startswith(("--config-name=", "-cn=")) for a in args)
+    if recipe or not any(a.startswith("model.path=") for a in args):
+        return []
+    return ["--config-name=rl_schema", *HYDRA_SETTINGS]
+
+
+def split_config_name(args: list[str]) -> tuple[str, list[str]]:
+    """Pull Hydra's `--config-name X` / `--config-name=X` / `-cn X` out of the arguments (default: "default")."""
+    name, rest, i = "default", [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg in ("--config-name", "-cn") and i + 1 < len(args):
+            name, i = args[i + 1], i + 2
+            continue
+        if arg.startswith(("--config-name=", "-cn=")):
+            name = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return name, rest
+
+
+def resolve(args: list[str]) -> Translation:
+    """What `python -m mcore_rl.train <args>` composes: the translation of a verl command, or, for a command of ours,
+    the Hydra arguments (t.hydra_args: the base of `base_of`, then the command). The one decision train and
+    launch/submit.py share."""
     t = translate(args)
-    if not t.verl and not t.errors:
-        return None
-    cfg = compose(t) if not t.errors else None
+    if not t.verl:
+        t.hydra_args = [*base_of(args), *args]
+    return t
+
+
+def compose_command(args: list[str], t: Translation | None = None) -> Any:
+    """The validated RLConfig a command line runs, composed as `python -m mcore_rl.train <args>` composes it: verl's
+    keys translated over verl's defaults; ours by Hydra over configs/<recipe>, or over the schema's defaults when the
+    command names model.path without a recipe. `t`: the command's `resolve` when the caller already has it. Every
+    problem raises one ConfigError (all of the command's, one per line). For callers that check a command without
+    running it (launch/submit.py); train runs Hydra's own main with t.hydra_args for a command of ours."""
+    from mcore_rl.config import ConfigError, register_schema, to_config
+
+    t = t if t is not None else resolve(args)
     if t.errors:
         raise ConfigError("\n".join(t.errors))
-    return to_config(cfg)
+    if t.verl:
+        cfg = compose(t)
+        if t.errors:
+            raise ConfigError("\n".join(t.errors))
+        return to_config(cfg)
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_schema()
+    name, rest = split_config_name(t.hydra_args)
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module("mcore_rl.configs", version_base=None):
+            dcfg = hydra_compose(config_name=name, overrides=rest)
+    except Exception as err:  # noqa: BLE001 - Hydra's override and composition errors have several types
+        raise ConfigError(str(err)) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return to_config(dcfg)
+
+
+def config_of_verl_command(args: list[str]) -> Any:
+    """The validated RLConfig of a verl command line, or None when the command is ours (compose_command composes
+    both). Every problem of the command raises one ConfigError holding all of them, one per line."""
+    t = resolve(args)
+    if not t.verl and not t.errors:
+        return None
+    return compose_command(args, t)
