@@ -242,3 +242,53 @@ def test_cuda_payloads_open_on_engine_ranks_that_see_only_their_own_gpu(tmp_path
     with _engines(1, 2, cuda_devices=["0", "1"]) as engines:
         sent, _ = _run_transport_ranks([engines[0][0]], colocation, cuda=True)
         _check(engines, colocation, sent, None, tmp_path, cpu=False)
+
+
+@pytest.mark.parametrize("tp, nnodes", [(2, 1), (4, 2)])
+def test_placement_map_names_the_actor_rank_on_each_engine_rank_gpu(tp, nnodes) -> None:
+    """ColocatedPlacement.engine_ranks against the placement's own options: engine TP rank r (node r // (tp/nnodes),
+    the (r mod tp/nnodes)-th GPU of that node's CUDA_VISIBLE_DEVICES) sits on the GPU of actor rank
+    engine_ranks()[e][r] (actor rank i on position i). The reserved bundles are stood in for (no Ray cluster)."""
+    from mcore_rl.config import RLConfig
+    from mcore_rl.controller.placement import ColocatedPlacement
+
+    cfg = RLConfig()
+    cfg.trainer.runtime, cfg.trainer.placement, cfg.sync.transport = "cuda", "colocated", "tensor"
+    cfg.actor.world_size, cfg.rollout.engine, cfg.rollout.num_engines = 8, "sglang", 8 // tp
+    cfg.rollout.sglang.tp, cfg.rollout.sglang.nnodes = tp, nnodes
+    placement = object.__new__(ColocatedPlacement)  # what __init__ finds on a cluster: bundles in (node, GPU) order
+    placement.cfg, placement.cuda, placement.actor_pg = cfg, True, None
+    placement.count = types.SimpleNamespace(engine_node_gpus=tp // nnodes)
+    placement.order = [5, 2, 7, 0, 1, 3, 6, 4]  # Ray's bundle indices follow no order; positions do
+    placement.where = [(f"10.0.0.{i // 4}", str(i % 4 + 10)) for i in range(8)]  # two nodes of four GPUs
+    ranks = placement.engine_ranks()
+    assert sorted(a for engine in ranks for a in engine) == list(range(8))
+    per_node = tp // nnodes
+    for e, engine in enumerate(ranks):
+        for r, actor_rank in enumerate(engine):
+            options = placement.engine_options(e, r // per_node)
+            visible = options["runtime_env"]["env_vars"]["CUDA_VISIBLE_DEVICES"].split(",")
+            node = placement.where[placement.order.index(options["scheduling_strategy"].placement_group_bundle_index)]
+            assert placement.where[actor_rank] == (node[0], visible[r % per_node]), (e, r)
+            # the actor rank's own bundle is that GPU's
+            assert (
+                placement.actor_options(actor_rank)["scheduling_strategy"].placement_group_bundle_index
+                == (placement.order[actor_rank])
+            )
+
+
+def test_weight_sync_passes_the_map_of_the_engines_it_pushes() -> None:
+    """A push to some engines (a replacement: one URL) sends the map rows of those engines, in the URLs' order; no map
+    for other transports or without one (CPU, split placement)."""
+    from mcore_rl.controller.weight_sync import WeightSync
+
+    sync = object.__new__(WeightSync)
+    engines = [types.SimpleNamespace(index=i, url=f"http://e{i}") for i in range(3)]
+    sync.pool, sync.cfg = types.SimpleNamespace(engines=engines), types.SimpleNamespace(transport="tensor")
+    sync.colocation = [[0, 1], [2, 3], [4, 5]]
+    assert sync._colocation_of(["http://e2", "http://e0"]) == [[4, 5], [0, 1]]
+    assert sync._colocation_of(["http://e1"]) == [[2, 3]]
+    sync.cfg.transport = "disk"
+    assert sync._colocation_of(["http://e1"]) is None
+    sync.cfg.transport, sync.colocation = "tensor", None
+    assert sync._colocation_of(["http://e1"]) is None

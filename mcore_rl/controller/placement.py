@@ -264,7 +264,21 @@ class ColocatedPlacement(SplitPlacement):
         moved = sum(r["bytes"] for r in actor.call("onload"))
         return {"placement/onload_gib": moved / 2**30, "placement/engines_released": float(released)}
 
+    def engine_ranks(self) -> list[list[int]]:
+        """Engine index -> the actor rank sharing the GPU of each of its TP ranks. SGLang engine e's TP rank r is on
+        bundle position e x tp + r (node k's GPUs are positions (e x nnodes + k) x tp / nnodes on, in the order of
+        its CUDA_VISIBLE_DEVICES, and SGLang numbers TP ranks node by node), and actor rank i on position i; any
+        other engine i is one rank on position i % world."""
+        rollout, world = self.cfg.rollout, self.cfg.actor.world_size
+        if rollout.engine != "sglang":
+            return [[i % world] for i in range(rollout.num_engines)]
+        tp = rollout.sglang.tp
+        return [[e * tp + r for r in range(tp)] for e in range(rollout.num_engines)]
+
     def sync_weights(self, sync: Any, version: int) -> dict[str, float]:
+        # on CUDA an engine rank opens only payloads made on its own GPU: the tensor transport needs the map (on
+        # CPU every process maps shared memory, and the leader alone sends, as in split placement)
+        sync.colocation = self.engine_ranks() if self.cuda else None
         engines = sync.pool
         # only what an engine released is resumed (at start nothing is: SGLang's scheduler dies resuming a tag it
         # never released)

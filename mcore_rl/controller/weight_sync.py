@@ -75,6 +75,9 @@ class WeightSync:
         self.run_dir = run_dir
         self.layout = engine_layout(rollout, len(pool.urls))
         self.ranks_per_engine = self.layout.tp
+        #: engine index -> the actor rank on each of its TP ranks' GPUs (ColocatedPlacement.engine_ranks, set by the
+        #: colocated placement on CUDA): the tensor transport then has each payload made on its engine rank's GPU
+        self.colocation: list[list[int]] | None = None
         self.version: int | None = None  #: the version every engine holds
         self.actor_version: int | None = None  #: the version the actor's weights are (None: training changed them)
         self.dirty: set[str] = set()
@@ -181,7 +184,7 @@ class WeightSync:
                 )
                 self.last_stats = self.actor.call(
                     "sync_send", version, self.cfg.transport, urls, self.pool.api_key, disk_dir,
-                    self.ranks_per_engine, self.cfg.timeout_s, self.cfg.keep_buffers,
+                    self.ranks_per_engine, self.cfg.timeout_s, self.cfg.keep_buffers, self._colocation_of(urls),
                 )  # fmt: skip
                 if disk_dir is not None:
                     self.fence.update_from_disk(urls, disk_dir, version)
@@ -202,6 +205,13 @@ class WeightSync:
                 "weights v%d pushed in %.2f s", version, time.perf_counter() - start
             )
             return self.last_stats
+
+    def _colocation_of(self, urls: list[str]) -> list[list[int]] | None:
+        """The actor ranks beside each TP rank of the engines at `urls` (tensor transport with a colocation map)."""
+        if self.colocation is None or self.cfg.transport != "tensor":
+            return None
+        index = {e.url: e.index for e in self.pool.engines}
+        return [self.colocation[index[url]] for url in urls]
 
     def weights_changing(self) -> None:
         """The actor is about to update its weights: a replaced engine must now wait for the next push."""
