@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from mcore_rl import lifecycle  # imported here, not in the reward threads (a first import from two at once raced)
 from mcore_rl.reward.loader import RewardFn, RewardFunctionError, RewardResult
 
 
@@ -63,9 +64,7 @@ class RewardOutput:
 def _real_ctrl_c(exc: BaseException) -> bool:
     """A KeyboardInterrupt that a real Ctrl-C raised inside the call: re-raised as it is, so the run stops as
     interrupted (the user's, not the function's)."""
-    from mcore_rl.lifecycle import sigint_received
-
-    return isinstance(exc, KeyboardInterrupt) and sigint_received()
+    return isinstance(exc, KeyboardInterrupt) and lifecycle.sigint_received()
 
 
 def _ended(exc: SystemExit | KeyboardInterrupt, where: str) -> RewardFunctionError:
