@@ -143,13 +143,9 @@ def _bucket(k: int) -> tuple[types.SimpleNamespace, dict[str, torch.Tensor]]:
     return types.SimpleNamespace(index=k, nbytes=offset, entries=tuple(entries)), tensors
 
 
-def _transport_rank(rank: int, world: int, port: int, urls: list[str], colocation: list[list[int]], cuda: bool, out):  # noqa: ANN001
-    """Actor rank `rank` (cuda:rank on NCCL, or CPU on gloo): four buckets, rank 0 leading, through the colocated
-    tensor transport; puts (rank, what was sent, pid) on `out`."""
-    if cuda:
-        torch.cuda.set_device(rank)
-    backend = "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _push_buckets(rank: int, urls: list[str], colocation: list[list[int]], cuda: bool) -> tuple[dict, int]:
+    """Actor rank `rank` (cuda:rank, or CPU) of an initialised group: four buckets, rank 0 leading and repacking one
+    buffer, through the colocated tensor transport; what was sent, and this rank's pid."""
     transport = TensorTransport(
         urls, api_key=None, weight_version="1", ranks_per_engine=len(colocation[0]), timeout_s=TIMEOUT_S,
         device=f"cuda:{rank}" if cuda else "cpu", colocation=colocation, rank=rank,
@@ -166,37 +162,27 @@ def _transport_rank(rank: int, world: int, port: int, urls: list[str], colocatio
             transport.send(stream, bucket, None if buffer is None else buffer[: bucket.nbytes])
             sent.update(tensors)
         transport.wait()
-        out.put((rank, sent, os.getpid()))
+    finally:
+        transport.close()
+    return sent, os.getpid()
+
+
+def _cpu_rank(rank: int, world: int, urls: list[str], colocation: list[list[int]]) -> tuple[dict, int]:
+    return _push_buckets(rank, urls, colocation, cuda=False)  # the harness started gloo
+
+
+def _cuda_rank(rank: int, port: int, urls: list[str], colocation: list[list[int]], out) -> None:  # noqa: ANN001
+    """A spawned rank on cuda:rank in an NCCL group of two; puts (rank, sent or its traceback) on `out`."""
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        out.put((rank, _push_buckets(rank, urls, colocation, cuda=True)[0]))
+        dist.destroy_process_group()
     except BaseException:
         import traceback
 
-        out.put((rank, traceback.format_exc(), os.getpid()))  # the test fails at once with the rank's error
+        out.put((rank, traceback.format_exc()))  # the test fails at once with the rank's error
         raise
-    finally:
-        transport.close()
-        dist.destroy_process_group()
-
-
-def _run_transport_ranks(urls: list[str], colocation: list[list[int]], cuda: bool) -> tuple[dict, list[int]]:
-    import multiprocessing
-
-    from mcore_rl.parallel.groups import free_port
-
-    context, port = multiprocessing.get_context("spawn"), free_port()
-    out = context.Queue()
-    ranks = [context.Process(target=_transport_rank, args=(r, 2, port, urls, colocation, cuda, out)) for r in range(2)]
-    for proc in ranks:
-        proc.start()
-    try:
-        results = sorted(out.get(timeout=TIMEOUT_S * 2) for _ in ranks)
-    finally:
-        for proc in ranks:
-            proc.join(TIMEOUT_S)
-            if proc.is_alive():
-                proc.kill()
-    failed = [text for _, text, _ in results if isinstance(text, str)]
-    assert not failed, failed[0]
-    return results[0][1], [r[2] for r in results]
 
 
 @pytest.mark.slow
@@ -205,8 +191,8 @@ def test_transport_alone_two_gloo_ranks_one_leader(tmp_path) -> None:
     1's rank 1 payload; each receiver rank gets every byte from the mapped rank's segment."""
     colocation = [[1, 0], [0, 1]]
     with _engines(2, 2) as engines:
-        sent, pids = _run_transport_ranks([ranks[0] for ranks in engines], colocation, cuda=False)
-        _check(engines, colocation, sent, pids, tmp_path, cpu=True)
+        results = run_on_ranks(_cpu_rank, 2, ([ranks[0] for ranks in engines], colocation))
+        _check(engines, colocation, results[0][0], [pid for _, pid in results], tmp_path, cpu=True)
 
 
 def test_leader_only_payloads_one_segment_for_two_engines_through_reused_buffers(tmp_path) -> None:
@@ -236,12 +222,29 @@ def test_cuda_payloads_open_on_engine_ranks_that_see_only_their_own_gpu(tmp_path
     """Two GPUs, one engine of TP2: engine rank r sees only GPU r (CUDA_VISIBLE_DEVICES=r); actor rank r is on cuda:r
     (NCCL) and leader 0 packs every bucket. A payload made on the other GPU would not open there (SGLang: Invalid
     device_uuid), so every byte arriving on both engine ranks shows each opened its colocated rank's copy."""
+    import multiprocessing
+
+    from mcore_rl.parallel.groups import free_port
+
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     colocation = [[0, 1]]
     with _engines(1, 2, cuda_devices=["0", "1"]) as engines:
-        sent, _ = _run_transport_ranks([engines[0][0]], colocation, cuda=True)
-        _check(engines, colocation, sent, None, tmp_path, cpu=False)
+        context, port = multiprocessing.get_context("spawn"), free_port()
+        out = context.Queue()
+        ranks = [context.Process(target=_cuda_rank, args=(r, port, [engines[0][0]], colocation, out)) for r in (0, 1)]
+        for proc in ranks:
+            proc.start()
+        try:
+            results = dict(out.get(timeout=TIMEOUT_S * 2) for _ in ranks)
+        finally:
+            for proc in ranks:
+                proc.join(TIMEOUT_S)
+                if proc.is_alive():
+                    proc.kill()
+        failed = [text for text in results.values() if isinstance(text, str)]
+        assert not failed, failed[0]
+        _check(engines, colocation, results[0], None, tmp_path, cpu=False)
 
 
 @pytest.mark.parametrize("tp, nnodes", [(2, 1), (4, 2)])
