@@ -155,6 +155,17 @@ def test_tiny_top_p_is_greedy_and_nucleus_is_minimal() -> None:
     assert top_p_filter(probs, 0.81).nonzero()[:, 1].tolist() == [1, 2, 3]
 
 
+def test_a_temperature_below_sglangs_epsilon_is_greedy_and_infinity_is_refused() -> None:
+    """1e-40 once scaled the logits to inf and sampled from NaN (SGLang samples greedily below 1e-6)."""
+    engine = HFRolloutEngine(qwen3_moe_config())
+    greedy = engine.generate(PROMPTS, temperature=0.0, max_new_tokens=8)
+    tiny = engine.generate(PROMPTS, temperature=1e-40, max_new_tokens=8, seed=0)
+    assert [s.response_ids for s in tiny] == [s.response_ids for s in greedy]
+    assert all(lp == lp and lp <= 0 for s in tiny for lp in s.response_logprobs), "NaN logprobs"
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        engine.generate(PROMPTS, temperature=float("inf"), max_new_tokens=2)
+
+
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     with safe_open(path, framework="pt") as handle:
         return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118 (safe_open is not a dict)

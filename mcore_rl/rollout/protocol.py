@@ -21,6 +21,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from mcore_rl.rollout.sampling import GREEDY_BELOW  # SGLang's _SAMPLING_EPS (srt/sampling/sampling_params.py)
 from mcore_rl.rollout.scheduler import GenParams, Sequence
 
 
@@ -28,8 +29,6 @@ class BadRequest(ValueError):
     """A request the server answers with HTTP 400; the message names the key and what was expected."""
 
 
-#: SGLang's `_SAMPLING_EPS` (srt/sampling/sampling_params.py): a temperature below it samples greedily.
-GREEDY_BELOW = 1e-6
 #: SGLang's MAX_STOP_COUNT: stop strings per request.
 MAX_STOP_COUNT = 32
 #: SGLang's range of sampling_seed (a signed 64-bit integer).

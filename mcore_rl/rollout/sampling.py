@@ -21,6 +21,8 @@ from typing import Any, Literal
 import torch
 
 FinishReason = Literal["stop", "length", "abort"]
+#: SGLang's `_SAMPLING_EPS`: a temperature below it samples greedily
+GREEDY_BELOW = 1e-6
 
 
 @dataclass
@@ -74,15 +76,16 @@ def sample_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row of `logits` [B, V], each row with its own sampling settings and generator.
 
-    `temperature`, `top_p`, `min_p` are float [B], `top_k` int [B] (`>= V` or `<= 0` = off). A row with temperature 0
-    is greedy (argmax, logprob at temperature 1). Otherwise the token is drawn from `softmax(logits / temperature)`
-    restricted by top-k, then top-p, then min-p (relative to the most likely token), with the row's generator as its
-    only randomness: a row's draw does not depend on which other rows share the batch. Returns `(tokens [B] int64,
-    logprobs [B] float32)` with the logprob defined in the module docstring.
+    `temperature`, `top_p`, `min_p` are float [B], `top_k` int [B] (`>= V` or `<= 0` = off). A row with temperature
+    < 1e-6 is greedy (argmax, logprob at temperature 1). Otherwise the token is drawn from
+    `softmax(logits / temperature)` restricted by top-k, then top-p, then min-p (relative to the most likely token),
+    with the row's generator as its only randomness: a row's draw does not depend on which other rows share the
+    batch. Returns `(tokens [B] int64, logprobs [B] float32)` with the logprob defined in the module docstring.
     """
     logits = logits.float()
     rows, vocab = logits.shape
-    greedy = temperature <= 0.0
+    # below 1e-6 is greedy, as SGLang's _SAMPLING_EPS: logits / 1e-40 overflow to inf and the softmax to NaN
+    greedy = temperature < GREEDY_BELOW
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits)
     logprobs = torch.log_softmax(logits / scale.unsqueeze(-1), dim=-1)
     tokens = logits.argmax(dim=-1)
@@ -111,8 +114,8 @@ def sample_rows(
 
 def validate_sampling_args(temperature: float, top_p: float, max_new_tokens: int, n: int) -> None:
     """Raise ValueError naming the argument and the accepted range when a sampling argument is out of range."""
-    if not temperature >= 0.0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not 0.0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if max_new_tokens < 1:
