@@ -46,7 +46,7 @@ def test_a_truncated_shard_is_named_before_start(dcp_dir) -> None:
 
 
 def test_the_size_check_runs_no_code_from_the_index(dcp_dir, tmp_path) -> None:
-    """The index is unpickled with an exact allow-list: a gadget is neither run nor an error (the check is skipped)."""
+    """The index is unpickled with an exact allow-list: a gadget is refused, naming the file, and never run."""
     marker = tmp_path / "ran"
 
     class Gadget:
@@ -54,10 +54,11 @@ def test_the_size_check_runs_no_code_from_the_index(dcp_dir, tmp_path) -> None:
             return (os.system, (f"touch {marker}",))
 
     (dcp_dir / ".metadata").write_bytes(pickle.dumps(Gadget()))
-    store.check_shard_sizes(dcp_dir / ".metadata")
+    with pytest.raises(store.CheckpointError, match="could run code"):
+        store.check_shard_sizes(dcp_dir / ".metadata")
     assert not marker.exists()
     (dcp_dir / ".metadata").write_bytes(b"\x80\x04garbage")
-    with pytest.raises(store.CheckpointError, match="not a readable torch.distributed checkpoint index"):
+    with pytest.raises(store.CheckpointError, match="cannot be read"):
         store.check_shard_sizes(dcp_dir / ".metadata")
 
 

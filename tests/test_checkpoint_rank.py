@@ -8,11 +8,13 @@ actor would have made next (model and Adam state restored), bit for bit under th
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import tiny_qwen3_moe
+from torch.distributed.checkpoint.metadata import Metadata
 
 from mcore_rl.checkpoint import store
 from mcore_rl.parallel.harness import run_on_ranks
@@ -71,14 +73,18 @@ def test_saved_state_resumes_the_same_updates_under_any_layout(tmp_path: Path):
 
 
 # ------------------------------------------------------------------------------------------------- store
+#: a torch_dist index that places no bytes (read_meta checks every shard it names against its size)
+_EMPTY_DCP_INDEX = pickle.dumps(Metadata(state_dict_metadata={}, storage_data={}))
+
+
 def _fake_checkpoint(root: Path, step: int) -> Path:
     """A directory with every part read_meta checks (the rank files are the rank tests' business)."""
     tmp = root / f"{store.TMP_PREFIX}{store.step_name(step)}-x"
     for sub in ("model", "optimizer", "reference"):
         (tmp / sub).mkdir(parents=True)
-        (tmp / sub / ".metadata").write_bytes(b"")
+        (tmp / sub / ".metadata").write_bytes(_EMPTY_DCP_INDEX)
     (tmp / "rng").mkdir()
-    (tmp / store.LOOP_STATE).write_text("{}")
+    (tmp / store.LOOP_STATE).write_text('{"loader": {}}')
     store.write_json(tmp / store.META, {"format": store.FORMAT, "version": store.VERSION, "reference": True})
     return store.publish(tmp, root, step)
 

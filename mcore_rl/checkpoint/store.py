@@ -138,53 +138,24 @@ def read_loop_state(path: Path) -> dict[str, Any]:
     return state
 
 
-# The classes a torch.distributed.checkpoint `.metadata` pickle names (torch 2.x): data records only. Anything else
-# is not unpickled here (the size check is skipped; Megatron's loader reads the file itself at resume, as trusted).
-_DCP_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.planner", name)
-     for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "LoadPlan", "ReadItem", "LoadItemType")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"), ("pathlib", "PosixPath")}  # fmt: skip
-
-
-class _UnexpectedClass(Exception):
-    pass
-
-
-def _dcp_storage(metadata_file: Path) -> list[tuple[str, int, int]] | None:
-    """(file, offset, length) of every item a torch_dist `.metadata` places, unpickled with an exact allow-list
-    (no code runs); None when the file names a class outside it (another torch release)."""
-    import pickle
-
-    import torch
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            if (module, name) in _DCP_CLASSES:
-                return super().find_class(module, name)
-            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-                return getattr(torch, name)
-            raise _UnexpectedClass(f"{module}.{name}")
+def _dcp_storage(metadata_file: Path) -> list[tuple[str, int, int]]:
+    """(file, offset, length) of every item a torch_dist `.metadata` places, read through the exact allow-list of
+    torch's metadata classes (`resharding/dist_ckpt.py`: no code runs; a file naming anything else is refused, as
+    the ranks would refuse it before Megatron's loader reads it)."""
+    from mcore_rl.resharding.dist_ckpt import read_metadata
+    from mcore_rl.resharding.hf_io import CheckpointError as ReadError
 
     try:
-        with open(metadata_file, "rb") as f:
-            metadata = Unpickler(f).load()
-        return [(info.relative_path, int(info.offset), int(info.length)) for info in metadata.storage_data.values()]
-    except _UnexpectedClass:
-        return None
-    except Exception as err:  # noqa: BLE001 - a cut or foreign pickle fails in many ways; all mean a damaged file
-        raise CheckpointError(f"{metadata_file}: not a readable torch.distributed checkpoint index ({err!r})") from None
+        metadata = read_metadata(metadata_file.parent)
+    except ReadError as err:
+        raise CheckpointError(str(err)) from None
+    return [(info.relative_path, int(info.offset), int(info.length)) for info in metadata.storage_data.values()]
 
 
 def check_shard_sizes(metadata_file: Path) -> None:
     """Every shard file a torch_dist `.metadata` names exists and is long enough for the bytes it places there: a
     truncated shard (an interrupted copy, a full disk) is refused before anything starts, naming the file."""
     storage = _dcp_storage(metadata_file)
-    if storage is None:
-        return
     folder, ends = metadata_file.parent, {}
     for name, offset, length in storage:
         ends[name] = max(ends.get(name, 0), offset + length)
