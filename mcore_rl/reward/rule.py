@@ -5,19 +5,15 @@ Each function scores one decoded response (`solution_str`, special tokens alread
 
 - `synthetic_digits_score`: the default CPU job's task (see `mcore_rl/data/synthetic.py`), with partial credit so
   that a randomly initialised policy gets a dense signal.
-- `gsm8k_score`: GSM8K final answer after "#### " (strict) or the last number in the text (flexible).
-- `math_boxed_score`: MATH-style answer in the last `\\boxed{...}`, compared after light string normalisation
-  (no sympy: "1/2", "\\frac{1}{2}", "\\dfrac12" and "0.5" all compare equal; richer equivalence is out of scope).
+- `synthetic_lookup_score`: the multi-turn tool job's task, credited piece by piece.
+
+verl's data sources (GSM8K, MATH, DAPO, AIME) are scored by `reward/verl_scores.py`, as verl scores them.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
-
-# Regexes over very long responses are slow; the answer is at the end, so only the tail is searched (as verl does).
-_TAIL_CHARS = 1000
 
 # Weights of the synthetic reward (they sum to 1): digits where digits belong, the right digits, then stopping.
 SYNTHETIC_FORMAT_WEIGHT = 0.1
@@ -130,128 +126,3 @@ def synthetic_lookup_score(
         "called": float(found == 5 and right_key),
         "relayed": float(answer is not None and answer == returned),
     }
-
-
-# --- GSM8K -------------------------------------------------------------------------------------------------------
-
-_GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
-_NUMBER = re.compile(r"\-?[0-9\.\,]+")
-
-
-def extract_gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
-    """Extract the final answer: after the last "#### " (strict) or the last number anywhere (flexible).
-
-    Returns the number with thousands separators removed, or None when there is none.
-    """
-    if method not in ("strict", "flexible"):
-        raise ValueError(f"extract_gsm8k_answer: method must be 'strict' or 'flexible', got {method!r}")
-    tail = solution_str[-_TAIL_CHARS:]
-    if method == "strict":
-        found = _GSM8K_STRICT.findall(tail)
-    else:
-        # A lone "." or "," also matches the number pattern; skip those.
-        found = [m for m in _NUMBER.findall(tail) if any(ch.isdigit() for ch in m)]
-    if not found:
-        return None
-    return found[-1].replace(",", "").rstrip(".")
-
-
-def _same_number(a: str, b: str) -> bool:
-    """True when two answer strings are equal as text or as numbers ("42", "42.0", "1,000" vs "1000")."""
-    a, b = a.replace(",", "").strip(), b.replace(",", "").strip().lstrip("$")
-    if a == b:
-        return True
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return False
-
-
-def gsm8k_score(
-    data_source: str,
-    solution_str: str,
-    ground_truth: str,
-    extra_info: dict[str, Any] | None = None,
-    method: str = "strict",
-    format_score: float = 0.0,
-    correct_score: float = 1.0,
-) -> float:
-    """GSM8K reward: `correct_score` if the extracted answer equals the ground truth, `format_score` if an answer
-    was found but is wrong, 0 if none was found. `method` picks strict ("#### 42") or flexible (last number)."""
-    answer = extract_gsm8k_answer(solution_str, method)
-    if answer is None:
-        return 0.0
-    return correct_score if _same_number(answer, ground_truth) else format_score
-
-
-# --- MATH (\boxed{...}) ------------------------------------------------------------------------------------------
-
-
-def extract_boxed(solution_str: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces matched; `\\boxed 5` also accepted."""
-    tail = solution_str[-_TAIL_CHARS:]
-    boxed, fbox = tail.rfind("\\boxed"), tail.rfind("\\fbox")
-    if boxed < 0 and fbox < 0:
-        return None
-    after = tail[boxed + len("\\boxed") :] if boxed > fbox else tail[fbox + len("\\fbox") :]
-    if after.startswith(" "):
-        # "\boxed 5": the answer is the next whitespace-free word.
-        words = after.split()
-        return words[0].rstrip("$.") if words else None
-    if not after.startswith("{"):
-        return None
-    depth = 1
-    for i, ch in enumerate(after[1:]):
-        depth += {"{": 1, "}": -1}.get(ch, 0)
-        if depth == 0:
-            return after[1 : i + 1]
-    return None  # unbalanced braces: the response was cut off
-
-
-_FRAC = re.compile(r"\\[dt]?frac\{?(-?\d+)\}?\{?(-?\d+)\}?")
-_TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^}]*)\}")
-
-
-def normalize_math_answer(answer: str) -> str:
-    """Light normalisation of a math answer string, so trivially different spellings compare equal.
-
-    Removes spaces, `$`, `\\left`/`\\right`, `\\!`, degree marks, a trailing period and `\\text{}` wrappers; turns
-    integer fractions (`\\frac{1}{2}`, `\\dfrac12`, `1/2`) and decimals into a canonical number when exact.
-    """
-    s = _TEXT.sub(r"\1", answer)
-    for old in ("\\left", "\\right", "\\!", "\\,", "\\;", "$", "^\\circ", "^{\\circ}", " "):
-        s = s.replace(old, "")
-    s = s.rstrip(".")
-    s = _FRAC.sub(r"\1/\2", s)
-    number = _as_number(s)
-    return s if number is None else number
-
-
-def _as_number(s: str) -> str | None:
-    """Canonical text of an integer, decimal or integer fraction ("0.50" -> "0.5", "2/4" -> "0.5"); else None."""
-    try:
-        if "/" in s:
-            num, den = s.split("/")
-            value = int(num) / int(den)
-        else:
-            value = float(s.replace(",", ""))
-    except (ValueError, ZeroDivisionError):
-        return None
-    if not math.isfinite(value):  # "inf" and "nan" parse as floats but are not answers to compare numerically
-        return None
-    return str(int(value)) if value == int(value) else repr(round(value, 10))
-
-
-def math_boxed_score(
-    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
-) -> float:
-    """MATH reward: 1.0 if the last `\\boxed{}` answer equals the ground truth after normalisation, else 0.0.
-
-    The ground truth may itself be wrapped in `\\boxed{}` (some datasets store it that way)."""
-    answer = extract_boxed(solution_str)
-    if answer is None:
-        return 0.0
-    truth = extract_boxed(ground_truth) if "\\boxed" in ground_truth else ground_truth
-    if truth is None:
-        return 0.0
-    return float(normalize_math_answer(answer) == normalize_math_answer(truth))
