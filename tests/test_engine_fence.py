@@ -10,11 +10,10 @@ Run: `.venv/bin/pytest tests/test_engine_fence.py`
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 
 import pytest
+from _http_double import serve
 from aiohttp import web
 
 from mcore_rl.controller.engine_fence import EngineFence
@@ -68,20 +67,10 @@ def engine():
     double = SGLangSession()
     app = web.Application()
     app.router.add_route("POST", "/{tail:.*}", double.route)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    client = RolloutClient(f"http://127.0.0.1:{port}", engine="sglang")
-    yield double, client, f"http://127.0.0.1:{port}"
-    client.close()
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
+    with serve(app) as (url, _):
+        client = RolloutClient(url, engine="sglang")
+        yield double, client, url
+        client.close()
 
 
 def _fence(client: RolloutClient, replaced: list | None = None) -> EngineFence:

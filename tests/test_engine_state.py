@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 
 import pytest
+from _http_double import serve
 from aiohttp import web
 
 from mcore_rl.controller.engine_state import MEMORY_TAGS, EngineHealth, ReleasedMemory
@@ -64,21 +64,11 @@ def engine():
     app.router.add_post("/pause_generation", double.pause)
     app.router.add_post("/release_memory_occupation", double.release)
     app.router.add_post("/resume_memory_occupation", double.resume)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    client = RolloutClient(f"http://127.0.0.1:{port}", engine="sglang")
-    yield double, client, f"http://127.0.0.1:{port}"
-    client.close()
-    loop.call_soon_threadsafe(double.paused.clear)
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
+    with serve(app) as (url, loop):
+        client = RolloutClient(url, engine="sglang")
+        yield double, client, url
+        client.close()
+        loop.call_soon_threadsafe(double.paused.clear)
 
 
 def test_no_probe_while_a_push_holds_generation_paused(engine) -> None:

@@ -7,10 +7,8 @@ Run: `.venv/bin/pytest tests/test_sglang_client.py`
 
 from __future__ import annotations
 
-import asyncio
-import threading
-
 import pytest
+from _http_double import serve
 from aiohttp import web
 
 from mcore_rl.rollout.client import RolloutClient
@@ -55,20 +53,10 @@ def sglang():
     double = SGLangGenerate()
     app = web.Application()
     app.router.add_post("/generate", double.generate)
-    loop = asyncio.new_event_loop()
-    runner = web.AppRunner(app)
-    loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    client = RolloutClient(f"http://127.0.0.1:{port}", engine="sglang")
-    yield double, client
-    client.close()
-    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
+    with serve(app) as (url, _):
+        client = RolloutClient(url, engine="sglang")
+        yield double, client
+        client.close()
 
 
 @pytest.mark.parametrize("groups", [0, 1], ids=["per-prompt", "batched"])
