@@ -128,3 +128,17 @@ def test_released_memory_holds_probes_off(engine) -> None:
     assert client.run(health.dead([url])) == [] and double.probes == 0
     memory.resume([url], ["weights", "kv_cache", "cuda_graph"])
     assert client.run(health.dead([url])) == [] and double.probes == 1
+
+
+def test_a_probe_on_a_closed_session_is_a_shutdown_not_an_error(engine) -> None:
+    """Issue 30 item 10: on Ctrl-C the pool closes its aiohttp session while the monitor probes; aiohttp raises
+    RuntimeError('Session is closed'), which escaped the probes' gather. It is a shutdown: no error, no verdict."""
+    double, client, url = engine
+    health = EngineHealth(client, timeout_s=1.0, failures=1)
+    assert client.run(health.dead([url])) == []  # opens the session
+    session = client._session
+    client.run(session.close())
+    try:
+        assert client.run(health.dead([url])) == [], "a closed session says nothing about the engine"
+    finally:
+        client._session = None  # the fixture's close() must not close it twice

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 #: actor trains (the CUDA graphs' memory too, as slime does)
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
+#: a probe's result when the HTTP session was closed under it (shutdown): neither alive nor dead
+SHUTDOWN = "shutdown"
+
 
 class EngineHealth:
     """See the module docstring. `client` is the pool's RolloutClient (its `arequest`)."""
@@ -85,6 +88,8 @@ class EngineHealth:
             if self._epoch != epoch:  # a push or a release began while the probes ran: they prove nothing
                 return []
             for url, result in zip(urls, results):
+                if result == SHUTDOWN:  # the pool is closing its session: no verdict on the engine
+                    continue
                 if result == "ok":
                     self._failed.pop(url, None)
                     continue
@@ -98,7 +103,8 @@ class EngineHealth:
         return dead
 
     async def _probe(self, url: str) -> str:
-        """ok | refused (nothing listens: the process is gone) | the failure."""
+        """ok | refused (nothing listens: the process is gone) | SHUTDOWN (the client's session was closed under the
+        probe: the pool is stopping, e.g. on Ctrl-C) | the failure."""
         self.probes += 1
         try:
             status, _ = await self.client.arequest("GET", url, "/health", None, self.timeout_s)
@@ -109,6 +115,12 @@ class EngineHealth:
             return f"no answer within {self.timeout_s:g} s"
         except (aiohttp.ClientError, OSError) as err:
             return f"{type(err).__name__}: {err}"
+        except RuntimeError as err:
+            # aiohttp raises a bare RuntimeError('Session is closed') when the session closes under a probe; uncaught,
+            # it escapes the probes' gather ("_GatheringFuture exception was never retrieved" on Ctrl-C)
+            if "closed" in str(err).lower():
+                return SHUTDOWN
+            raise
         return "ok" if status == 200 else f"HTTP {status}"
 
 
