@@ -44,7 +44,7 @@ from mcore_rl.rollout.protocol import BadRequest, parse_generate, response_objec
 from mcore_rl.rollout.scheduler import ContinuousBatcher, GenParams, Sequence
 from mcore_rl.rollout.sglang_launcher import is_loopback
 from mcore_rl.rollout.weight_receiver import WeightReceiver, WeightUpdateError
-from mcore_rl.rollout.weight_routes import WeightRoutes, field
+from mcore_rl.rollout.weight_routes import SERIALISED_ROUTES, WeightRoutes, field
 
 #: SGLang's HEALTH_CHECK_TIMEOUT (srt/entrypoints/http_server.py), read from the same variable
 HEALTH_CHECK_TIMEOUT_S = float(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
@@ -165,6 +165,8 @@ class EngineServer(WeightRoutes):
             (get_post, "/resume_memory_occupation", self.resume_memory_occupation),
         ]
         for methods, path, handler in routes:
+            if path in SERIALISED_ROUTES:
+                handler = self.one_at_a_time(handler)
             for method in methods:
                 app.router.add_route(method, path, handler)
         app.on_startup.append(self._on_startup)

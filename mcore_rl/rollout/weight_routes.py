@@ -7,6 +7,11 @@
 /abort_weight_update   ours: drop the open session, commit nothing (SGLang has no such route, see below)
 /update_weight_version, /get_weights_by_name, /release_memory_occupation, /resume_memory_occupation
 ```
+Update routes are served one at a time per server, in arrival order (`WeightRoutes.one_at_a_time`), as SGLang's
+are: its tokenizer manager holds `model_update_lock`'s writer side (or, while paused, `is_pause_cond`) around each
+`/update_weights_from_*` and begin/end call, every control request goes through a FIFO `FanOutCommunicator`, and its
+one scheduler thread blocks in `init_custom_process_group` or in a broadcast until the sender arrives. A client that
+posts two buckets to one engine and broadcasts them in another order deadlocks there, and so it does here.
 SGLang loads each bucket into the live weights as it arrives (visible to requests between calls) and its
 `/end_weight_update` only finalises; ours stages and commits at the end, so no token mixes two versions. A sender
 that dies mid-push leaves SGLang's session open until someone calls `/end_weight_update` over the half-loaded
@@ -62,8 +67,46 @@ def field(body: dict, key: str, kind: type | tuple[type, ...], default: Any = ..
     return body[key]
 
 
+#: the routes SGLang serves one at a time (see the module docstring); /abort_weight_update is ours and joins them
+SERIALISED_ROUTES = (
+    "/begin_weight_update",
+    "/abort_weight_update",
+    "/end_weight_update",
+    "/update_weights_from_tensor",
+    "/update_weights_from_distributed",
+    "/update_weights_from_disk",
+    "/init_weights_update_group",
+    "/destroy_weights_update_group",
+)
+
+
 class WeightRoutes:
     """The weight-update and memory handlers of `EngineServer` (a mixin: `self` is the server)."""
+
+    #: update requests that arrived and wait for an earlier one to finish (the lock is made on first use, in the loop)
+    updates_waiting: int = 0
+    _update_lock: asyncio.Lock | None = None
+
+    def one_at_a_time(self: EngineServer, handler: Callable[[web.Request], Any]) -> Callable[[web.Request], Any]:
+        """`handler` served after every update request that arrived before it has answered (asyncio.Lock is FIFO).
+
+        Generation, `/health` and the other routes do not take the lock: ours stage into shadows while decoding
+        goes on (a documented difference: SGLang holds new generations behind the writer lock)."""
+
+        async def serialised(request: web.Request) -> web.StreamResponse:
+            if self._update_lock is None:
+                self._update_lock = asyncio.Lock()
+            self.updates_waiting += 1
+            try:
+                await self._update_lock.acquire()
+            finally:
+                self.updates_waiting -= 1
+            try:
+                return await handler(request)
+            finally:
+                self._update_lock.release()
+
+        return serialised
 
     async def begin_weight_update(self: EngineServer, request: web.Request) -> web.Response:
         await self._body(request)
