@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from mcore_rl.reward import code_reward, rule, verl_scores
+from mcore_rl.reward import code_reward, rule, verl_math, verl_scores
 
 RewardResult = float | dict[str, Any]
 
@@ -60,8 +60,9 @@ DAPO_DATA_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
 #: data_source prefixes verl scores by one rule (its default_compute_score: `data_source.startswith("aime")`)
 BUILTIN_PREFIXES: dict[str, RewardFn] = {"aime": verl_scores.dapo_score}
 
-# verl's data sources score as verl scores them (reward/verl_scores.py); verl's numina_* (prime_math, sympy) and
-# searchR1_* (needs a search tool) have no scorer here: pre-flight names them (reward/sources.py).
+# verl's data sources score as verl scores them (reward/verl_scores.py, and reward/verl_math.py for verl's six
+# numina_* sources, by exact name as verl lists them); searchR1_* (needs a search tool) has no scorer here: pre-flight
+# names it (reward/sources.py).
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     **{source: rule.synthetic_digits_score for source in SYNTHETIC_DATA_SOURCES},
     "synthetic/lookup": rule.synthetic_lookup_score,
@@ -69,6 +70,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     **{source: verl_scores.hendrycks_math_score for source in MATH_DATA_SOURCES},
     **{source: verl_scores.dapo_score for source in DAPO_DATA_SOURCES},
     **{source: code_reward.code_compute_score for source in code_reward.CODE_DATA_SOURCES},
+    **{source: verl_math.numina_score for source in verl_math.NUMINA_DATA_SOURCES},
 }
 
 

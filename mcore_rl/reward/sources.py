@@ -14,7 +14,8 @@ from mcore_rl.config import ConfigError
 
 #: verl's data sources that have no scorer here, and why
 VERL_WITHOUT_SCORER = {
-    "numina_": "verl scores numina_* with prime_math (a sympy grader), which is not ported",
+    "numina_": "verl's prime_math scores only its six numina_* sources, "
+    "listed in mcore_rl/reward/verl_math.py (NUMINA_DATA_SOURCES)",
     "searchR1_": "verl's searchR1_* sources need a search tool, which the agent tools do not have",
     "hiyouga/geometry3k": "verl's geo3k scorer is for a vision-language dataset (text-only here)",
 }

@@ -2,7 +2,8 @@
 files import, backed by reward/verl_scores.py (the same scores).
 
     from verl.utils.reward_score import default_compute_score      -> loader.default_compute_score (verl's data sources)
-    from verl.utils.reward_score import gsm8k, math_reward, math_dapo   (their compute_score, as verl calls them)
+    from verl.utils.reward_score import gsm8k, math_reward, math_dapo, prime_math   (their compute_score, as verl
+                                                                                 calls them)
 
 Installed by loader.py before it imports a user's reward file, only when verl itself cannot be imported (an installed
 verl is used as it is). Another module of verl's reward_score is refused by name, with our equivalent.
@@ -19,7 +20,6 @@ from mcore_rl.reward import verl_scores
 
 PACKAGE = "verl.utils.reward_score"
 _NOT_HERE = {
-    "prime_math": "no numina_* scorer here (verl's prime_math uses sympy); score them with your own function",
     "prime_code": "code sources score through the sandbox: mcore_rl.reward.code_reward.code_compute_score",
     "sandbox_fusion": "code sources score through the sandbox: mcore_rl.reward.code_reward.code_compute_score",
     "search_r1_like_qa_em": "no search tool here, so no searchR1_* scorer",
@@ -62,6 +62,16 @@ def _math_dapo() -> types.ModuleType:
     return module
 
 
+def _prime_math() -> types.ModuleType:
+    from mcore_rl.reward import verl_math
+
+    module = types.ModuleType(f"{PACKAGE}.prime_math", "verl's numina_* scorer (verl_math.prime_math_result)")
+    module.compute_score = verl_math.prime_math_result  # (correct, format correct, extracted answer), as verl's
+    module.match_answer = verl_math.match_answer
+    module.grade_answer = verl_math.grade_answer
+    return module
+
+
 def _default_compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None,
                            **kwargs: Any) -> Any:  # fmt: skip
     from mcore_rl.reward.loader import default_compute_score
@@ -82,7 +92,13 @@ def install() -> bool:
         module.__mcore_rl_shim__ = True
     verl.utils, utils.reward_score = utils, package
     package.default_compute_score = _default_compute_score
-    submodules = {"gsm8k": _gsm8k(), "math_reward": _math_reward(), "math": _math_reward(), "math_dapo": _math_dapo()}
+    submodules = {
+        "gsm8k": _gsm8k(),
+        "math_reward": _math_reward(),
+        "math": _math_reward(),
+        "math_dapo": _math_dapo(),
+        "prime_math": _prime_math(),
+    }
     for name, module in submodules.items():
         setattr(package, name, module)
         sys.modules[f"{PACKAGE}.{name}"] = module
