@@ -153,3 +153,36 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path: Path, monkeypatch: pytest
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     data = run_file.read_bytes()
     assert b"critic/score/mean" in data and b"timing_s/gen" in data
+
+
+def test_the_reference_pass_time_is_logged_per_token_under_verls_name() -> None:
+    laps = {"gen": 0.5, "old_log_prob": 0.2, "update_actor": 1.0}
+    out = step_metrics(
+        _batch(), torch.tensor([0.0, 1.0]), {"timing_s/ref": 0.12}, laps, max_response_length=3, actor_ranks=2
+    )
+    assert out["timing_s/ref"] == 0.12  # from the ranks, not a lap: the step's time does not count it twice
+    assert out["timing_per_token_ms/ref"] == pytest.approx(1000 * 0.12 / 11)  # 5 response + 6 prompt tokens
+    assert out["timing_s/step"] == pytest.approx(1.7)
+    plain = step_metrics(_batch(), torch.tensor([0.0, 1.0]), {}, laps, max_response_length=3, actor_ranks=2)
+    assert "timing_s/ref" not in plain and "timing_per_token_ms/ref" not in plain
+
+
+def test_rank_stats_report_the_reference_time_and_no_device_memory_on_cpu() -> None:
+    from mcore_rl.actor.rank_stats import step_rank_metrics, timed
+
+    value, seconds = timed(lambda: 7, torch.device("cpu"))
+    assert value == 7 and seconds >= 0
+    assert step_rank_metrics(torch.device("cpu"), 0.25) == {"timing_s/ref": 0.25}
+    assert step_rank_metrics(torch.device("cpu"), None) == {}  # no reference pass, no CUDA: nothing to report
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory peaks exist on CUDA only")
+def test_rank_stats_report_the_cuda_peaks_in_gib() -> None:
+    from mcore_rl.actor.rank_stats import step_rank_metrics
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    held = torch.empty(2**28, dtype=torch.uint8, device=device)  # 0.25 GiB
+    out = step_rank_metrics(device, None)
+    del held
+    assert out["perf/max_memory_allocated_gb"] >= 0.25
+    assert out["perf/max_memory_reserved_gb"] >= out["perf/max_memory_allocated_gb"]

@@ -42,6 +42,7 @@ from mcore_rl.actor.logprobs import (
     vocab_parallel_entropy_grad,
 )
 from mcore_rl.actor.packing import packed_micro_batches, packed_seq_params, unpack_rows
+from mcore_rl.actor.rank_stats import step_rank_metrics, timed
 from mcore_rl.actor.runtime import layout_problem, rank_device, threads_per_rank, to_host
 from mcore_rl.actor.schedule import run_schedule
 from mcore_rl.algorithms import aggregate_loss, get_policy_loss, kl_loss
@@ -89,6 +90,7 @@ class MegatronActor:
         torch.set_num_threads(threads_per_rank(runtime))
         self.rank, self.world_size, self.runtime, self.seed = rank, world_size, runtime, seed
         self.cfg, self.model_cfg, self.role = actor_cfg, model_cfg, role
+        self._ref_seconds: float | None = None  # this step's reference pass, for timing_s/ref (actor/rank_stats.py)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This rank's rendezvous host (loopback in a one-node run: parallel/groups.rendezvous_host) and a port free
@@ -267,7 +269,9 @@ class MegatronActor:
             raise RuntimeError("actor.use_ref=false: there is no reference model")
         shard = self._dp_shard(batch)
         old = self._shard_logprobs(self.ddp_chunks, shard, True, sequence_length(batch))
-        ref = self._shard_logprobs(self.ref_chunks, shard, False, sequence_length(batch))
+        ref, self._ref_seconds = timed(
+            lambda: self._shard_logprobs(self.ref_chunks, shard, False, sequence_length(batch)), self.device
+        )
         return self._result(torch.stack([old, ref], dim=1) if old is not None else None)
 
     def _dp_shard(self, batch: TrainBatch) -> TrainBatch:
@@ -405,7 +409,11 @@ class MegatronActor:
         shard = self._dp_shard(batch)
         with torch.no_grad():
             old = self._shard_logprobs(self.ddp_chunks, shard, True, sequence_length(batch))
-            ref = self._shard_logprobs(self.ref_chunks, shard, False, sequence_length(batch)) if use_ref else None
+            ref = None
+            if use_ref:
+                ref, self._ref_seconds = timed(
+                    lambda: self._shard_logprobs(self.ref_chunks, shard, False, sequence_length(batch)), self.device
+                )
         for key, value in (("old_logprobs", old), ("ref_logprobs", ref)):
             if value is not None:  # the last pipeline stage, where the loss runs
                 whole = value.new_empty((value.shape[0] * self.pg.dp.size(), *value.shape[1:]))
@@ -457,7 +465,11 @@ class MegatronActor:
                 steps += 1
         if self.routing is not None:
             self.routing.end()
-        return {k: v / steps for k, v in totals.items()}
+        metrics = {k: v / steps for k, v in totals.items()}
+        if self.role == "actor":  # verl's timing_s/ref and perf/max_memory_*, max over ranks (a collective)
+            metrics.update(step_rank_metrics(self.device, self._ref_seconds))
+            self._ref_seconds = None
+        return metrics
 
     def _update_micro_batches(self, mini: TrainBatch, dp_rank: int, dp_size: int) -> tuple[list[MicroBatch], int]:
         """The update's micro-batches of this rank's shard of `mini`. actor.dynamic_batching: shards balanced by tokens

@@ -21,6 +21,9 @@
     actor/kl_coef                          the KL loss's coefficient (when a KL loss is on)
     training/{global_step,epoch}           the step and the data epoch it drew from
     perf/cpu_memory_used_gb                the host's used memory (psutil, as verl)
+    timing_s/ref, timing_per_token_ms/ref  the reference's logprob pass (inside timing_s/old_log_prob), max over ranks
+    perf/max_memory_{allocated,reserved}_gb   the actor ranks' CUDA peaks, max over ranks; not on CPU
+                                           (both from the actor's update: actor/rank_stats.py)
 
 Our own names exist only where verl has none (rollout/logprob_abs_diff, perf/tokens_per_s/*, weight_version,
 rollout_corr/mismatch_* and is_truncated_frac from algorithms/mismatch.py).
@@ -221,6 +224,9 @@ def step_metrics(
             mfu = flops.mfu(phase, tokens, seconds)
             if mfu is not None:
                 out[f"perf/mfu/{phase}"] = mfu
+    ref_s = actor.get("timing_s/ref")
+    if ref_s is not None and ref_s > 0 and all_tokens > 0:  # verl counts the reference pass over all tokens
+        out["timing_per_token_ms/ref"] = 1000.0 * ref_s / all_tokens
     out["timing_s/step"] = step_s
     out["perf/total_num_tokens"] = all_tokens
     out["perf/time_per_step"] = step_s
