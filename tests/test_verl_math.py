@@ -105,11 +105,22 @@ def test_all_of_verls_numina_sources_are_registered_and_no_others() -> None:
     assert builtin_reward("numina_unknown") is None  # verl raises NotImplementedError for it too
 
 
-def test_a_response_cannot_make_sympy_run_code(tmp_path) -> None:
-    marker = tmp_path / "ran"
-    payload = f"\\boxed{{__import__('pathlib').Path('{marker}').touch() or 1}}"
-    assert verl_math.numina_score("numina_olympiads", payload, "1") == 0.0
-    assert not marker.exists()
+def test_a_response_cannot_make_sympy_run_code() -> None:
+    import os
+    import shutil
+    import tempfile
+
+    # sympy's parse_expr evaluates Python, builtins included; verl hands it the answer as it is. No "_" in the path:
+    # verl's base handling ("10_{2}") would stop the answer before it reaches sympy.
+    directory = os.path.join(tempfile.gettempdir(), f"numina{os.getpid()}")
+    os.makedirs(directory, exist_ok=True)
+    marker = os.path.join(directory, "ran")
+    try:
+        payload = f"\\boxed{{open('{marker}','w')}}"
+        assert verl_math.numina_score("numina_olympiads", payload, "1") == 0.0
+        assert not os.path.exists(marker)
+    finally:
+        shutil.rmtree(directory)
 
 
 def test_a_slow_sympy_call_is_cut_off_on_the_main_thread_and_on_a_pool_thread(monkeypatch) -> None:
