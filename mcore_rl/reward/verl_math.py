@@ -253,6 +253,8 @@ def sympy_equal(a: str, b: str, implicit: bool) -> bool:
     """Whether sympy finds a == b; False when either is not plain arithmetic, fails to parse, or takes too long."""
     if not (_SAFE.match(a) and _SAFE.match(b)) or "__" in a + b:
         return False
+    import sympy.parsing.sympy_parser  # noqa: F401  imported here, so a forked child does not import it per call
+
     try:
         return bool(_bounded(_sympy_difference_is_zero, a, b, implicit))
     except Exception:  # parse errors, TypeError on non-numbers, _Timeout: verl scores them as not equal
