@@ -10,7 +10,7 @@ from configs/). Before anything is written, the config is composed in-process an
 
 - Placement (mcore_rl/controller/gpu_plan.py, the check the run itself makes against Ray): every actor, critic and
   engine rank on the N*G GPUs. trainer.placement=split: actor.world_size + critic.world_size + the engines' GPUs
-  (rollout.num_engines x rollout.sglang.tp); colocated: actor.world_size, which the critic and the engines share. An
+  (rollout.num_engines x rollout.sglang.tp, or x rollout.vllm.tp x rollout.vllm.dp); colocated: actor.world_size, which the critic and the engines share. An
   engine's tp / nnodes GPUs per node must fit (and, colocated, divide) a node. The sync transport must suit it:
   colocated engines on CUDA take sync.transport=tensor (NCCL refuses an actor and an engine rank of one broadcast
   group on one GPU), split engines distributed or disk. (trainer.runtime=cpu jobs skip the GPU checks.)
@@ -24,8 +24,9 @@ from configs/). Before anything is written, the config is composed in-process an
   weights, fp32 main grads, fp32 masters + Adam state sharded by `actor.optim.distributed`, partly on the host with
   `actor.optim.offload_fraction`) + a reference copy when actor.use_ref + activations under actor.recompute +
   4 GiB CUDA context/NCCL; the critic's the same way at its own layout. Colocated, per phase of a shared GPU:
-  training (engines released), the weight push (the engines' weights resumed + the sender's sync buffers) and
-  generation (the actor offloaded: its CUDA context + the engine's mem_fraction_static x GPU memory). The largest
+  training (engines released; vLLM's cannot release here, so its share stays), the weight push (the engines' weights
+  resumed + the sender's sync buffers) and generation (the actor offloaded: its CUDA context + the engine's share
+  of the GPU: rollout.sglang.mem_fraction_static or rollout.vllm.gpu_memory_utilization). The largest
   more than --gpu-memory-gb is refused.
 
 The sbatch script (written to <run_dir>/<job-name>.sbatch, via a temp file + rename):
@@ -186,7 +187,7 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
         return report
     if gpus == 0:
         raise SubmitError(f"trainer.runtime=cuda needs GPUs, but --nodes {nodes} x --gpus-per-node 0 gives none")
-    from mcore_rl.controller.gpu_plan import PlacementError, check_fits, check_transport
+    from mcore_rl.controller.gpu_plan import PlacementError, check_fits, check_transport, engine_shape
     from mcore_rl.controller.recipe_check import RecipeError, check_sync
     from mcore_rl.gpu_extra import gpu_extra_problems
 
@@ -215,17 +216,18 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
     limit = gpu_memory_gb * GIB
     colocated = count.placement == "colocated"
     engine = None
-    if colocated and cfg.rollout.engine == "sglang":
-        sg = cfg.rollout.sglang
-        # engine weights: the whole model over the engine's tp GPUs, bf16 (fp8 when the sync sends FP8 weights)
-        weights = counts.total * (1 if cfg.sync.fp8 else 2) / sg.tp
-        engine = EngineShare(weights=weights, static=sg.mem_fraction_static * limit, releases=sg.enable_memory_saver)
+    shape = engine_shape(cfg.rollout, cfg.trainer.runtime)
+    if colocated and shape.memory_key:
+        # engine weights: the whole model over the engine's GPUs at its tensor parallelism, bf16 (fp8 when the sync
+        # sends FP8 weights); vLLM's dp replicas each hold the whole model at tp
+        weights = counts.total * (1 if cfg.sync.fp8 else 2) / shape.tp
+        engine = EngineShare(weights=weights, static=shape.memory_fraction * limit, releases=shape.releases)
         if weights >= engine.static:
             raise SubmitError(
                 f"the colocated rollout engine's weights ({weights / GIB:.1f} GiB per GPU at "
-                f"rollout.sglang.tp={sg.tp}) "
-                f"leave no KV cache in rollout.sglang.mem_fraction_static={sg.mem_fraction_static} x "
-                f"{gpu_memory_gb:g} GiB: raise rollout.sglang.tp (and nnodes) or mem_fraction_static, or sync.fp8=true"
+                f"{shape.key}.tp={shape.tp}) "
+                f"leave no KV cache in {shape.memory_key}={shape.memory_fraction} x "
+                f"{gpu_memory_gb:g} GiB: raise {shape.key}.tp or {shape.memory_key.rsplit('.', 1)[1]}, or sync.fp8=true"
             )
     # the actor's own figures (no engine): the phases of a shared GPU are added below, with the actor offloaded
     # while the engines generate, which the estimate alone does not model
@@ -241,8 +243,9 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
         shared = critic.resident if critic is not None else 0.0  # the critic keeps its state on the GPU
         engine_static = engine.static if engine is not None else 0.0
         phases = {
-            "training (engines released)": est.training + shared
-            + (max(0.0, critic.activations - est.activations) if critic is not None else 0.0),
+            "training (engines released)" if engine is None or engine.releases else "training (engines kept)":
+            est.training + shared + (max(0.0, critic.activations - est.activations) if critic is not None else 0.0)
+            + (engine.static if engine is not None and not engine.releases else 0.0),
             "weight push (engine weights resumed, the actor's sync buffers)": est.resident + shared
             + (engine.weights if engine is not None else 0.0) + sync.sender_extra_bytes,
             "generating (the actor offloaded)": est.overhead + shared + engine_static,
@@ -250,7 +253,8 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
         if engine is not None:
             report.lines.append(
                 f"  colocated engine:    {engine.static / GIB:.1f} GiB (weights {engine.weights / GIB:.1f} GiB + KV "
-                f"cache {(engine.static - engine.weights) / GIB:.1f} GiB; released while training)"
+                f"cache {(engine.static - engine.weights) / GIB:.1f} GiB; "
+                + ("released while training)" if engine.releases else "kept while training: vLLM cannot release it)")
             )
         if critic is not None:
             report.lines.append(f"  critic on the same GPUs: {critic.resident / GIB:.1f} GiB resident")
@@ -265,7 +269,7 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
             f"{total / GIB:.1f} GiB per GPU > --gpu-memory-gb {gpu_memory_gb:g} GiB\n"
             + "\n".join(report.lines)
             + "\nraise tp/pp/ep (or etp), set actor.optim.distributed=true or actor.optim.offload_fraction, "
-            "lower rollout.sglang.mem_fraction_static or sync.bucket_bytes, or use more nodes"
+            f"lower {shape.memory_key or 'rollout.sglang.mem_fraction_static'} or sync.bucket_bytes, or use more nodes"
         )
     report.lines.append(f"fits: {total / GIB:.1f} GiB of {limit / GIB:.1f} GiB per GPU")
     return report

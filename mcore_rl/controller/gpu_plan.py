@@ -7,8 +7,12 @@ split      actor ranks | critic ranks | engines: each on GPUs of its own
 colocated  one bundle (GPU) per actor rank; the critic's ranks and the engines' GPUs share those bundles
            GPUs = actor.world_size;  critic.world_size <= it, engine GPUs <= it
 engine GPUs: rollout.engine=sglang: rollout.num_engines x rollout.sglang.tp (tp / nnodes on each of nnodes nodes);
+             rollout.engine=vllm: rollout.num_engines x rollout.vllm.tp x rollout.vllm.dp (one node each);
              our embedded server on CUDA: one per engine; on CPU: none
 ```
+`engine_shape` reads the chosen engine's own settings (`rollout.sglang.*` or `rollout.vllm.*`) once: its GPUs, its
+parallelism as the sync plan sees it, and its share of each GPU; the placement, the sync plan (controller/
+weight_sync.py, recipe_check.py) and the dry run's memory check (launch/submit.py) all read it.
 The weight-sync transport must suit the placement on CUDA: a colocated engine rank shares its GPU with an actor
 rank, and NCCL refuses two ranks of one communicator on one GPU, so colocated engines take the tensor transport
 (CUDA IPC); a split engine cannot open a CUDA IPC handle of a GPU it does not see, so split engines take the
@@ -51,15 +55,67 @@ class GpuCount:
         return f"placement={self.placement}: {', '.join(parts)} GPUs, {how}: {self.total} GPUs in all"
 
 
+@dataclass(frozen=True)
+class EngineShape:
+    """One rollout engine as its own settings give it (see the module docstring)."""
+
+    key: str  #: the config prefix of its settings: rollout.sglang | rollout.vllm | rollout (our embedded server)
+    tp: int  #: tensor-parallel size (vLLM: of each of its dp replicas)
+    dp: int  #: SGLang: DP-attention groups inside tp; vLLM: data-parallel replicas, each tp GPUs
+    ep: int  #: expert-parallel size over the engine's ranks (1: experts TP-split)
+    gpus: int  #: GPUs of one engine (0: our embedded server on CPU)
+    nnodes: int  #: nodes one engine spans
+    memory_key: str  #: the key of its share of each GPU ("" when it has none)
+    memory_fraction: float  #: weights + KV cache share of each of its GPUs
+    releases: bool  #: whether it releases weights and KV cache while a colocated actor trains
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of one engine that hold weights (one per GPU; our embedded server is one)."""
+        return max(1, self.gpus)
+
+    def terms(self) -> str:
+        """Where its GPU count comes from, in config keys."""
+        if self.key == "rollout.vllm":
+            return f"rollout.vllm.tp={self.tp} x rollout.vllm.dp={self.dp}"
+        if self.key == "rollout.sglang":
+            return f"rollout.sglang.tp={self.tp}"
+        return "1"
+
+    def layout(self, num_engines: int) -> Any:
+        """The engines as the sync plan sees them (resharding/sync/plan.py EngineLayout): ranks per engine, expert
+        parallelism over them, attention groups (vLLM's dp replicas each hold attention at tp)."""
+        from mcore_rl.resharding.sync.plan import EngineLayout
+
+        if self.key == "rollout":
+            return EngineLayout(num_engines=num_engines)
+        return EngineLayout(num_engines, self.ranks, self.ep, self.dp)
+
+
+def engine_shape(rollout: Any, runtime: str) -> EngineShape:
+    """The chosen engine's shape from `rollout` (a RolloutConfig) on `runtime` (trainer.runtime)."""
+    if rollout.engine == "sglang":
+        s = rollout.sglang
+        dp = s.dp if s.enable_dp_attention else 1
+        return EngineShape("rollout.sglang", s.tp, dp, s.ep, s.tp, s.nnodes, "rollout.sglang.mem_fraction_static",
+                           s.mem_fraction_static, s.enable_memory_saver)  # fmt: skip
+    if rollout.engine == "vllm":
+        v = rollout.vllm
+        ranks = v.tp * v.dp
+        # vLLM's MoE layers span all tp x dp ranks: experts sharded over them with --enable-expert-parallel, else
+        # TP-split over them; vLLM cannot release its memory here (vllm_dialect: no release_memory_occupation)
+        return EngineShape("rollout.vllm", v.tp, v.dp, ranks if v.enable_expert_parallel else 1, ranks, 1,
+                           "rollout.vllm.gpu_memory_utilization", v.gpu_memory_utilization, False)  # fmt: skip
+    gpus = 1 if runtime == "cuda" else 0
+    return EngineShape("rollout", 1, 1, 1, gpus, 1, "", 0.0, True)
+
+
 def engine_gpus(cfg: Any) -> tuple[int, int]:
     """(GPUs of all engines, GPUs of one engine on one node)."""
-    rollout = cfg.rollout
-    if rollout.engine == "sglang":
-        per_node = rollout.sglang.tp // rollout.sglang.nnodes
-        return rollout.num_engines * rollout.sglang.tp, per_node
-    if cfg.trainer.runtime == "cuda":
-        return rollout.num_engines, 1
-    return 0, 0
+    shape = engine_shape(cfg.rollout, cfg.trainer.runtime)
+    if shape.key == "rollout" and cfg.trainer.runtime != "cuda":
+        return 0, 0
+    return cfg.rollout.num_engines * shape.gpus, shape.gpus // shape.nnodes
 
 
 def count_gpus(cfg: Any) -> GpuCount:
@@ -81,7 +137,7 @@ def count_gpus(cfg: Any) -> GpuCount:
             raise PlacementError(
                 f"trainer.placement=colocated: the engines need {_engine_terms(cfg)} = {engine} GPUs, more than the "
                 f"actor.world_size={actor} GPUs they share; expected at most {actor} (fewer engines or a smaller "
-                "rollout.sglang.tp), or trainer.placement=split"
+                f"{engine_shape(cfg.rollout, cfg.trainer.runtime).key}.tp), or trainer.placement=split"
             )
         if critic > actor:
             raise PlacementError(
@@ -92,10 +148,8 @@ def count_gpus(cfg: Any) -> GpuCount:
 
 
 def _engine_terms(cfg: Any) -> str:
-    rollout = cfg.rollout
-    if rollout.engine == "sglang":
-        return f"rollout.num_engines={rollout.num_engines} x rollout.sglang.tp={rollout.sglang.tp}"
-    return f"rollout.num_engines={rollout.num_engines} x 1"
+    shape = engine_shape(cfg.rollout, cfg.trainer.runtime)
+    return f"rollout.num_engines={cfg.rollout.num_engines} x {shape.terms()}"
 
 
 def check_fits(cfg: Any, gpus: float, gpus_per_node: int | None, where: str) -> GpuCount:
@@ -115,6 +169,11 @@ def check_fits(cfg: Any, gpus: float, gpus_per_node: int | None, where: str) -> 
         )  # fmt: skip
     if gpus_per_node is not None and count.engine_node_gpus > gpus_per_node:
         sgl = cfg.rollout.sglang
+        if cfg.rollout.engine != "sglang":
+            raise PlacementError(
+                f"{engine_shape(cfg.rollout, cfg.trainer.runtime).terms()} = {count.engine_node_gpus} GPUs of one "
+                f"engine, on one node, which has {gpus_per_node}; expected at most {gpus_per_node}"
+            )
         raise PlacementError(
             f"rollout.sglang.tp={sgl.tp} over rollout.sglang.nnodes={sgl.nnodes} puts {count.engine_node_gpus} GPUs "
             f"of an engine on one node, which has {gpus_per_node}; expected rollout.sglang.nnodes >= "
@@ -127,8 +186,8 @@ def check_fits(cfg: Any, gpus: float, gpus_per_node: int | None, where: str) -> 
         and gpus_per_node % count.engine_node_gpus
     ):
         raise PlacementError(
-            f"trainer.placement=colocated: an engine's {count.engine_node_gpus} GPUs per node (rollout.sglang.tp / "
-            f"nnodes) do not divide a node's {gpus_per_node}, so an engine would straddle two nodes' bundles; "
+            f"trainer.placement=colocated: an engine's {count.engine_node_gpus} GPUs per node "
+            f"({engine_shape(cfg.rollout, cfg.trainer.runtime).terms()}, over its nodes) do not divide a node's {gpus_per_node}, so an engine would straddle two nodes' bundles; "
             f"expected a divisor of {gpus_per_node}"
         )
     return count

@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from mcore_rl.controller.gpu_plan import PlacementError, check_fits, check_transport
+from mcore_rl.controller.gpu_plan import PlacementError, check_fits, check_transport, engine_shape
 
 if TYPE_CHECKING:
     from mcore_rl.config import RLConfig
@@ -101,8 +101,9 @@ class SplitPlacement:
         rollout = cfg.rollout
         if rollout.engine == "hf":
             bundles = [{"CPU": rollout.num_cpus, **gpu}] * rollout.num_engines
-        else:  # one bundle per node of each SGLang engine: the node's GPUs of that engine
-            bundles = [{"CPU": 1, "GPU": self.count.engine_node_gpus}] * (rollout.num_engines * rollout.sglang.nnodes)
+        else:  # one bundle per node of each SGLang or vLLM engine: the node's GPUs of that engine
+            nnodes = engine_shape(rollout, cfg.trainer.runtime).nnodes
+            bundles = [{"CPU": 1, "GPU": self.count.engine_node_gpus}] * (rollout.num_engines * nnodes)
         self.engine_pg = self._reserve("engines", bundles)
         self._wait()
 
@@ -151,7 +152,7 @@ class SplitPlacement:
         if self.cfg.rollout.engine == "hf":
             return self._strategy(self.engine_pg, index)
         per_node = self.count.engine_node_gpus
-        bundle = index * self.cfg.rollout.sglang.nnodes + node_rank
+        bundle = index * engine_shape(self.cfg.rollout, self.cfg.trainer.runtime).nnodes + node_rank
         return {**self._strategy(self.engine_pg, bundle), "num_gpus": per_node, "num_cpus": 1}
 
     def to_training(self, actor: Any, engines: Any) -> dict[str, float]:
@@ -235,7 +236,7 @@ class ColocatedPlacement(SplitPlacement):
             # The engine uses the rank's CPUs while the rank waits (num_cpus 0: Ray counts them once).
             return {**self._strategy(self.actor_pg, self.order[index % world]), "num_cpus": 0, **share}
         per_node = self.count.engine_node_gpus
-        first = (index * self.cfg.rollout.sglang.nnodes + node_rank) * per_node
+        first = (index * engine_shape(self.cfg.rollout, self.cfg.trainer.runtime).nnodes + node_rank) * per_node
         positions = range(first, first + per_node)
         nodes = {self.where[i][0] for i in positions}
         if len(nodes) != 1:
@@ -270,9 +271,9 @@ class ColocatedPlacement(SplitPlacement):
         its CUDA_VISIBLE_DEVICES, and SGLang numbers TP ranks node by node), and actor rank i on position i; any
         other engine i is one rank on position i % world."""
         rollout, world = self.cfg.rollout, self.cfg.actor.world_size
-        if rollout.engine != "sglang":
+        if rollout.engine == "hf":
             return [[i % world] for i in range(rollout.num_engines)]
-        tp = rollout.sglang.tp
+        tp = engine_shape(rollout, self.cfg.trainer.runtime).ranks  # vLLM: tp x dp ranks, replica by replica
         return [[e * tp + r for r in range(tp)] for e in range(rollout.num_engines)]
 
     def sync_weights(self, sync: Any, version: int) -> dict[str, float]:
@@ -349,10 +350,11 @@ def ray_cpu_reservations(cfg: RLConfig) -> list[tuple[str, float]]:
             f"rollout.num_engines={rollout.num_engines} x rollout.num_cpus={rollout.num_cpus:g}",
             rollout.num_engines * rollout.num_cpus,
         ))  # fmt: skip
-    elif rollout.engine != "hf":  # SGLangServerActor: num_cpus=1 per node
+    elif rollout.engine != "hf":  # SGLangServerActor (vLLM's too): num_cpus=1 per node
+        nnodes = engine_shape(rollout, cfg.trainer.runtime).nnodes
         terms.append((
-            f"rollout.num_engines={rollout.num_engines} x rollout.sglang.nnodes={rollout.sglang.nnodes}",
-            float(rollout.num_engines * rollout.sglang.nnodes),
+            f"rollout.num_engines={rollout.num_engines} x {nnodes} node(s) per engine",
+            float(rollout.num_engines * nnodes),
         ))  # fmt: skip
     if cfg.reward.model_path and cfg.reward.model_num_cpus:
         terms.append((f"reward.model_num_cpus={cfg.reward.model_num_cpus:g}", cfg.reward.model_num_cpus))

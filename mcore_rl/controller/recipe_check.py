@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mcore_rl.controller.gpu_plan import engine_shape
 from mcore_rl.resharding.sync.plan import EngineLayout
 
 GIB = 1024**3
@@ -38,12 +39,9 @@ class SyncCheck:
 
 
 def engine_layout(cfg: Any) -> EngineLayout:
-    """The engines the run starts, as the plan sees them (our embedded server is one rank)."""
-    rollout = cfg.rollout
-    if rollout.engine != "sglang":
-        return EngineLayout(num_engines=rollout.num_engines)
-    s = rollout.sglang
-    return EngineLayout(rollout.num_engines, s.tp, s.ep, s.dp if s.enable_dp_attention else 1)
+    """The engines the run starts, as the plan sees them (controller/gpu_plan.py engine_shape: the chosen engine's
+    own settings; our embedded server is one rank)."""
+    return engine_shape(cfg.rollout, cfg.trainer.runtime).layout(cfg.rollout.num_engines)
 
 
 def meta_inventory(hf_dict: dict, layout: Any, divisible_by: int, dtype: str) -> tuple[list, Any, Any]:
@@ -127,9 +125,9 @@ def check_sync(cfg: Any, hf: dict, gpus_per_node: int, bandwidths: dict[str, flo
     try:
         plan = build_run_plan(cfg, hf, engines)
     except PlanError as err:  # the engine layout does not divide the model, a group spans streams, ...
-        sgl = cfg.rollout.sglang
+        shape = engine_shape(cfg.rollout, cfg.trainer.runtime)
         raise RecipeError(
-            f"rollout.sglang (tp={sgl.tp} ep={sgl.ep} dp={sgl.dp}) x rollout.num_engines={cfg.rollout.num_engines}: "
+            f"{shape.key} (tp={shape.tp} ep={shape.ep} dp={shape.dp}) x rollout.num_engines={cfg.rollout.num_engines}: "
             f"the actor cannot feed this engine layout: {err}"
         ) from None
     problems = plan.check_coverage()

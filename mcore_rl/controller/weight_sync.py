@@ -33,6 +33,7 @@ from mcore_rl.config import RolloutConfig, SyncConfig
 from mcore_rl.controller.actor_group import ActorGroup
 from mcore_rl.controller.engine_fence import CONTROL_TIMEOUT_S, EngineFence, FenceError
 from mcore_rl.controller.engine_pool import EnginePool
+from mcore_rl.controller.gpu_plan import engine_shape
 from mcore_rl.resharding.sync.plan import EngineLayout
 
 log = logging.getLogger(__name__)
@@ -43,11 +44,9 @@ class SyncError(RuntimeError):
 
 
 def engine_layout(rollout: RolloutConfig, num_engines: int) -> EngineLayout:
-    """The engines' layout as the plan needs it (our embedded server is one rank)."""
-    if rollout.engine != "sglang":
-        return EngineLayout(num_engines=num_engines)
-    s = rollout.sglang
-    return EngineLayout(num_engines, s.tp, s.ep, s.dp if s.enable_dp_attention else 1)
+    """The engines' layout as the plan needs it (controller/gpu_plan.py engine_shape, which the dry run reads too; our
+    embedded server is one rank)."""
+    return engine_shape(rollout, "cuda").layout(num_engines)
 
 
 class WeightSync:
