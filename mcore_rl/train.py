@@ -166,7 +166,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             if critic is not None:
                 timer.lap("update_critic")
             if critic is None or critic.actor_trains(step):
-                sync.weights_changing()  # an engine replaced from here on waits for the next push
+                sync.weights_changing(step)  # an engine replaced from here on waits for the next push
                 if fused:
                     per_rank, logprobs, logprob_seconds = actor.logprobs_and_update(batch, cfg.actor.use_ref)
                     batch.tensors.update(logprobs)

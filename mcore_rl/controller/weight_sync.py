@@ -13,6 +13,8 @@ new one started and synced to the current version before it serves) and the push
 dies or an engine refuses a bucket, the push fails: every engine's session is closed (/abort_weight_update where the
 engine has it: our server keeps the old weights and version; else /end_weight_update: SGLang keeps what it loaded),
 the broadcast groups are rebuilt by the next push, and every engine is marked dirty (`dirty`) until a push succeeds.
+`push` retries a failed push once at once, so no engine generates dirty; a second failure ends the run (SyncError
+naming the step, the version and the engines: exit 1).
 A session left open (SGLang refuses begin on it) is closed and begun again. No tensor passes through this process;
 it only sends control calls.
 """
@@ -80,6 +82,7 @@ class WeightSync:
         self.version: int | None = None  #: the version every engine holds
         self.actor_version: int | None = None  #: the version the actor's weights are (None: training changed them)
         self.dirty: set[str] = set()
+        self.step: int | None = None  #: the training step whose weights are pushed next (weights_changing)
         self.last_stats: list[dict[str, Any]] = []
         self._lock = threading.RLock()
         digests = set(actor.call("sync_plan", asdict(self.layout), cfg.bucket_bytes, cfg.mode, cfg.fp8))
@@ -160,7 +163,35 @@ class WeightSync:
 
     # ------------------------------------------------------------------ the fence
     def push(self, version: int, urls: list[str] | None = None) -> list[dict[str, Any]]:
-        """Put the actor's current weights on the engines as `version` (all live engines, or `urls`)."""
+        """Put the actor's current weights on the engines as `version` (all live engines, or `urls`). A failed push
+        of all engines leaves them on their old version (the fence closed their sessions: our server drops what it
+        staged; SGLang keeps what it loaded, and the engine is marked dirty) and is retried once, from scratch, before
+        anything generates; SyncError naming the step, the version and the engines if the retry fails too (the run
+        ends: exit 1). A replacement engine's own push (`urls`) is not retried here: the pool replaces it again."""
+        try:
+            return self._push_once(version, urls)
+        except SyncError as err:
+            if urls is not None:
+                raise
+            first = err
+        log.warning(
+            "%sweight push of version %d failed (%s): the engines keep version %s (dirty: %s); retrying once",
+            self._where(), version, first, self.version, sorted(self.dirty),
+        )  # fmt: skip
+        try:
+            return self._push_once(version, None)
+        except Exception as err:  # noqa: BLE001 (a dead rank fails the groups' rebuild with Ray's own error)
+            engines = sorted(self.dirty) or list(self.pool.live_urls)
+            raise SyncError(
+                f"{self._where()}weight push of version {version} failed twice, on engines {engines} (their version "
+                f"stays {self.version}, dirty): first {first}; then {type(err).__name__}: {err}"
+            ) from err
+
+    def _where(self) -> str:
+        return f"step {self.step}: " if self.step is not None else ""
+
+    def _push_once(self, version: int, urls: list[str] | None) -> list[dict[str, Any]]:
+        """One try of `push`."""
         with self._lock, self.pool.health.quiet("weight push"):
             urls = list(urls if urls is not None else self.pool.live_urls)
             if self.cfg.transport == "distributed":
@@ -212,10 +243,12 @@ class WeightSync:
         index = {e.url: e.index for e in self.pool.engines}
         return [self.colocation[index[url]] for url in urls]
 
-    def weights_changing(self) -> None:
-        """The actor is about to update its weights: a replaced engine must now wait for the next push."""
+    def weights_changing(self, step: int | None = None) -> None:
+        """The actor is about to update its weights (at `step`, which a failed push names): a replaced engine must
+        now wait for the next push."""
         with self._lock:
             self.actor_version = None
+            self.step = step
 
     def _engine_started(self, url: str) -> bool:
         """A replacement engine is up: sync it now if the actor still holds the engines' version (True), else it
