@@ -52,16 +52,23 @@ def test_the_ppo_quickstart_passes_the_dry_run_on_one_gpu(world) -> None:
     assert "critic 1" in res.stdout and "(1 nodes x 1 GPUs)" in res.stdout  # gae brings its critic, on the same GPU
     assert "transport=tensor" in res.stdout  # verl's hybrid engine: the weights go by CUDA IPC
     assert "fits:" in res.stdout and "#SBATCH --nodes=1" in res.stdout
+    # the script's vLLM engine is modelled from rollout.vllm.* (gpu_memory_utilization 0.4 of 80 GiB), kept while
+    # the actor trains (vLLM releases nothing here); before, the colocated engine's memory was SGLang's only
+    assert "colocated engine:    32.0 GiB" in res.stdout and "kept while training" in res.stdout
 
 
 @pytest.mark.slow  # builds the 30B MoE's meta model for the sync plan
-def test_the_qwen3_30b_megatron_script_passes_the_dry_run_on_one_node(world) -> None:
+def test_the_qwen3_30b_megatron_script_counts_its_vllm_engines(world) -> None:
     """verl's Qwen3-30B-A3B script (EP 8, dynamic batches of 10240 tokens, optimizer state on the host) on 1 x 8: its
-    token budget caps a micro-batch at one 10240-token sample, which fits 80 GiB (the estimate counted micro-batches of
-    2 full-length samples before, and refused it at 119.8 GiB)."""
+    token budget caps a micro-batch at one 10240-token sample; its two vLLM engines at rollout.vllm.tp=4 take the 8
+    GPUs and, unable to release their memory here, keep their gpu_memory_utilization share while the actor trains,
+    which does not fit 80 GiB (counted as tp1 engines with no memory before, it passed)."""
     res = dry_run("grpo_qwen3moe_30b_megatron", world)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "ep=8" in res.stdout and "micro_batch=1, seq=10240" in res.stdout and "fits:" in res.stdout
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    out = res.stdout + res.stderr
+    assert "ep=8" in out and "micro_batch=1, seq=10240" in out
+    assert "engines 2 x tp4" in out and "kept while training" in out
+    assert "layout does not fit in GPU memory: estimated 132.3 GiB" in res.stderr
 
 
 def test_the_dapo_script_is_refused_for_its_context_parallelism(world) -> None:
