@@ -10,7 +10,8 @@ from configs/). Before anything is written, the config is composed in-process an
 
 - Placement (mcore_rl/controller/gpu_plan.py, the check the run itself makes against Ray): every actor, critic and
   engine rank on the N*G GPUs. trainer.placement=split: actor.world_size + critic.world_size + the engines' GPUs
-  (rollout.num_engines x rollout.sglang.tp, or x rollout.vllm.tp x rollout.vllm.dp); colocated: actor.world_size, which the critic and the engines share. An
+  (rollout.num_engines x rollout.sglang.tp, or x rollout.vllm.tp x rollout.vllm.dp); colocated: actor.world_size,
+  which the critic and the engines share. An
   engine's tp / nnodes GPUs per node must fit (and, colocated, divide) a node. The sync transport must suit it:
   colocated engines on CUDA take sync.transport=tensor (NCCL refuses an actor and an engine rank of one broadcast
   group on one GPU), split engines distributed or disk. (trainer.runtime=cpu jobs skip the GPU checks.)

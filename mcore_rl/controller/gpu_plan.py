@@ -187,7 +187,8 @@ def check_fits(cfg: Any, gpus: float, gpus_per_node: int | None, where: str) -> 
     ):
         raise PlacementError(
             f"trainer.placement=colocated: an engine's {count.engine_node_gpus} GPUs per node "
-            f"({engine_shape(cfg.rollout, cfg.trainer.runtime).terms()}, over its nodes) do not divide a node's {gpus_per_node}, so an engine would straddle two nodes' bundles; "
+            f"({engine_shape(cfg.rollout, cfg.trainer.runtime).terms()}, over its nodes) do not divide a node's "
+            f"{gpus_per_node}, so an engine would straddle two nodes' bundles; "
             f"expected a divisor of {gpus_per_node}"
         )
     return count
