@@ -45,9 +45,8 @@ def _version(pool: Any) -> str:
     return pool.client.get(pool.urls[0], "/get_weight_version")[1]["weight_version"]
 
 
-def test_a_failed_push_is_retried_once_and_a_second_failure_names_the_step_and_engine(
-    ray_session, tmp_path  # noqa: F811 (the fixture imported above)
-) -> None:
+@pytest.mark.usefixtures("ray_session")
+def test_a_failed_push_is_retried_once_and_a_second_failure_names_the_step_and_engine(tmp_path) -> None:
     actor, pool, sync = _setup(tmp_path)
     try:
         sync.push(1)
