@@ -199,6 +199,14 @@ def transport_problem(cfg: Any) -> str | None:
     if cfg.trainer.runtime != "cuda":
         return None
     transport, placement = cfg.sync.transport, cfg.trainer.placement
+    if cfg.rollout.engine == "vllm":
+        # The sender speaks SGLang's update protocol (its NCCL group, CUDA IPC payloads); vLLM's NCCL/IPC
+        # weight-transfer engines take another one, and the project's vLLM plugin has only the CPU (gloo) backend.
+        return (
+            "rollout.engine=vllm is invalid with trainer.runtime=cuda: the weight push into vLLM's NCCL/IPC "
+            "weight-transfer backends is not implemented yet (on CPU the project's gloo plugin is); expected "
+            "rollout.engine=sglang (verl: actor_rollout_ref.rollout.name=sglang)"
+        )
     if placement == "colocated" and transport == "distributed":
         return (
             "sync.transport='distributed' is invalid with trainer.placement=colocated on CUDA: each engine rank shares "
