@@ -90,11 +90,12 @@ def test_validation_runs_before_training_every_val_every_steps_and_per_data_sour
 @pytest.mark.slow
 def test_default_job_prints_only_its_own_lines(short_default_job):
     # No warning from Megatron, Ray or torch (mcore_rl/_quiet.py), nothing a user must learn to ignore: every line
-    # is a metrics line, the first weight push, or the summary.
+    # is a metrics line, where the engines are, the broadcast groups per engine GPU, the first weight push, or the
+    # summary.
     out, _ = short_default_job
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
-    own = ("step=", "summary: ", "weights v1 pushed in ")
+    own = ("step=", "summary: ", "weights v1 pushed in ", "rollout engines at ", "weight sync: ")
     assert [line for line in lines if not line.startswith(own)] == []
     assert sum(line.startswith("step=") for line in lines) == 4  # validation at step 0, then 3 steps
 
