@@ -103,7 +103,7 @@ def cluster():
     async def start(engine: SerialEngine) -> str:
         app = web.Application()
         app.router.add_post("/update_weights_from_distributed", engine.update)
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, shutdown_timeout=1.0)  # a deadlocked handler is not waited out (60 s)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
