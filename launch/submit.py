@@ -524,15 +524,21 @@ def write_script(run_dir: str, job_name: str, text: str) -> str:
     return path
 
 
+SINFO_TIMEOUT_S = 15.0  # sinfo's own retries against a controller that does not answer take ~50 s
+
+
 def check_partition(partition: str, dry_run: bool = False) -> None:
     """Refuse a partition sinfo does not list (skipped when sinfo is absent). When sinfo itself fails (no controller
     answers), a dry run says so and goes on, since it submits nothing; a submission is refused."""
     sinfo = shutil.which("sinfo")
     if not sinfo:
         return
-    res = subprocess.run([sinfo, "-h", "-o", "%P"], capture_output=True, text=True)
-    if res.returncode != 0:
-        failure = f"sinfo failed ({res.returncode}): {res.stderr.strip()}"
+    try:
+        res = subprocess.run([sinfo, "-h", "-o", "%P"], capture_output=True, text=True, timeout=SINFO_TIMEOUT_S)
+        failure = f"sinfo failed ({res.returncode}): {res.stderr.strip()}" if res.returncode != 0 else ""
+    except subprocess.TimeoutExpired:  # a controller that does not answer (munge down: ~50 s of retries)
+        failure = f"sinfo did not answer in {SINFO_TIMEOUT_S:g} s"
+    if failure:
         if dry_run:
             print(f"submit: partition {partition!r} not checked: {failure}")
             return

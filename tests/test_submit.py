@@ -311,3 +311,21 @@ def test_uneven_pipeline_stages_reach_the_dry_run_estimate() -> None:
     assert "first_stage_layers=16 last_stage_layers=15" in res.stdout and "fits:" in res.stdout
     res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "deepseek_v3_671b_32n", *layout)
     assert res.returncode == 2 and "first_stage_layers" in res.stderr, res.stderr
+
+
+def test_a_sinfo_that_does_not_answer_is_given_up(tmp_path, monkeypatch, capsys) -> None:
+    """A Slurm controller that does not answer (munge down) made sinfo retry for ~50 s: the dry run waited it out.
+    sinfo now gets SINFO_TIMEOUT_S; a dry run says so and goes on, a submission is refused (exit 1)."""
+    sys.path.insert(0, os.path.join(REPO, "launch"))
+    import submit
+
+    fake = tmp_path / "sinfo"
+    fake.write_text("#!/bin/sh\nsleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path) + os.pathsep + os.environ["PATH"])
+    monkeypatch.setattr(submit, "SINFO_TIMEOUT_S", 0.5)
+    submit.check_partition("gpu", dry_run=True)
+    assert "partition 'gpu' not checked: sinfo did not answer in 0.5 s" in capsys.readouterr().out
+    with pytest.raises(submit.SubmitError, match="sinfo did not answer") as err:
+        submit.check_partition("gpu")
+    assert err.value.code == 1
