@@ -67,6 +67,21 @@ def _job_state(job_id: int) -> str:
     return match.group(1) if match else "UNKNOWN"
 
 
+def wait_for_job(job_id: int, run_dir: str, timeout_s: float) -> tuple[str, str]:
+    """Poll the job until it leaves the queue or `timeout_s` passes (then scancel it); its final state and log."""
+    deadline = time.time() + timeout_s
+    state = _job_state(job_id)
+    while state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.time() < deadline:
+        time.sleep(3)
+        state = _job_state(job_id)
+    log_path = os.path.join(run_dir, f"slurm-{job_id}.out")
+    log = open(log_path).read() if os.path.exists(log_path) else "(no log)"
+    if state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+        subprocess.run(["scancel", str(job_id)], capture_output=True)
+        time.sleep(5)
+    return state, log
+
+
 def test_tiny_job_on_two_nodes(slurm2: None) -> None:
     # The run dir must be outside /tmp: each node has its own /tmp, and the test reads the output from the root ns.
     run_dir = tempfile.mkdtemp(prefix="mcrl-slurm2-", dir="/var/tmp")
@@ -82,16 +97,7 @@ def test_tiny_job_on_two_nodes(slurm2: None) -> None:
         )  # fmt: skip
         assert res.returncode == 0, res.stderr
         job_id = int(re.search(r"submitted job (\d+)", res.stdout).group(1))
-        deadline = time.time() + 150  # about 40 s when it works; a hang (see below) is cut short
-        state = _job_state(job_id)
-        while state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.time() < deadline:
-            time.sleep(3)
-            state = _job_state(job_id)
-        log_path = os.path.join(run_dir, f"slurm-{job_id}.out")
-        log = open(log_path).read() if os.path.exists(log_path) else "(no log)"
-        if state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-            subprocess.run(["scancel", str(job_id)], capture_output=True)
-            time.sleep(5)
+        state, log = wait_for_job(job_id, run_dir, 150)  # about 40 s when it works; a hang (see below) is cut short
         # A known way to hang here: ActorGroup's _Rendezvous actor (num_cpus=0) lands on one node and picks that
         # node's address while rank 0 lands on the other, so rank 0's TCPStore never meets its clients.
         assert state == "COMPLETED", f"job {job_id} ended {state} (cancelled if still running):\n{log[-4000:]}"

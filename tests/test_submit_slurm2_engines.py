@@ -18,10 +18,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
-from test_submit_slurm2 import SUBMIT, _job_state, slurm2  # noqa: F401 (slurm2 is the fixture)
+from test_submit_slurm2 import SUBMIT, slurm2, wait_for_job  # noqa: F401 (slurm2 is the fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,16 +39,7 @@ def test_default_job_with_its_engine_on_the_second_node(slurm2: None) -> None:  
         )  # fmt: skip
         assert res.returncode == 0, res.stderr
         job_id = int(re.search(r"submitted job (\d+)", res.stdout).group(1))
-        deadline = time.time() + 240
-        state = _job_state(job_id)
-        while state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") and time.time() < deadline:
-            time.sleep(3)
-            state = _job_state(job_id)
-        log_path = os.path.join(run_dir, f"slurm-{job_id}.out")
-        log = open(log_path).read() if os.path.exists(log_path) else "(no log)"
-        if state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-            subprocess.run(["scancel", str(job_id)], capture_output=True)
-            time.sleep(5)
+        state, log = wait_for_job(job_id, run_dir, 240)
         assert state == "COMPLETED", f"job {job_id} ended {state} (cancelled if still running):\n{log[-4000:]}"
         engines = re.search(r"rollout engines at (\S+) behind sglang-router at (\S+)", log)
         assert engines, log[-4000:]

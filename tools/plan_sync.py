@@ -11,17 +11,8 @@ may be overridden with `--set key=value` as on the train command line) and the e
 
 Checked: coverage (every byte each engine rank needs arrives exactly once; nothing else arrives; tensors an engine must
 receive together share a bucket). Printed, per mode:
-bytes per link class, and a predicted time from this transfer model (resharding/sync/forecast.py, which
-`launch/submit.py --dry-run` also prints for a recipe's own engine layout):
-
-    gather     each stream's TP/ETP all-gather inside the actor node: gathered bytes x (g-1)/g / NVLink bus bandwidth
-    transport  per (stream, distinct slice) one broadcast spanning the engine ranks that keep it, in every engine: a
-               leader sends each byte of each distinct slice once (ring/tree broadcast; receivers forward), so its NIC
-               carries the stream once; a receiving GPU takes its own slices from every stream. Over NVLink when
-               sender and receiver share a node (colocated), else InfiniBand (one NIC per GPU).
-    predicted  max(gather, busiest sending link, busiest receiving link) + one bucket of pipeline fill, since
-               gathers, packing and sends of successive buckets overlap (double buffering)
-    bound      the bytes the busiest receiving GPU must take / its link bandwidth (nothing can beat it)
+bytes per link class, and a predicted time from the transfer model of resharding/sync/forecast.py (its docstring
+says what each term counts), which `launch/submit.py --dry-run` also prints for a recipe's own engine layout.
 
 The last lines are one per mode:
     plan: model=<type> ranks=<n> mode=<m> coverage=ok bytes_gb=<x> predicted_s=<p> bound_s=<b>
