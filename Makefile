@@ -27,8 +27,11 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(PY) -m mcore_rl.train $(ARGS)
 
+# Two pytest-xdist workers (TEST_JOBS=0: one process); tests/conftest.py keeps each file, and files sharing
+# machine-wide state (Slurm, the sandbox uid, vLLM), on one worker.
+TEST_JOBS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=40 tests $(ARGS)
+	$(PY) -m pytest -q --durations=40 -n $(TEST_JOBS) --dist loadgroup --no-loadscope-reorder tests $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

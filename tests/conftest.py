@@ -1,4 +1,6 @@
-"""Shared pytest set-up: tests marked `gpu` skip where CUDA is absent; CPU tests never see a GPU."""
+"""Shared pytest set-up: tests marked `gpu` skip where CUDA is absent; CPU tests never see a GPU; under pytest-xdist
+(`make test` runs two workers) each file runs whole on one worker, and files that share machine-wide state run on the
+same worker, one after the other."""
 
 import os
 
@@ -10,7 +12,36 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Files that touch the same machine-wide state; `--dist loadgroup` runs each group on one worker, in order.
+SHARED_STATE = {
+    # the namespace Slurm cluster of tools/slurm_local.sh (started, stopped and reconfigured by these tests)
+    "slurm": ("test_submit_slurm.py", "test_submit_slurm2.py", "test_submit_slurm2_engines.py"),
+    # the no-escape check lists every process of the sandbox's uid: another file's sandbox would count as escaped
+    "sandbox": ("test_sandbox.py", "test_agent_loop.py"),
+    # about 3 GB and both cores per vLLM engine: one engine at a time
+    "vllm": (),  # every test_vllm_*.py (see _group)
+}
+_GROUP_OF = {name: group for group, names in SHARED_STATE.items() for name in names}
+
+
+def _group(filename: str) -> str:
+    if filename.startswith("test_vllm_"):
+        return "vllm"
+    return _GROUP_OF.get(filename, filename)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    group_of = {item: _group(item.path.name) for item in items}
+    for item, group in group_of.items():
+        item.add_marker(pytest.mark.xdist_group(group))  # a file's module fixtures start once
+    # The longest groups first (xdist hands out groups in this order, `--no-loadscope-reorder`), so that neither
+    # worker starts one at the end: vLLM's, then by the number of slow tests (end-to-end runs, gloo ranks).
+    weight: dict[str, int] = {}
+    for item, group in group_of.items():
+        weight[group] = weight.get(group, 0) + ("slow" in item.keywords)
+    weight["vllm"] = 1 << 20
+    items.sort(key=lambda item: -weight[group_of[item]])
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA: this machine has no usable GPU")
