@@ -30,6 +30,8 @@ import itertools
 from collections import Counter
 from typing import Any
 
+from mcore_rl.rollout.vllm_transfer import MEMORY_ROUTES, memory_call
+
 #: SGLang sampling_params -> vLLM SamplingParams; None: meaningless without a tokenizer (token ids only), dropped
 SAMPLING_NAMES: dict[str, str | None] = {
     "max_new_tokens": "max_tokens",
@@ -55,8 +57,6 @@ PAUSE_MODES = {"in_place": "keep", "retract": "abort", "abort": "abort"}
 _NOT_ON_VLLM = {
     "/update_weights_from_tensor": "sync.transport=tensor",
     "/update_weights_from_disk": "sync.transport=disk",
-    "/release_memory_occupation": "colocated placement (engines releasing memory)",
-    "/resume_memory_occupation": "colocated placement (engines releasing memory)",
 }
 
 
@@ -180,6 +180,8 @@ class VLLMDialect:
     async def control(self, client: Any, url: str, route: str, body: Any, timeout_s: float | None) -> tuple[int, Any]:
         """One SGLang control call as vLLM's (see the module docstring): (status, payload)."""
         body = body or {}
+        if route in MEMORY_ROUTES:  # colocated release: vLLM's sleep mode (/sleep, /wake_up; vllm_transfer.py)
+            return await memory_call(client, url, route, body, timeout_s)
         if route in _NOT_ON_VLLM:
             return 400, {"message": f"{route} has no vLLM counterpart: rollout.engine=vllm does not support "
                                     f"{_NOT_ON_VLLM[route]}; use sync.transport=distributed"}  # fmt: skip
