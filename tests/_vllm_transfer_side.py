@@ -121,33 +121,35 @@ def check_buckets(inp: dict[str, Any]) -> dict[str, Any]:
     packed_tensor.torch.cuda.stream = lambda s: contextlib.nullcontext()
     packed_tensor.torch.accelerator.current_device_index = lambda: 0
 
+    class ReplayGroup:
+        """Replays one broadcast of the leader (the bucket's buffer) and records every size asked for."""
+
+        def __init__(self, buffer: torch.Tensor) -> None:
+            self.buffer, self.calls = buffer, []
+
+        def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+            assert src == 0
+            self.calls.append(tensor.numel())
+            if tensor.numel() == self.buffer.numel():
+                tensor.copy_(self.buffer)
+
     sent = torch.load(inp["buckets_in"])  # [(update_info, buffer)]
     out: dict[str, Any] = {}
     for label, buffer_bytes in inp["limits"].items():
         received: dict[str, torch.Tensor] = {}
         asked: list[list[int]] = []
         for update, buffer in sent:
-            calls: list[int] = []
-
-            class ReplayGroup:
-                def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-                    assert src == 0
-                    calls.append(tensor.numel())
-                    if tensor.numel() == buffer.numel():
-                        tensor.copy_(buffer)
-
             engine = object.__new__(NCCLWeightTransferEngine)
             init = engine.parse_init_info(dict(inp["nccl_init"], packed_buffer_size_bytes=buffer_bytes))
             engine.packed = init.packed  # what init_transfer_engine keeps (it then joins NCCL: CUDA only)
             engine.packed_buffer_size_bytes = init.packed_buffer_size_bytes
             engine.packed_num_buffers = init.packed_num_buffers
             engine.device = torch.device("cpu")
-            engine.model_update_group = ReplayGroup()
-            engine.model = SimpleNamespace(
-                load_weights=lambda pairs: received.update((n, t.clone()) for n, t in pairs)
-            )
+            engine.model_update_group = group = ReplayGroup(buffer)
+            engine.model = SimpleNamespace(load_weights=lambda pairs, into=received: into.update(
+                (n, t.clone()) for n, t in pairs))  # fmt: skip
             engine.receive_weights(engine.parse_update_info(update))
-            asked.append(calls)
+            asked.append(group.calls)
         out[label] = {"broadcasts": asked, "bucket_bytes": [int(b.numel()) for _, b in sent]}
         if label == "ours":
             torch.save(received, inp["buckets_out"])
