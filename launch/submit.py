@@ -288,6 +288,7 @@ def _micro_batch(cfg: Any, group: Any) -> int:
 def _estimate(cfg: Any, group: Any, hf: dict[str, Any], engine: Any, use_ref: bool) -> Any:
     """models/estimate.py's per-GPU figures of one worker group (the actor, or the critic) at its own layout."""
     from mcore_rl.actor.optimizer import optimizer_plan
+    from mcore_rl.actor.reference import resolve_placement
     from mcore_rl.models.estimate import estimate_memory, rank_params
 
     lay = group.layout
@@ -308,6 +309,7 @@ def _estimate(cfg: Any, group: Any, hf: dict[str, Any], engine: Any, use_ref: bo
         plan=optimizer_plan(group.optim, cfg.model.dtype, cfg.trainer.runtime),
         recompute=recompute,
         use_ref=use_ref,
+        ref_placement=resolve_placement(getattr(group, "ref_placement", None), cfg.trainer.runtime),
         params=rank_params(hf, lay.to_layout(), cfg.model.make_vocab_size_divisible_by, cfg.model.dtype),
         engine=engine,
     )

@@ -35,17 +35,12 @@ from mcore_rl.actor.batch import (
     micro_batches,
     sequence_length,
 )
-from mcore_rl.actor.logprobs import (
-    response_logprobs,
-    response_positions,
-    vocab_parallel_entropy,
-    vocab_parallel_entropy_grad,
-)
+from mcore_rl.actor.logprobs import response_logprobs
 from mcore_rl.actor.packing import packed_micro_batches, packed_seq_params, unpack_rows
 from mcore_rl.actor.rank_stats import step_rank_metrics, timed
 from mcore_rl.actor.runtime import layout_problem, rank_device, threads_per_rank, to_host
 from mcore_rl.actor.schedule import run_schedule
-from mcore_rl.algorithms import aggregate_loss, get_policy_loss, kl_loss
+from mcore_rl.actor.step_losses import policy_loss, sum_metrics, value_loss
 from mcore_rl.config import ActorConfig, ModelConfig
 from mcore_rl.models.base import HFConfig
 from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
@@ -55,8 +50,6 @@ from mcore_rl.resharding.weight_map import WeightMapError, load_hf_weights
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-#: loss metric -> the name verl logs it under (actor/pg_clipfrac ...), where the two differ
-_VERL_NAMES = {"clip_frac": "pg_clipfrac", "clip_frac_lower": "pg_clipfrac_lower"}
 ROLES = ("actor", "critic")
 """What a worker group can be: the policy (with its frozen reference) or the PPO critic."""
 
@@ -140,20 +133,29 @@ class MegatronActor:
             from mcore_rl.actor.value_head import attach_value_heads
 
             attach_value_heads(self.chunks, self.pg, seed=model_cfg.init_seed + 7)
-        self._wrap_ddp_and_optimizer()
+        from mcore_rl.actor.optimizer import wrap_ddp_and_optimizer
+
+        self.optim_plan, self.ddp_chunks, self.optimizer, self.lr_scheduler = wrap_ddp_and_optimizer(
+            self.chunks, self.cfg.optim, self.model_cfg.dtype, self.runtime, self.pg, f"{self.role}.optim"
+        )
         self.routing = None  # actor/router_replay.py: R2 / R3 routing replay of the policy's forwards
         if self.routing_mode != "disabled":
             from mcore_rl.actor.router_replay import ActorRouting, RouterReplayDriver
 
             driver = RouterReplayDriver(self.ddp_chunks, self.pg.tp, self.layout.sequence_parallel)
             self.routing = ActorRouting(self.routing_mode, driver, hf.req("num_hidden_layers"), self.pg.dp)
-        self.ref_chunks: list[torch.nn.Module] = []
+        self.reference = None  # actor/reference.py: the frozen reference, resident or swapped in from the host
         if self.role == "actor" and actor_cfg.use_ref:
-            self.ref_chunks, _ = build_gpt_chunks(self.spec, self.pg)
-            for ref, policy in zip(self.ref_chunks, self.chunks):
-                ref.load_state_dict(policy.state_dict())
-                ref.requires_grad_(False)
-                ref.eval()
+            from mcore_rl.actor.reference import build_reference, resolve_placement
+
+            self.reference = build_reference(
+                self, resolve_placement(getattr(actor_cfg, "ref_placement", None), runtime)
+            )
+
+    @property
+    def ref_chunks(self) -> list[torch.nn.Module]:
+        """The resident reference's own model chunks; none without a reference or with it on the host."""
+        return getattr(self.reference, "chunks", [])
 
     # ----------------------------------------------------------------------------------------------- set-up
     def _load_hf(self, path: str) -> None:
@@ -177,32 +179,6 @@ class MegatronActor:
                 f"{path}: unexpected tensors not in the {self.spec.hf.model_type} weight map: "
                 f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
             )
-
-    def _wrap_ddp_and_optimizer(self) -> None:
-        """DDP, optimizer and lr schedule as mcore_rl/actor/optimizer.py plans them (the dry run counts the same)."""
-        from megatron.core.distributed import DistributedDataParallel
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import get_megatron_optimizer
-
-        from mcore_rl.actor.optimizer import lr_scheduler, optimizer_plan
-
-        optim = self.cfg.optim
-        self.optim_plan = optimizer_plan(optim, self.model_cfg.dtype, self.runtime)
-        config = self.chunks[0].config
-        ddp_config = self.optim_plan.ddp_config()
-        self.ddp_chunks = [
-            DistributedDataParallel(config, ddp_config, module=chunk, pg_collection=self.pg) for chunk in self.chunks
-        ]
-        for ddp in self.ddp_chunks:
-            ddp.broadcast_params()
-        config.finalize_model_grads_func = finalize_model_grads
-        self.optimizer = get_megatron_optimizer(
-            self.optim_plan.optimizer_config(optim),
-            self.ddp_chunks,
-            use_gloo_process_groups=False,
-            pg_collection=self.pg,
-        )
-        self.lr_scheduler = lr_scheduler(self.optimizer, optim)
 
     # ------------------------------------------------------------------------------------------ queries
     def call_packed(self, method: str, packed: bytes) -> Any:
@@ -252,26 +228,26 @@ class MegatronActor:
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch, use_ref: bool = False) -> RankResult:
         """Per-token logprobs [B_dp, R] of this rank's dp shard (policy, or the frozen reference)."""
-        if use_ref and not self.ref_chunks:
-            raise RuntimeError("actor.use_ref=false: there is no reference model")
         shard = self._dp_shard(batch)
-        return self._result(
-            self._shard_logprobs(
-                self.ref_chunks if use_ref else self.ddp_chunks, shard, not use_ref, sequence_length(batch)
-            )
-        )
+        if not use_ref:
+            return self._result(self._shard_logprobs(self.ddp_chunks, shard, True, sequence_length(batch)))
+        return self._result(self._ref_logprobs(shard, sequence_length(batch)))
+
+    def _ref_logprobs(self, shard: TrainBatch, min_seq_len: int) -> torch.Tensor | None:
+        """The frozen reference's logprobs of `shard` (its weights swapped in for the pass when they live on the host:
+        actor/reference.py)."""
+        if self.reference is None:
+            raise RuntimeError("actor.use_ref=false: there is no reference model")
+        with self.reference.weights_in(self) as chunks:
+            return self._shard_logprobs(chunks, shard, False, min_seq_len)
 
     @torch.no_grad()
     def policy_and_ref_logprobs(self, batch: TrainBatch) -> RankResult:
         """Policy and reference logprobs of this rank's dp shard, stacked [B_dp, 2, R]: one call (one round trip, one
         transfer of the batch) for both forward passes."""
-        if not self.ref_chunks:
-            raise RuntimeError("actor.use_ref=false: there is no reference model")
         shard = self._dp_shard(batch)
         old = self._shard_logprobs(self.ddp_chunks, shard, True, sequence_length(batch))
-        ref, self._ref_seconds = timed(
-            lambda: self._shard_logprobs(self.ref_chunks, shard, False, sequence_length(batch)), self.device
-        )
+        ref, self._ref_seconds = timed(lambda: self._ref_logprobs(shard, sequence_length(batch)), self.device)
         return self._result(torch.stack([old, ref], dim=1) if old is not None else None)
 
     def _dp_shard(self, batch: TrainBatch) -> TrainBatch:
@@ -411,9 +387,7 @@ class MegatronActor:
             old = self._shard_logprobs(self.ddp_chunks, shard, True, sequence_length(batch))
             ref = None
             if use_ref:
-                ref, self._ref_seconds = timed(
-                    lambda: self._shard_logprobs(self.ref_chunks, shard, False, sequence_length(batch)), self.device
-                )
+                ref, self._ref_seconds = timed(lambda: self._ref_logprobs(shard, sequence_length(batch)), self.device)
         for key, value in (("old_logprobs", old), ("ref_logprobs", ref)):
             if value is not None:  # the last pipeline stage, where the loss runs
                 whole = value.new_empty((value.shape[0] * self.pg.dp.size(), *value.shape[1:]))
@@ -446,8 +420,8 @@ class MegatronActor:
 
                 def loss_fn(mb: MicroBatch, logits: torch.Tensor, denominator=denominator, scale=scale):
                     if self.role == "critic":
-                        return self._value_loss(mb, logits, denominator, scale)
-                    return self._policy_loss(mb, logits, denominator, scale)
+                        return value_loss(self, mb, logits, denominator, scale)
+                    return policy_loss(self, mb, logits, denominator, scale)
 
                 for chunk in self.ddp_chunks:
                     chunk.zero_grad_buffer()
@@ -456,7 +430,7 @@ class MegatronActor:
                 lr = float(self.optimizer.param_groups[0]["lr"])
                 ok, grad_norm, _ = self.optimizer_step()
                 self.lr_scheduler.step(1)  # the lr of the next optimizer step
-                metrics = _sum_metrics(outputs)
+                metrics = sum_metrics(outputs)
                 metrics[f"{self.role}/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
                 metrics[f"{self.role}/update_ok"] = float(bool(ok))
                 metrics[f"{self.role}/lr"] = lr
@@ -465,6 +439,7 @@ class MegatronActor:
                 steps += 1
         if self.routing is not None:
             self.routing.end()
+        self.params_current()
         metrics = {k: v / steps for k, v in totals.items()}
         if self.role == "actor":  # verl's timing_s/ref and perf/max_memory_*, max over ranks (a collective)
             metrics.update(step_rank_metrics(self.device, self._ref_seconds))
@@ -503,72 +478,16 @@ class MegatronActor:
         """DPO update on interleaved chosen/rejected pairs carrying "ref_logprobs" (actor/dpo_step.py)."""
         from mcore_rl.actor.dpo_step import dpo_update
 
-        return self._result(dpo_update(self, batch, beta, loss_type))
+        metrics = dpo_update(self, batch, beta, loss_type)
+        self.params_current()
+        return self._result(metrics)
 
-    def _value_loss(self, mb: MicroBatch, output: torch.Tensor, denominator: float, scale: float):
-        from mcore_rl.actor.value_head import critic_loss, response_values
+    def params_current(self) -> None:
+        """Finish the overlapped parameter all-gather of the last optimizer step (actor/optimizer.py:
+        finish_param_gather), so that what reads the weights after an update reads this step's (collective)."""
+        from mcore_rl.actor.optimizer import finish_param_gather
 
-        values = unpack_rows(mb, response_values(output, mb.gather_index))
-        loss, metrics = critic_loss(self.cfg, values, mb.tensors, mb.response_mask, denominator)
-        return loss * scale, metrics
-
-    def _policy_loss(self, mb: MicroBatch, logits: torch.Tensor, denominator: float, scale: float):
-        cfg = self.cfg
-        logp = self._response_logprobs(mb, logits)
-        mask = mb.response_mask
-        extra = {"clip_ratio_c": cfg.clip_ratio_c} if cfg.policy_loss == "ppo" else {}
-        # Rollout correction (controller/advantage_stage.py) weighs every sample, stale ones included; without it,
-        # samples generated with an older weight version (async rollouts) still get TIS by default.
-        weights = mb.tensors.get("importance_weights")
-        if weights is None:
-            weights = stale_tis_weights(mb.tensors, mask, cfg.stale_tis_cap)
-        out = get_policy_loss(cfg.policy_loss)(
-            logp,
-            mb.tensors["old_logprobs"],
-            mb.tensors["advantages"],
-            mask,
-            clip_ratio_low=cfg.clip_ratio_low,
-            clip_ratio_high=cfg.clip_ratio_high,
-            **extra,
-            loss_agg_mode=cfg.loss_agg_mode,
-            max_response_len=mask.shape[1],
-            agg_denominator=denominator,
-            importance_weights=weights,
-        )
-        loss = out.loss
-        # Metrics are token-weighted sums here and divided by the token count in the controller.
-        weight = float(mask.sum())
-        metrics = {
-            f"actor/{_VERL_NAMES.get(k, k)}": float(v.detach() if torch.is_tensor(v) else v) * weight
-            for k, v in out.metrics.items()
-        }
-        # loss x denominator = this micro-batch's summed token losses (token-mean) or sequence losses.
-        metrics["actor/pg_loss"] = float(out.loss.detach()) * denominator
-        if "ref_logprobs" in mb.tensors:
-            kl = kl_loss(
-                logp,
-                mb.tensors["ref_logprobs"],
-                mask,
-                kind=cfg.kl_loss_type,
-                loss_agg_mode=cfg.loss_agg_mode,
-                max_response_len=mask.shape[1],
-                agg_denominator=denominator,
-            )
-            metrics["actor/kl_loss"] = float(kl.detach()) * denominator
-            if cfg.kl_loss_coef:
-                loss = loss + cfg.kl_loss_coef * kl
-        if cfg.entropy_coef:  # the bonus: maximise the aggregated token entropy
-            rows = response_positions(logits, mb.gather_index)
-            entropy = unpack_rows(mb, vocab_parallel_entropy_grad(rows, self.vocab_size, self.pg.tp))
-            loss = loss - cfg.entropy_coef * aggregate_loss(
-                entropy, mask, cfg.loss_agg_mode, max_response_len=mask.shape[1], denominator=denominator
-            )
-        else:
-            rows = response_positions(logits, mb.gather_index)
-            entropy = unpack_rows(mb, vocab_parallel_entropy(rows, self.vocab_size, self.pg.tp))
-        metrics["actor/entropy"] = float((entropy.detach() * mask).sum())
-        metrics["_tokens"] = weight
-        return loss * scale, metrics
+        finish_param_gather(self.ddp_chunks, self.optim_plan)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str, with_reference: bool = False) -> dict[str, Any]:
@@ -642,30 +561,6 @@ class MegatronActor:
 
     def pid(self) -> int:
         return os.getpid()
-
-
-def stale_tis_weights(tensors: dict[str, torch.Tensor], mask: torch.Tensor, cap: float | None) -> torch.Tensor | None:
-    """TIS weights min(pi_old / pi_rollout, cap) on the tokens of samples marked `stale` (generated with an older
-    weight version: async rollouts), 1 elsewhere; None when no sample is stale or the correction is off."""
-    stale = tensors.get("stale")
-    if stale is None or cap is None or not bool(stale.any()):
-        return None
-    from mcore_rl.algorithms.mismatch import truncated_importance_weights
-
-    tis = truncated_importance_weights(tensors["old_logprobs"], tensors["rollout_logprobs"], mask, cap=cap)
-    stale = stale.to(mask).unsqueeze(1)
-    return stale * tis + (1 - stale) * mask
-
-
-def _sum_metrics(outputs: list[dict[str, float]]) -> dict[str, float]:
-    """Token-weighted metric sums of the micro-batches -> means over this rank's tokens, keeping the token count."""
-    if not outputs:
-        return {}
-    tokens = sum(o["_tokens"] for o in outputs)
-    keys = {k for o in outputs for k in o if k != "_tokens"}
-    out = {k: sum(o.get(k, 0.0) for o in outputs) / max(tokens, 1.0) for k in keys}
-    out["_tokens"] = tokens
-    return out
 
 
 def megatron_overrides(cfg: Any, routing_mode: str) -> dict[str, Any]:

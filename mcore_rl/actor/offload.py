@@ -34,7 +34,7 @@ def offload_targets(actor: Any) -> dict[str, list]:
     master_params    fp32 master parameters: the distributed optimizer's `shard_fp32_from_float16_groups`,
                      Float16OptimizerWithFloat16Params' `fp32_from_float16_groups` (fp32 models have none: their
                      masters are views of the param buffer, moved with it)
-    reference        the frozen reference model's parameters
+    reference        the frozen reference model's parameters (when resident: actor/reference.py)
     """
     buffers = []
     for ddp in actor.ddp_chunks:
@@ -48,7 +48,8 @@ def offload_targets(actor: Any) -> dict[str, list]:
             state.extend((values, k) for k, v in values.items() if torch.is_tensor(v) and v.dim() > 0)
         for name in ("shard_fp32_from_float16_groups", "fp32_from_float16_groups"):
             masters.extend(p for group in getattr(opt, name, None) or [] for p in group if p is not None)
-    reference = [p for chunk in actor.ref_chunks for p in chunk.parameters()]
+    # a reference on the host (actor.ref_placement=host) has nothing on the device
+    reference = actor.reference.device_tensors() if getattr(actor, "reference", None) is not None else []
     return {"ddp_buffers": buffers, "optimizer_state": state, "master_params": masters, "reference": reference}
 
 

@@ -1,8 +1,9 @@
 """What the actor's optimizer is, decided once: the settings the Megatron ranks build and the bytes the dry run counts.
 
     plan = optimizer_plan(actor_cfg.optim, model_cfg.dtype, runtime)
-    ranks:   DistributedDataParallel(.., plan.ddp_config()) ; get_megatron_optimizer(plan.optimizer_config(optim), ..)
-             ; lr_scheduler(optimizer, optim)
+    ranks:   plan, ddp_chunks, optimizer, scheduler = wrap_ddp_and_optimizer(chunks, optim, dtype, runtime, pg)
+             (DistributedDataParallel(.., plan.ddp_config()) ; get_megatron_optimizer(plan.optimizer_config(optim), ..)
+             ; lr_scheduler(optimizer, optim)) ... finish_param_gather(ddp_chunks, plan) after each update
     dry run: plan.rank_bytes(params, dp)  (launch/submit.py --dry-run through mcore_rl/models/estimate.py)
 
 Both sides read the same `OptimizerPlan`, so what `--dry-run` prints is what the ranks allocate (a test builds a CPU
@@ -15,6 +16,13 @@ Byte accounting per parameter, as megatron-core 0.16.1 allocates it:
   bf16 (Megatron's Float16Optimizer / distributed optimizer keep fp32 masters; fp32 weights are stepped in place).
   The distributed optimizer shards all of it over the parameter's data-parallel group (dense: dp x cp, experts:
   expert dp). `offload_fraction` of it lives on the host (Megatron's HybridDeviceOptimizer), the rest on the GPU.
+
+Overlap (`overlap_grad_reduce`, `overlap_param_gather`: Megatron DDP's settings, as slime and verl's Megatron backend
+run them on GPUs): gradient buckets are reduced while the backward goes on (the schedule's `no_sync_func` holds the
+reduce back until the last micro-batch), and the distributed optimizer's parameter all-gather after a step runs bucket
+by bucket in the forward pre-hooks of the next mini-batch. The last step's gather has no next forward inside the
+update: `finish_param_gather` completes it before the update returns, so the weight sync, logprob passes, the
+reference swap, checkpoints and offload always read current parameters.
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ class OptimizerPlan:
     distributed: bool  #: Megatron's distributed optimizer (state sharded over data-parallel ranks)
     offload_fraction: float  #: share of the optimizer state and step on the host
     dtype: str  #: model parameter dtype: float32 | bfloat16
+    overlap_grad_reduce: bool = False  #: reduce gradient buckets during the backward (Megatron DDP)
+    overlap_param_gather: bool = False  #: gather parameters after a step during the next forward (Megatron DDP)
 
     @property
     def param_bytes(self) -> int:
@@ -71,6 +81,8 @@ class OptimizerPlan:
             f"optimizer: Adam, {'distributed' if self.distributed else 'replicated'} over dp, "
             f"{self.dtype} weights{' + fp32 masters' if self.master_bytes else ''}, fp32 grads"
             + (f", {self.offload_fraction:.0%} of its state on the host" if self.offload_fraction else "")
+            + (", grad reduce overlapped" if self.overlap_grad_reduce else "")
+            + (", param gather overlapped" if self.overlap_param_gather else "")
         )
 
     def ddp_config(self) -> Any:
@@ -78,7 +90,10 @@ class OptimizerPlan:
         from megatron.core.distributed import DistributedDataParallelConfig
 
         return DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=self.distributed
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=self.overlap_grad_reduce,
+            overlap_param_gather=self.overlap_param_gather,
+            use_distributed_optimizer=self.distributed,
         )
 
     def optimizer_config(self, optim: OptimConfig) -> Any:
@@ -117,19 +132,81 @@ class OptimizerPlan:
             bf16=self.dtype == "bfloat16",
             params_dtype=getattr(torch, self.dtype),
             use_distributed_optimizer=self.distributed,
+            overlap_param_gather=self.overlap_param_gather,  # meant to equal DDP's (0.16.1 reads it for MXFP8 only)
             **offload,
         )
 
 
-def optimizer_plan(optim: OptimConfig, dtype: str, runtime: str) -> OptimizerPlan:
-    """The plan for a run: `actor.optim.distributed` null means on for CUDA and off for CPU (see OptimConfig)."""
+def optimizer_plan(optim: OptimConfig, dtype: str, runtime: str, prefix: str = "actor.optim") -> OptimizerPlan:
+    """The plan for a run. Nulls (see OptimConfig): `distributed` and `overlap_grad_reduce` are on for CUDA and off
+    for CPU; `overlap_param_gather` is on exactly when the distributed optimizer and the overlapped reduce are."""
     distributed = optim.distributed if optim.distributed is not None else runtime == "cuda"
     if optim.offload_fraction and not distributed:
         raise ConfigError(
-            f"actor.optim.offload_fraction={optim.offload_fraction!r} needs actor.optim.distributed=true "
+            f"{prefix}.offload_fraction={optim.offload_fraction!r} needs {prefix}.distributed=true "
             "(Megatron offloads the distributed optimizer's shards)"
         )
-    return OptimizerPlan(distributed=distributed, offload_fraction=optim.offload_fraction, dtype=dtype)
+    reduce = optim.overlap_grad_reduce if optim.overlap_grad_reduce is not None else runtime == "cuda"
+    gather = optim.overlap_param_gather
+    if gather is None:
+        gather = distributed and reduce
+    elif gather and not (distributed and reduce):
+        raise ConfigError(
+            f"{prefix}.overlap_param_gather=true needs {prefix}.distributed and {prefix}.overlap_grad_reduce on "
+            f"(on trainer.runtime={runtime} they resolve to distributed={distributed}, overlap_grad_reduce={reduce}): "
+            "it overlaps the distributed optimizer's all-gather, which Megatron re-arms in the overlapped reduce"
+        )
+    return OptimizerPlan(
+        distributed=distributed,
+        offload_fraction=optim.offload_fraction,
+        dtype=dtype,
+        overlap_grad_reduce=reduce,
+        overlap_param_gather=gather,
+    )
+
+
+def wrap_ddp_and_optimizer(
+    chunks: list[Any], optim: OptimConfig, dtype: str, runtime: str, pg: Any, prefix: str = "actor.optim"
+) -> tuple[OptimizerPlan, list[Any], Any, Any]:
+    """(plan, DDP-wrapped chunks, Megatron optimizer, lr scheduler) of a worker's model chunks, as the plan says.
+
+    With overlap_grad_reduce the schedules run every micro-batch but the last under DDP's `no_sync` and start the
+    reduce of each chunk after its last backward (`no_sync_func`, `grad_sync_func`, as Megatron's training loop sets
+    them); `finalize_model_grads` waits for the reduces."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    plan = optimizer_plan(optim, dtype, runtime, prefix)
+    config = chunks[0].config
+    ddp_chunks = [DistributedDataParallel(config, plan.ddp_config(), module=c, pg_collection=pg) for c in chunks]
+    for ddp in ddp_chunks:
+        ddp.broadcast_params()
+    config.finalize_model_grads_func = finalize_model_grads
+    if plan.overlap_grad_reduce:
+        no_sync = [ddp.no_sync for ddp in ddp_chunks]
+        grad_sync = [ddp.start_grad_sync for ddp in ddp_chunks]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+    optimizer = get_megatron_optimizer(
+        plan.optimizer_config(optim), ddp_chunks, use_gloo_process_groups=False, pg_collection=pg
+    )
+    finish_param_gather(ddp_chunks, plan)  # the parameters are current from the start (see finish_param_gather)
+    return plan, ddp_chunks, optimizer, lr_scheduler(optimizer, optim)
+
+
+def finish_param_gather(ddp_chunks: list[Any], plan: OptimizerPlan) -> None:
+    """With overlap_param_gather, all-gather what the last optimizer step left to a next forward (collective over the
+    distributed optimizer's group; nothing otherwise).
+
+    Megatron (0.16.1) gathers a step's parameters in the forward pre-hooks of the next training forward, bucket by
+    bucket, re-armed by the gradient reduce (`finish_grad_sync` clears `param_gather_dispatched`); until then the
+    parameters outside this rank's shard are those of the step before. A forced synchronous gather marks every bucket
+    as gathered, so forward-only passes after it gather nothing and the next update's first forward does not
+    re-gather either."""
+    if plan.overlap_param_gather:
+        for ddp in ddp_chunks:
+            ddp.start_param_sync(force_sync=True)
 
 
 def lr_scheduler(optimizer: Any, optim: OptimConfig) -> Any:

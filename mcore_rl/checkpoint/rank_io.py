@@ -141,8 +141,9 @@ def save_rank(actor: Any, directory: str, with_reference: bool) -> dict[str, Any
         optimizer["scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(model, str(root / MODEL_DIR))
     dist_checkpointing.save(optimizer, str(root / OPTIMIZER_DIR))
-    if with_reference:
-        dist_checkpointing.save(_model_sharded(actor, actor.ref_chunks), str(root / REFERENCE_DIR))
+    if with_reference:  # the reference's weights, resident or swapped in from the host (actor/reference.py)
+        with actor.reference.weights_in(actor) as ref_chunks:
+            dist_checkpointing.save(_model_sharded(actor, ref_chunks), str(root / REFERENCE_DIR))
     record = {"layout": actor.layout.describe(), "world_size": actor.world_size, "states": _rng_states(actor)}
     torch.save(record, rng_file(root, actor.rank))
     torch.distributed.barrier()  # every rank's files are complete before the controller publishes the directory
@@ -186,8 +187,9 @@ def load_rank(actor: Any, directory: str) -> dict[str, Any]:
             raise ValueError(f"{root / OPTIMIZER_DIR}: no learning-rate scheduler state (saved without one)")
         scheduler.num_steps = 0  # Megatron's load_state_dict *adds* the saved step count to the current one
         scheduler.load_state_dict(loaded["scheduler"])
-    if actor.ref_chunks:
-        load_model_chunks(actor.ref_chunks, actor.pg, root / REFERENCE_DIR)
+    if getattr(actor, "reference", None) is not None:  # loaded into the chunks holding it, kept as the reference
+        with actor.reference.weights_in(actor, writeback=True) as ref_chunks:
+            load_model_chunks(ref_chunks, actor.pg, root / REFERENCE_DIR)
     record = read_rng_record(rng_file(root, actor.rank))
     same = record.get("layout") == actor.layout.describe() and record.get("world_size") == actor.world_size
     if same:

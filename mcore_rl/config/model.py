@@ -85,6 +85,14 @@ class OptimConfig:
     #: share of the optimizer state (and its step) held on the host, 0..1 (Megatron's HybridDeviceOptimizer); needs
     #: distributed=true, trainer.runtime=cuda and Transformer Engine
     offload_fraction: float = 0.0
+    #: Megatron DDP's overlap_grad_reduce: each gradient bucket's reduce (reduce-scatter with the distributed
+    #: optimizer, all-reduce without) starts as soon as the last micro-batch's backward has filled it, overlapping the
+    #: rest of the backward; null = on for trainer.runtime=cuda, off for cpu (it runs on CPU/gloo too)
+    overlap_grad_reduce: bool | None = None
+    #: Megatron DDP's overlap_param_gather: the distributed optimizer's parameter all-gather after a step runs bucket
+    #: by bucket under the next mini-batch's forward instead of at the end of the step; needs distributed=true and
+    #: overlap_grad_reduce; null = on exactly when both are (the ranks gather what is left when an update returns)
+    overlap_param_gather: bool | None = None
     lr_warmup_steps: int = 0  #: optimizer steps of linear warmup from 0 to lr
     lr_warmup_ratio: float | None = None  #: warmup as a share of lr_decay_steps (replaces lr_warmup_steps when set)
     #: after warmup: constant | linear | cosine | inverse-square-root (Megatron's OptimizerParamScheduler styles)
@@ -109,6 +117,19 @@ class OptimConfig:
             self.offload_fraction,
             f"0 unless {prefix}.distributed is true (Megatron offloads the distributed optimizer's shards)",
         )
+        for name in ("distributed", "overlap_grad_reduce", "overlap_param_gather"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, bool), f"{prefix}.{name}", value, "true, false or null")
+        if self.overlap_param_gather:
+            # Megatron's forward pre-hooks gather the distributed optimizer's shards; its training loop refuses
+            # overlap_param_gather without overlap_grad_reduce (the gather is re-armed by the overlapped reduce)
+            _check(
+                self.distributed is not False and self.overlap_grad_reduce is not False,
+                f"{prefix}.overlap_param_gather",
+                self.overlap_param_gather,
+                f"false or null unless {prefix}.distributed and {prefix}.overlap_grad_reduce are true (or null) "
+                f"(got distributed={self.distributed!r}, overlap_grad_reduce={self.overlap_grad_reduce!r})",
+            )
         _check(0 <= self.min_lr <= self.lr, f"{prefix}.min_lr", self.min_lr, f"in [0, {prefix}.lr={self.lr}]")
         _check(
             isinstance(self.lr_warmup_steps, int) and self.lr_warmup_steps >= 0,
@@ -241,6 +262,12 @@ class ActorConfig:
     #: reward, DPO); true = always (its KL to the policy is then logged as actor/kl_ref although no loss uses it);
     #: false = never (refused when something needs it). Resolved to true/false by RLConfig.validate
     use_ref: bool | None = None
+    #: where the frozen reference's weights live (actor/reference.py): resident (a second model on the device) | host
+    #: (its weights in host memory, pinned on CUDA, copied into the policy's model for each reference pass while the
+    #: policy's weights wait in host memory: one model's weights on the device, as slime); null = host on
+    #: trainer.runtime=cuda (a large MoE's reference costs as much device memory as its weights; the copies cost a
+    #: few PCIe transfers per step), resident on cpu (there host memory is the device: a host copy saves nothing)
+    ref_placement: str | None = None
     #: MoE routing replay (verl's router_replay.mode): disabled | R2 (the update replays the routing of the step's
     #: old-logprob forward) | R3 (every policy forward replays the experts the rollout engine routed each token to)
     router_replay_mode: str = "disabled"
@@ -290,6 +317,14 @@ class ActorConfig:
             "null, alltoall or flex",
         )
         _check(self.router_bias_update_rate >= 0, "actor.router_bias_update_rate", self.router_bias_update_rate, ">= 0")
+        from mcore_rl.config.names import REF_PLACEMENTS
+
+        _check(
+            self.ref_placement is None or self.ref_placement in REF_PLACEMENTS,
+            "actor.ref_placement",
+            self.ref_placement,
+            f"null or one of {REF_PLACEMENTS}",
+        )
 
 
 @dataclass

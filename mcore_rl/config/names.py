@@ -17,6 +17,7 @@ IS_LEVELS = ("token", "sequence")
 RS_LEVELS = ("sequence", "geometric")
 DPO_LOSSES = ("sigmoid", "ipo")
 ROUTER_REPLAY_MODES = ("disabled", "R2", "R3")
+REF_PLACEMENTS = ("resident", "host")
 SYNC_MODES = ("full", "shard_aware")
 SYNC_TRANSPORTS = ("distributed", "tensor", "disk")
 PLACEMENTS = ("split", "colocated")
@@ -34,6 +35,7 @@ MIRRORS = {
     "RS_LEVELS": ("mcore_rl.algorithms.mismatch", "RS_LEVELS"),
     "DPO_LOSSES": ("mcore_rl.algorithms.dpo", "DPO_LOSSES"),
     "ROUTER_REPLAY_MODES": ("mcore_rl.actor.router_replay", "ROUTER_REPLAY_MODES"),
+    "REF_PLACEMENTS": ("mcore_rl.actor.reference", "PLACEMENTS"),
     "SYNC_MODES": ("mcore_rl.resharding.sync.plan", "MODES"),
     "SYNC_TRANSPORTS": ("mcore_rl.resharding.sync.transports", "TRANSPORTS"),
     "PLACEMENTS": ("mcore_rl.controller.placement", "PLACEMENTS"),

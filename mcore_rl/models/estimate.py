@@ -19,7 +19,9 @@ sharded over dp by the distributed optimizer, partly on the host when offloaded)
 `OptimizerPlan` (mcore_rl/actor/optimizer.py), the same object the Megatron ranks build from, passed in by the caller
 (this module sits below the workers and imports nothing of theirs); parameters per rank come
 from the meta-device model at the actor's layout (`rank_params`: padded vocabulary and every norm included), so the
-figures are what the ranks allocate. On top: a frozen reference copy when actor.use_ref, an activation allowance
+figures are what the ranks allocate. On top: a frozen reference copy when actor.use_ref with
+actor.ref_placement=resident (with `host` its weights and the parked policy's are host memory, reported beside the
+GPU figures, as the offloaded optimizer share is), an activation allowance
 (`activation_bytes`, from the run's `actor.recompute`, the setting the ranks pass to Megatron), a fixed allowance for
 the CUDA context and NCCL buffers, and a colocated rollout engine's share (`EngineShare`: its weights and KV cache,
 `rollout.sglang.mem_fraction_static` of the GPU).
@@ -34,6 +36,8 @@ from typing import Any, Protocol
 from mcore_rl.parallel.layout import ParallelLayout
 
 GIB = 1024**3
+#: bytes of an activation element: activations are in the model's dtype (model.dtype)
+ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class OptimizerPlan(Protocol):
@@ -147,13 +151,14 @@ class MemoryEstimate:
     grads: float
     optimizer: float  #: on the GPU
     optimizer_host: float  #: offloaded to host memory (not in `total`)
-    reference: float
+    reference: float  #: on the GPU (ref_placement=resident)
     activations: float
     overhead: float
     dp: int
     expert_dp: int
     plan: OptimizerPlan
     engine: EngineShare | None = None
+    reference_host: float = 0.0  #: ref_placement=host: the reference's weights + the parked policy's, host memory
 
     @property
     def params_per_rank(self) -> float:
@@ -190,7 +195,8 @@ class MemoryEstimate:
             f"  main grads fp32:     {g(self.grads)}",
             f"  optimizer on GPU:    {g(self.optimizer)}"
             + (f"  (host: {g(self.optimizer_host)})" if self.optimizer_host else ""),
-            f"  reference:           {g(self.reference)}",
+            f"  reference:           {g(self.reference)}"
+            + (f"  (host: {g(self.reference_host)}, swapped in per pass)" if self.reference_host else ""),
             f"  activations:         {g(self.activations)}",
             f"  CUDA ctx + NCCL:     {g(self.overhead)}",
             f"  training peak:       {g(self.training)}",
@@ -311,8 +317,12 @@ def activation_bytes(
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     recompute: Recompute | None = None,
+    dtype_bytes: int = 2,
+    fused_attention: bool = True,
 ) -> float:
-    """Activation allowance of one rank under `recompute` (None: Megatron's default, every activation kept).
+    """Activation allowance of one rank under `recompute` (None: Megatron's default, every activation kept), for
+    activations of `dtype_bytes` (the model's dtype: 4 for fp32 runs) and attention fused (Transformer Engine's flash
+    attention) or not (Megatron's local spec: the CPU runtime, a GPU without TE).
 
     A layer's activations are ~34 s b h bytes / tp (Korthikanti et al., bf16, sequence parallelism, flash attention:
     no s^2 term, so selective recompute of the core attention saves nothing here); its input alone is 2 s b h / tp.
@@ -320,6 +330,12 @@ def activation_bytes(
     num_layers layers of the stage, the rest keep everything) and rebuilds one unit's activations in the backward.
     Layers of the largest stage, times the pp micro-batches in flight on the first stage under 1F1B (interleaving adds
     ~1/vpp more); plus the fp32 logits of the output layer and their softmax grad (vocab split by tp).
+
+    Unfused attention (`fused_attention=False`) keeps what Megatron 0.16.1's local spec saves for the backward
+    (`unfused_layer_elements` per token, counted with saved_tensors_hooks by tools/bench_memory_estimate.py) and, per
+    layer, the attention probabilities b x heads x s^2 (fp32 softmax output, + its 16-bit copy in a 16-bit model); the
+    backward of one layer holds the grads of its activations and two fp32 s^2 blocks (the grads of the probabilities
+    and of the scores).
     """
     import math
 
@@ -328,7 +344,16 @@ def activation_bytes(
     tokens = micro_batch * seq_len / cp
     stage_layers = layers / stage_pp_divisor(layers, pp, vpp, first_stage_layers, last_stage_layers)
     in_flight = pp * (1 + (1 / vpp if vpp > 1 else 0))
-    full_layer, layer_input = 34 * tokens * h / tp, 2 * tokens * h / tp
+    # Korthikanti's 34 bytes are 17 bf16 elements per token x h; activations are in the model's dtype
+    full_layer, layer_input = 17 * dtype_bytes * tokens * h / tp, dtype_bytes * tokens * h / tp
+    backward = 0.0  # what one layer's backward holds beside the stored activations
+    if not fused_attention:
+        heads = int(hf["num_attention_heads"])
+        scores = tokens * seq_len * heads / tp  # b x heads x s x s, over tp
+        per_token = sum(unfused_layer_elements(hf, i) for i in range(layers)) / layers
+        layer_tokens = per_token * dtype_bytes * tokens / tp
+        full_layer = layer_tokens + scores * (4 + (dtype_bytes if dtype_bytes < 4 else 0))
+        backward = layer_tokens + 2 * 4 * scores  # the grads of one layer's activations and of its s^2 blocks
     granularity = recompute.granularity if recompute is not None else None
     if granularity == "full":
         unit = recompute.num_layers or 1
@@ -340,9 +365,38 @@ def activation_bytes(
             stored = in_flight * math.ceil(stage_layers / unit) * layer_input
             working = unit * full_layer
     else:
-        stored, working = in_flight * stage_layers * full_layer, 0.0
+        stored, working = in_flight * stage_layers * full_layer, backward
     logits = tokens * int(hf["vocab_size"]) * 4 * 2 / tp  # logits + their softmax grad
     return stored + working + logits
+
+
+def unfused_layer_elements(hf: Mapping[str, Any], layer: int) -> float:
+    """Elements per token that decoder layer `layer` saves for its backward on Megatron's local spec, at tp=1 (the
+    s^2 probabilities aside). Attribution of what tools/bench_memory_estimate.py counts on the default job's
+    Qwen3-MoE shape (28.6 h per token per layer): attention 3 h (the norm's input, the QKV and projection inputs)
+    + the QKV output (q + 2 kv) + q twice and kv once (q/k norms, RoPE) + q, k, v reshaped for the batched matmuls
+    (3 q, keys and values expanded to every head); SwiGLU MLP: 2 h + 4 f (norm and fc1 inputs, fc1's 2 f output, the
+    activation and the product); MoE: 4 h + the router's probabilities + per routed token 3 h + 4 f (the dispatched
+    copy, the expert's input and output, its SwiGLU), shared experts as a dense MLP. q = heads x head dim; kv = the
+    keys' width (GQA: kv heads x head dim; MLA: the per-head key and value widths)."""
+    h = int(hf["hidden_size"])
+    heads = int(hf["num_attention_heads"])
+    if hf.get("kv_lora_rank"):
+        q_head = int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"])
+        q, kv = heads * q_head, heads * (q_head + int(hf["v_head_dim"])) / 2
+    else:
+        head_dim = int(hf.get("head_dim") or h // heads)
+        q, kv = heads * head_dim, int(hf.get("num_key_value_heads") or heads) * head_dim
+    attention = 3 * h + (q + 2 * kv) + (2 * q + kv) + 3 * q
+    if _moe_layers(hf, int(hf["num_hidden_layers"]))[layer]:
+        experts = int(hf.get("n_routed_experts") or hf.get("num_experts") or hf.get("num_local_experts") or 0)
+        top_k = int(hf.get("num_experts_per_tok") or 1)
+        f = int(hf.get("moe_intermediate_size") or 0)
+        shared = int(hf.get("n_shared_experts") or 0) * f + int(hf.get("shared_expert_intermediate_size") or 0)
+        mlp = 4 * h + experts + top_k * (3 * h + 4 * f) + (2 * h + 4 * shared if shared else 0)
+    else:
+        mlp = 2 * h + 4 * int(hf.get("intermediate_size") or 0)
+    return attention + mlp
 
 
 def estimate_memory(
@@ -360,16 +414,21 @@ def estimate_memory(
     plan: OptimizerPlan,
     recompute: Recompute | None = None,
     use_ref: bool = True,
+    ref_placement: str = "resident",
     overhead_gib: float = 4.0,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     params: RankParams | None = None,
     engine: EngineShare | None = None,
+    fused_attention: bool = True,
 ) -> MemoryEstimate:
     """Per-GPU memory of one actor rank (see the module doc); bytes per parameter from `plan` (the run's
-    `optimizer_plan`), activations under `recompute` (the run's `actor.recompute`), parameters per rank from `params`
+    `optimizer_plan`), activations under `recompute` (the run's `actor.recompute`), the reference's weights on the GPU
+    or the host by `ref_placement` (the run's resolved `actor.ref_placement`: actor/reference.py's
+    resolve_placement), parameters per rank from `params`
     (`rank_params`; without it, the closed-form count of `count_params`: dense / (tp*pp) + experts / (ep*etp*pp), pp
-    being num_layers / layers on the largest stage)."""
+    being num_layers / layers on the largest stage). `fused_attention`: the ranks run Transformer Engine's flash
+    attention (no s^2 scores kept); False for Megatron's local spec (the CPU runtime, a GPU without TE)."""
     etp = tp if etp is None else etp
     if params is None:
         counts = count_params(hf)
@@ -386,9 +445,11 @@ def estimate_memory(
         grads=dense.grads + expert.grads,
         optimizer=dense.optimizer_device + expert.optimizer_device,
         optimizer_host=dense.optimizer_host + expert.optimizer_host,
-        reference=dense.weights + expert.weights if use_ref else 0.0,
+        reference=dense.weights + expert.weights if use_ref and ref_placement == "resident" else 0.0,
+        reference_host=2 * (dense.weights + expert.weights) if use_ref and ref_placement == "host" else 0.0,
         activations=activation_bytes(
-            hf, tp, pp, cp, micro_batch, seq_len, vpp or 1, first_stage_layers, last_stage_layers, recompute
+            hf, tp, pp, cp, micro_batch, seq_len, vpp or 1, first_stage_layers, last_stage_layers, recompute,
+            dtype_bytes=ACTIVATION_BYTES.get(plan.dtype, 2), fused_attention=fused_attention,
         ),
         overhead=overhead_gib * GIB,
         dp=dp,

@@ -156,6 +156,7 @@ def run(rec: Any, dry: bool, family: str) -> None:
         est = estimate_memory(
             config, 1, tp=1, pp=1, micro_batch=batch_size, seq_len=prompt + response + 1,
             plan=actor.optim_plan, recompute=cfg.recompute, use_ref=True, overhead_gib=0.0,
+            ref_placement=actor.reference.placement,  # host on CUDA by default: not in the GPU's figures
         )  # fmt: skip
         rec["memory"] = {"peak_allocated_gib": peak / 2**30, "estimate_gib": est.training / 2**30,
                          "estimate_over_peak": est.training / peak}  # fmt: skip

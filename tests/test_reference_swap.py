@@ -1,0 +1,155 @@
+"""actor.ref_placement=host keeps one model on the device and gives what the resident reference gives (actor/reference.py).
+
+A tiny bf16 Qwen3-MoE actor on 2 CPU/gloo ranks (ep=2, the distributed optimizer: parameters are views of DDP's flat
+buffer) runs the same two RL steps with the reference resident and on the host: reference logprobs, the update's
+losses, the parameters after it and the policy's logprobs must be equal to the bit; with `host` the modules the actor
+holds have one model's parameters; a checkpoint written with the reference on the host holds the reference, and
+loading it (into either placement) restores the reference after it was changed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_qwen3_moe
+
+HF = tiny_qwen3_moe(vocab_size=100)
+
+
+def _batch(seed: int):  # noqa: ANN202
+    from mcore_rl.actor.batch import TrainBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    return TrainBatch(
+        [[1, 2, 3]] * 8,
+        torch.randint(1, 90, (8, 4), generator=gen),
+        torch.ones(8, 4),
+        {"old_logprobs": torch.full((8, 4), -4.0), "advantages": torch.randn(8, 4, generator=gen)},
+    )
+
+
+def _module_params(actor) -> tuple[int, int]:  # noqa: ANN001
+    """(distinct storages, bytes) of every parameter of every module the actor holds: policy and resident reference."""
+    params = [p for chunk in list(actor.chunks) + list(actor.ref_chunks) for p in chunk.parameters()]
+    storages = {p.untyped_storage().data_ptr() for p in params}
+    return len(storages), sum(p.numel() * p.element_size() for p in params)
+
+
+def _rank(rank: int, world: int, placement: str, save: str | None, load: str | None) -> dict:
+    from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig, OptimConfig
+
+    cfg = ActorConfig(
+        world_size=world, layout=LayoutConfig(ep=2), optim=OptimConfig(lr=1e-2, distributed=True), mini_batches=2,
+        use_ref=True, ref_placement=placement, kl_loss_coef=0.1,
+    )  # fmt: skip
+    actor = MegatronActor(rank, world, ModelConfig(hf_config=HF, dtype="bfloat16"), cfg)
+    actor.initialize(("127.0.0.1", 0))  # the harness already started torch.distributed
+    policy_bytes = sum(p.numel() * p.element_size() for chunk in actor.chunks for p in chunk.parameters())
+    out = {"placement": actor.reference.placement, "policy_bytes": policy_bytes, "built": _module_params(actor)}
+    out["ref0"] = actor.logprobs(_batch(0), use_ref=True).payload
+    out["policy0"] = actor.logprobs(_batch(0)).payload
+    step = actor.logprobs_and_update(_batch(1), use_ref=True).payload  # old + ref pass, then 2 optimizer steps
+    out["metrics"] = {k: v for k, v in step["metrics"].items() if not k.startswith(("timing", "perf"))}
+    out["ref1"], out["old1"] = step["ref_logprobs"], step["old_logprobs"]
+    out["training"] = _module_params(actor)  # after an update: still one model with `host`
+    both = actor.policy_and_ref_logprobs(_batch(2)).payload  # a reference pass with a trained policy parked
+    out["policy2"], out["ref2"] = both[:, 0], both[:, 1]
+    out["policy2_after_ref"] = actor.logprobs(_batch(2)).payload
+    step = actor.logprobs_and_update(_batch(4), use_ref=True).payload  # ref pass, then the update from the policy
+    out["metrics2"] = {k: v for k, v in step["metrics"].items() if not k.startswith(("timing", "perf"))}
+    out["params"] = [p.detach().clone() for chunk in actor.chunks for p in chunk.parameters()]
+    out["policy4"] = actor.logprobs(_batch(2)).payload
+    if save:
+        actor.save_checkpoint(save, with_reference=True)
+        # change the reference (and the policy, by one more update) after the save: loading must undo both
+        with actor.reference.weights_in(actor, writeback=True) as chunks, torch.no_grad():
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    p.mul_(0.5)
+        out["ref_changed"] = actor.logprobs(_batch(2), use_ref=True).payload
+        actor.update(_batch(3))
+    if load:
+        actor.load_checkpoint(load)
+        out["ref_loaded"] = actor.logprobs(_batch(2), use_ref=True).payload
+        out["policy_loaded"] = actor.logprobs(_batch(2)).payload
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    from mcore_rl.parallel.harness import run_on_ranks
+
+    ckpt = str(tmp_path_factory.mktemp("ref_ckpt"))
+    host = run_on_ranks(_rank, 2, ("host", ckpt, ckpt))
+    resident = run_on_ranks(_rank, 2, ("resident", None, ckpt))  # loads the checkpoint the host run wrote
+    return {"host": host, "resident": resident}
+
+
+@pytest.mark.slow
+def test_host_reference_logprobs_are_the_resident_ones(runs) -> None:
+    for host, resident in zip(runs["host"], runs["resident"]):
+        assert (host["placement"], resident["placement"]) == ("host", "resident")
+        for key in ("ref0", "ref1", "ref2"):
+            assert torch.equal(host[key], resident[key]), key
+        # the reference is the policy as built, and stays it while the policy trains
+        assert torch.equal(host["ref0"], host["policy0"])
+        assert not torch.equal(host["policy2"], host["ref2"])
+
+
+@pytest.mark.slow
+def test_policy_trains_the_same_with_the_reference_on_the_host(runs) -> None:
+    for host, resident in zip(runs["host"], runs["resident"]):
+        assert host["metrics"] == resident["metrics"] and host["metrics2"] == resident["metrics2"]
+        assert host["metrics2"]["actor/kl_loss"] != 0.0  # the KL to the (now different) reference is in the loss
+        assert len(host["params"]) == len(resident["params"])
+        assert all(torch.equal(a, b) for a, b in zip(host["params"], resident["params"]))
+        for key in ("old1", "policy2", "policy4"):
+            assert torch.equal(host[key], resident[key]), key
+        assert torch.equal(host["policy2_after_ref"], host["policy2"])  # the policy is back after a reference pass
+
+
+@pytest.mark.slow
+def test_host_reference_keeps_one_model_in_device_storage(runs) -> None:
+    for host, resident in zip(runs["host"], runs["resident"]):
+        policy = host["policy_bytes"]
+        assert host["built"][1] == host["training"][1] == policy  # the policy's parameters only
+        assert resident["built"][1] == resident["training"][1] == 2 * policy  # a second model beside it
+        assert host["training"][0] < resident["training"][0]  # the reference's storages are gone from the modules
+
+
+@pytest.mark.slow
+def test_checkpoint_writes_and_restores_the_host_reference(runs) -> None:
+    for host, resident in zip(runs["host"], runs["resident"]):
+        assert not torch.equal(host["ref_changed"], host["ref2"])  # the reference really changed after the save
+        assert torch.equal(host["ref_loaded"], host["ref2"])  # ... and the checkpoint brought it back
+        assert torch.equal(host["policy_loaded"], host["policy4"])  # the policy as saved
+        # the same checkpoint into a resident reference: the on-disk format does not depend on the placement
+        assert torch.equal(resident["ref_loaded"], host["ref2"])
+        assert torch.equal(resident["policy_loaded"], host["policy4"])
+
+
+def test_ref_placement_resolves_by_runtime_and_refuses_unknown_names() -> None:
+    from mcore_rl.actor.reference import PLACEMENTS, resolve_placement
+    from mcore_rl.config import ActorConfig, ConfigError
+    from mcore_rl.config.names import REF_PLACEMENTS
+
+    assert tuple(PLACEMENTS) == REF_PLACEMENTS
+    assert resolve_placement(None, "cuda") == "host" and resolve_placement(None, "cpu") == "resident"
+    assert resolve_placement("host", "cpu") == "host"
+    with pytest.raises(ConfigError, match=r"actor.ref_placement='gpu' is invalid: expected null or one of"):
+        ActorConfig(ref_placement="gpu").validate()
+
+
+def test_estimate_counts_a_host_reference_on_the_host() -> None:
+    from mcore_rl.actor.optimizer import optimizer_plan
+    from mcore_rl.config import OptimConfig
+    from mcore_rl.models.estimate import estimate_memory
+
+    plan = optimizer_plan(OptimConfig(), "bfloat16", "cuda")
+    resident = estimate_memory(HF, 2, tp=1, pp=1, ep=2, plan=plan, ref_placement="resident")
+    host = estimate_memory(HF, 2, tp=1, pp=1, ep=2, plan=plan, ref_placement="host")
+    assert resident.reference == resident.weights > 0 and resident.reference_host == 0
+    assert host.reference == 0 and host.reference_host == 2 * host.weights  # the reference + the parked policy
+    assert host.total == resident.total - resident.weights
+    assert "swapped in per pass" in host.describe()
