@@ -103,7 +103,8 @@ def engine_shape(rollout: Any, runtime: str) -> EngineShape:
         v = rollout.vllm
         ranks = v.tp * v.dp
         # vLLM's MoE layers span all tp x dp ranks: experts sharded over them with --enable-expert-parallel, else
-        # TP-split over them; vLLM cannot release its memory here (vllm_dialect: no release_memory_occupation)
+        # TP-split over them; counted as kept while a colocated actor trains: the dialect maps the release to
+        # vLLM's sleep mode (rollout/vllm_transfer.py), which needs --enable-sleep-mode, not passed by the launcher
         return EngineShape("rollout.vllm", v.tp, v.dp, ranks if v.enable_expert_parallel else 1, ranks, 1,
                            "rollout.vllm.gpu_memory_utilization", v.gpu_memory_utilization, False)  # fmt: skip
     gpus = 1 if runtime == "cuda" else 0
@@ -200,11 +201,14 @@ def transport_problem(cfg: Any) -> str | None:
         return None
     transport, placement = cfg.sync.transport, cfg.trainer.placement
     if cfg.rollout.engine == "vllm":
-        # The sender speaks SGLang's update protocol (its NCCL group, CUDA IPC payloads); vLLM's NCCL/IPC
-        # weight-transfer engines take another one, and the project's vLLM plugin has only the CPU (gloo) backend.
+        # The parts of the push into vLLM's own nccl/ipc backends exist (rollout/vllm_transfer.py: the bodies and
+        # the packed layout, checked against vLLM's code; rollout/vllm_nccl.py: the leader's NCCL rank 0), but the
+        # sync does not use them yet: the leader still joins a torch NCCL group (SGLang's rendezvous), the engines'
+        # init still gets SGLang's fields, and vLLM's worker holds one NCCL group, not one per stream (docs/vllm.md).
         return (
             "rollout.engine=vllm is invalid with trainer.runtime=cuda: the weight push into vLLM's NCCL/IPC "
-            "weight-transfer backends is not implemented yet (on CPU the project's gloo plugin is); expected "
+            "weight-transfer backends is not wired into the weight sync yet (its parts are in "
+            "mcore_rl/rollout/vllm_transfer.py and vllm_nccl.py; on CPU the project's gloo plugin is used); expected "
             "rollout.engine=sglang (verl: actor_rollout_ref.rollout.name=sglang)"
         )
     if placement == "colocated" and transport == "distributed":
