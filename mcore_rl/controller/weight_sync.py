@@ -166,8 +166,9 @@ class WeightSync:
         """Put the actor's current weights on the engines as `version` (all live engines, or `urls`). A failed push
         of all engines leaves them on their old version (the fence closed their sessions: our server drops what it
         staged; SGLang keeps what it loaded, and the engine is marked dirty) and is retried once, from scratch, before
-        anything generates; SyncError naming the step, the version and the engines if the retry fails too (the run
-        ends: exit 1). A replacement engine's own push (`urls`) is not retried here: the pool replaces it again."""
+        anything generates, once the engines being replaced are up (each then takes part in it); SyncError naming
+        the step, the version and the engines if the retry fails too (the run ends: exit 1). A replacement engine's
+        own push (`urls`) is not retried here: the pool replaces it again."""
         try:
             return self._push_once(version, urls)
         except SyncError as err:
@@ -178,6 +179,10 @@ class WeightSync:
             "%sweight push of version %d failed (%s): the engines keep version %s (dirty: %s); retrying once",
             self._where(), version, first, self.version, sorted(self.dirty),
         )  # fmt: skip
+        # An engine that died just before the push (the fence found it dead and is replacing it) takes part in the
+        # retry once it is up: with one engine, none is left otherwise, and the retry failed at once (the vLLM
+        # train test's engine killed between a step's generation and its push ended the run).
+        self.pool.wait_for_restarts()
         try:
             return self._push_once(version, None)
         except Exception as err:  # noqa: BLE001 (a dead rank fails the groups' rebuild with Ray's own error)
