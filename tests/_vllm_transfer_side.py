@@ -51,7 +51,15 @@ def check_nccl_init(inp: dict[str, Any]) -> dict[str, Any]:
 
     # parse_init_info is the worker's own parser (what /init_weight_transfer_engine runs); it reads only the class
     info = NCCLWeightTransferEngine.parse_init_info(NCCLWeightTransferEngine, inp["nccl_init"])
+    update = NCCLWeightTransferEngine.parse_update_info(NCCLWeightTransferEngine, inp["nccl_update"])
+    try:  # what the plugin's /update_weights_from_distributed passes today (for its own gloo backend)
+        NCCLWeightTransferEngine.parse_update_info(NCCLWeightTransferEngine, dict(inp["nccl_update"], group_name="s0"))
+        with_group_name = None
+    except ValueError as err:
+        with_group_name = str(err)
     return {
+        "update": [update.names, update.dtype_names, update.shapes],
+        "with_group_name": with_group_name,
         "unique_id_hex": info.nccl_unique_id_bytes.hex(),
         "rank_offset": info.rank_offset,
         "world_size": info.world_size,

@@ -29,6 +29,7 @@ from mcore_rl.rollout.vllm_transfer import (
     memory_resume_route,
     nccl_init_info,
     packed_buffer_bytes,
+    update_info,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -60,6 +61,7 @@ TENSORS = {  # mixed dtypes, back to back (widest first, as the plan packs them)
     "model.norm.weight": torch.randn(6, dtype=torch.bfloat16),
     "lm_head.weight": torch.randn(3, 6, dtype=torch.bfloat16),
 }
+SHAPES = [list(t.shape) for t in TENSORS.values()]
 FAKE_HANDLE = ("torch.Tensor", (64,), (1,), 0, "TypedStorage", "torch.uint8", 0, b"\x01" * 64, 128, 0, False,
                b"ref", 0, b"\x02" * 64, True)  # fmt: skip  # reduce_tensor's 15 args (index 6: the device)
 MEMORY_CALLS = {
@@ -83,6 +85,7 @@ def side(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = run_side(
         tmp, ["nccl_init", "signatures", "ipc", "memory"],
         nccl_init=nccl_init_info(UID, rank_offset=1, world_size=3, buffer_bytes=packed_buffer_bytes([100, 300])),
+        nccl_update=update_info(list(TENSORS), [t.dtype for t in TENSORS.values()], SHAPES),
         ipc_update=ipc, ipc_init=IPC_INIT_INFO, ipc_buffer=os.path.join(tmp, "ipc_buffer.pt"),
         ipc_out=os.path.join(tmp, "ipc_out.pt"), memory_calls=MEMORY_CALLS,
     )  # fmt: skip
@@ -98,6 +101,14 @@ def test_vllms_nccl_worker_parses_our_init_info_as_the_unique_id_rendezvous(side
     assert got["packed"] is True and got["packed_buffer_size_bytes"] == 300
     # what vLLM's own trainer would send in this mode (no master_address / master_port)
     assert got["payload_keys"] == sorted(nccl_init_info(UID, 1, 3, 300))
+
+
+@pytest.mark.vllm
+def test_vllms_nccl_worker_parses_our_update_info_and_refuses_sglangs_group_name(side) -> None:
+    got = side["nccl_init"]
+    assert got["update"] == [list(TENSORS), ["float32", "bfloat16", "bfloat16"], [[4, 6], [6], [3, 6]]]
+    # why the plugin's /update_weights_from_distributed cannot feed vLLM's own backends as it is (docs/vllm.md)
+    assert "group_name" in got["with_group_name"]
 
 
 def test_init_info_refuses_what_vllm_would_hang_on() -> None:
