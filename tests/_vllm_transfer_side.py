@@ -45,6 +45,13 @@ def _ctype_key(t: Any) -> Any:
     return ["simple", t._type_]
 
 
+class _NoStream:
+    """A CUDA stream stand-in (a CPU torch has none): vLLM's packed consumer only synchronizes its streams."""
+
+    def synchronize(self) -> None:
+        return None
+
+
 def check_nccl_init(inp: dict[str, Any]) -> dict[str, Any]:
     from vllm.distributed.weight_transfer.nccl_common import worker_init_payload
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
@@ -121,10 +128,6 @@ def check_buckets(inp: dict[str, Any]) -> dict[str, Any]:
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
     # CUDA stream plumbing only (a CPU torch has no streams); the chunking, sizes and unpacking stay vLLM's
-    class _NoStream:
-        def synchronize(self) -> None:
-            return None
-
     packed_tensor._get_streams = lambda device, n: tuple(_NoStream() for _ in range(n))
     packed_tensor.torch.cuda.stream = lambda s: contextlib.nullcontext()
     packed_tensor.torch.accelerator.current_device_index = lambda: 0
@@ -162,6 +165,44 @@ def check_buckets(inp: dict[str, Any]) -> dict[str, Any]:
         if label == "ours":
             torch.save(received, inp["buckets_out"])
     return out
+
+
+def check_gloo_buckets(inp: dict[str, Any]) -> dict[str, Any]:
+    """The same, with the leader's real broadcasts over a gloo group standing in for NCCL: this worker joins the
+    group the project's sender hosts (the plugin's join_group: the store keys of parallel/update_group.py) as rank 1,
+    and vLLM's NCCL worker engine receives every bucket through vLLM's packed consumer."""
+    import torch.distributed as dist
+    from mcore_rl_vllm_plugin.gloo_engine import GlooInitInfo, join_group
+    from vllm.distributed.weight_transfer import packed_tensor
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+    packed_tensor._get_streams = lambda device, n: tuple(_NoStream() for _ in range(n))
+    packed_tensor.torch.cuda.stream = lambda s: contextlib.nullcontext()
+    packed_tensor.torch.accelerator.current_device_index = lambda: 0
+    g = inp["gloo"]
+    group, _store = join_group(GlooInitInfo(g["host"], g["port"], 1, 2, g["name"], 120.0), rank=1)
+
+    class GlooGroup:  # PyNcclCommunicator.broadcast(tensor, src) over gloo
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+            options = dist.BroadcastOptions()
+            options.rootRank = src
+            group.broadcast([tensor], options).wait()
+            self.calls.append(tensor.numel())
+
+    engine = object.__new__(NCCLWeightTransferEngine)
+    init = engine.parse_init_info(inp["nccl_init"])
+    engine.packed, engine.packed_buffer_size_bytes = init.packed, init.packed_buffer_size_bytes
+    engine.packed_num_buffers, engine.device = init.packed_num_buffers, torch.device("cpu")
+    engine.model_update_group = stand_in = GlooGroup()
+    received: dict[str, torch.Tensor] = {}
+    engine.model = SimpleNamespace(load_weights=lambda pairs: received.update((n, t.clone()) for n, t in pairs))
+    for update in inp["updates"]:
+        engine.receive_weights(engine.parse_update_info(update))
+    torch.save(received, inp["buckets_out"])
+    return {"broadcasts": stand_in.calls}
 
 
 def check_memory(inp: dict[str, Any]) -> dict[str, Any]:

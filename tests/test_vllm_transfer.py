@@ -37,8 +37,9 @@ SIDE = os.path.join(ROOT, "tests", "_vllm_transfer_side.py")
 UID = bytes(range(128))
 
 
-def run_side(tmp: str, checks: list[str], **inputs: Any) -> dict[str, Any]:
-    """Run tests/_vllm_transfer_side.py in .venv-vllm once for `checks`; skip where vLLM is not installed."""
+def start_side(tmp: str, checks: list[str], **inputs: Any) -> tuple[subprocess.Popen, str]:
+    """Start tests/_vllm_transfer_side.py in .venv-vllm for `checks`: (process, its output file); skip where vLLM
+    is not installed."""
     reason = vllm_unavailable_reason(VLLMConfig())
     if reason is not None:
         pytest.skip(reason)
@@ -46,14 +47,24 @@ def run_side(tmp: str, checks: list[str], **inputs: Any) -> dict[str, Any]:
     with open(src, "w") as f:
         json.dump(dict(inputs, checks=checks), f)
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-    done = subprocess.run([vllm_python(VLLMConfig()), SIDE, src, dst], capture_output=True, text=True, timeout=600,
-                          env=env)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    proc = subprocess.Popen([vllm_python(VLLMConfig()), SIDE, src, dst], stderr=subprocess.PIPE, text=True, env=env)
+    return proc, dst
+
+
+def finish_side(proc: subprocess.Popen, dst: str, checks: list[str]) -> dict[str, Any]:
+    """Wait for the side process; its results, each check's failure named with vLLM's traceback."""
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
     with open(dst) as f:
         out = json.load(f)
     for name in checks:
         assert "error" not in out[name], f"{name} failed in vLLM's venv:\n{out[name].get('error')}"
     return out
+
+
+def run_side(tmp: str, checks: list[str], **inputs: Any) -> dict[str, Any]:
+    """start_side, then finish_side."""
+    return finish_side(*start_side(tmp, checks, **inputs), checks)
 
 
 TENSORS = {  # mixed dtypes, back to back (widest first, as the plan packs them)
@@ -214,6 +225,30 @@ def test_every_bucket_is_one_broadcast_that_vllms_nccl_worker_unpacks_bit_exact(
     assert sorted(received) == sorted(reference)
     for name, tensor in reference.items():
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+    # the same buckets broadcast for real, from the project's sender (a gloo group standing in for NCCL) to vLLM's
+    # NCCL worker engine in another process
+    from mcore_rl.parallel.update_group import new_update_group, reserve_port
+    from mcore_rl.resharding.sync.transports.distributed import _broadcast_unless_refused
+
+    listener = reserve_port("127.0.0.1")
+    gloo = {"host": "127.0.0.1", "port": listener.getsockname()[1], "name": "vllm-nccl-stand-in"}
+    os.makedirs(tmp_path / "gloo")
+    proc, dst = start_side(
+        str(tmp_path / "gloo"), ["gloo_buckets"], nccl_init=nccl_init_info(UID, 1, 2, packed_buffer_bytes(sizes)),
+        updates=[update for update, _ in sent], gloo=gloo, buckets_out=str(tmp_path / "gloo" / "received.pt"),
+    )  # fmt: skip
+    try:
+        group = new_update_group("gloo", gloo["host"], gloo["port"], 0, 2, gloo["name"], 120.0, listener)
+        for _, buffer in sent:
+            assert _broadcast_unless_refused(group, buffer, [])
+    finally:
+        out = finish_side(proc, dst, ["gloo_buckets"])["gloo_buckets"]
+    assert out["broadcasts"] == sizes
+    received = torch.load(tmp_path / "gloo" / "received.pt")
+    assert sorted(received) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(received[name], tensor), name
 
 
 # ---------------------------------------------------------------- what needs CUDA (skipped here)
