@@ -276,3 +276,33 @@ def test_nccl_sender_meets_vllms_pynccl_worker_on_two_gpus(tmp_path) -> None:
     sender.broadcast([bucket]).wait()
     assert proc.wait(timeout=300) == 0
     sender.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_vllms_ipc_worker_opens_our_bucket_handle_on_the_same_gpu(tmp_path) -> None:
+    """Our packed IPC payload of a CUDA bucket, opened by vLLM's packed_ipc_consumer in another process on the same
+    GPU (the vLLM venv must be a CUDA build): rebuild_cuda_tensor, unpack, bit exact."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    flat = [t.contiguous().view(-1).view(torch.uint8) for t in TENSORS.values()]
+    bucket = torch.cat([*flat, torch.zeros(40, dtype=torch.uint8)]).cuda()  # a reused buffer, larger than its bucket
+    _, args = reduce_tensor(bucket)
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    info = ipc_update_info(list(TENSORS), [t.dtype for t in TENSORS.values()], SHAPES, [f.numel() for f in flat],
+                           {uuid: args})  # fmt: skip
+    torch.save({n: t for n, t in TENSORS.items()}, tmp_path / "expected.pt")
+    script = (
+        "import json, os, sys, torch\n"
+        "os.environ['VLLM_ALLOW_INSECURE_SERIALIZATION'] = '1'\n"
+        "from vllm.distributed.weight_transfer.ipc_engine import IPCWeightTransferUpdateInfo\n"
+        "from vllm.distributed.weight_transfer.packed_tensor import packed_ipc_consumer\n"
+        "i = IPCWeightTransferUpdateInfo(**json.loads(sys.argv[1]))\n"
+        "got = dict(packed_ipc_consumer(i.ipc_handles, i.names, i.shapes, i.dtype_names, i.tensor_sizes, 0))\n"
+        "want = torch.load(sys.argv[2])\n"
+        "sys.exit(0 if all(torch.equal(got[n].cpu(), t) for n, t in want.items()) else 3)\n"
+    )
+    done = subprocess.run([vllm_python(VLLMConfig()), "-c", script, json.dumps(info), str(tmp_path / "expected.pt")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    torch.cuda.synchronize()
