@@ -144,6 +144,9 @@ def check_runtime(cfg: RLConfig, visible_gpus: int | None = None, te: bool | Non
         moe_problem = _moe_problem(name, group, runtime, te)
         if moe_problem:
             raise ConfigError(moe_problem)
+        from mcore_rl.actor.optimizer import optimizer_plan
+
+        optimizer_plan(group.optim, cfg.model.dtype, runtime, f"{name}.optim")  # its nulls resolved by the runtime
         if group.optim.offload_fraction and runtime == "cuda" and not te:
             # 0.16.1's HybridDeviceOptimizer runs through the precision-aware optimizer, which asks TE's version
             raise ConfigError(
