@@ -41,6 +41,9 @@ def test_dry_run_of_every_step(tmp_path) -> None:
         step = results["steps"][family]
         assert step["logprobs_on_host"] and step["offload"]["logprobs_equal_after_onload"]
         assert step["updates"]["update_ok"] == 1.0
+        # the memory step: the estimate's static terms against the rank's exact storages (tools/gpu_smoke/memory_check)
+        terms = step["memory"]["terms"]
+        assert all(0.8 <= terms[t]["ratio"] <= 1.25 for t in ("weights", "grads", "optimizer", "reference")), terms
 
 
 def test_a_step_cut_off_by_its_timeout_keeps_what_it_wrote(tmp_path, monkeypatch) -> None:

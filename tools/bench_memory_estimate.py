@@ -15,8 +15,9 @@ batch at the estimate's own assumption: micro-batches of `actor.micro_batch_size
   "Total Allocated": every tensor allocated while profiling, net of those freed), beside the peak of tensors autograd
   saved for the backward (saved_tensors_hooks, parameters excluded);
 - process level: peak RSS (VmHWM, reset once imports are done) through the build and the first update, minus the RSS
-  after imports and before the model is built. It includes what tensors do not show (Python objects of the modules, gloo buffers, the allocator's slack), so
-  on a tiny model it says little; the wide preset is where it means something.
+  after imports and before the model is built. It includes what tensors do not show (Python objects of the modules,
+  gloo buffers, oneDNN scratch, the allocator's slack), so on a tiny model it says little; the wide preset is where
+  it means something.
 
 The estimate's CUDA context + NCCL allowance has no CPU counterpart and is left out of the CPU totals. The same
 per-rank tensor counts (`rank_tensor_bytes`) serve tools/gpu_smoke's memory step, which adds CUDA's peak allocated.
@@ -77,12 +78,14 @@ def reset_peak_rss() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ tensor memory
-def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
-    """Bytes of the distinct storages behind `tensors` not already in `seen` (which is updated): views of one buffer
-    (Megatron's DDP grad and param buffers) count once."""
+def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int], device: str | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors` (on `device`'s type, or any) not already in `seen` (which is
+    updated): views of one buffer (Megatron's DDP grad and param buffers) count once."""
     total = 0
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        if device is not None and t.device.type != device:
             continue
         storage = t.untyped_storage()
         key = storage.data_ptr()
@@ -99,26 +102,25 @@ def _inner_optimizers(optimizer: Any) -> list[Any]:
     return [getattr(p, "optimizer", p) for p in parts]
 
 
-def rank_tensor_bytes(actor: Any) -> dict[str, int]:
+def rank_tensor_bytes(actor: Any, device: str | None = None) -> dict[str, int]:
     """Exact bytes one actor rank holds, by the estimate's terms: weights (the policy's parameters and buffers),
-    grads (main grads: DDP's fp32 grad buffers), optimizer (fp32 masters + Adam state, on any device), reference (the
-    frozen copy's parameters, or its host copies with actor.ref_placement=host). Call after an update: Adam creates
-    its state at the first step."""
+    grads (main grads: DDP's fp32 grad buffers), optimizer (fp32 masters + Adam state), reference (the frozen copy's
+    parameters, or its host copies with actor.ref_placement=host); only tensors on `device` ("cuda": what the GPU
+    holds) or all. Call after an update: Adam creates its state at the first step."""
     seen: set[int] = set()
+    count = lambda tensors: _storage_bytes(tensors, seen, device)  # noqa: E731
     params = [p for chunk in actor.chunks for p in chunk.parameters()]
-    weights = _storage_bytes(params, seen)
-    weights += _storage_bytes((b for chunk in actor.chunks for b in chunk.buffers()), seen)
-    grads = _storage_bytes((getattr(p, "main_grad", None) for p in params), seen)
-    grads += _storage_bytes((p.grad for p in params), seen)
+    weights = count(params) + count(b for chunk in actor.chunks for b in chunk.buffers())
+    grads = count(getattr(p, "main_grad", None) for p in params) + count(p.grad for p in params)
     optimizer = 0
     for inner in _inner_optimizers(actor.optimizer):
         # fp32 masters: the optimizer's own parameters that are not the model's (16-bit weights); states: Adam's
-        optimizer += _storage_bytes((p for group in inner.param_groups for p in group["params"]), seen)
-        optimizer += _storage_bytes((v for state in inner.state.values() for v in state.values()), seen)
-    reference = _storage_bytes((p for chunk in getattr(actor, "ref_chunks", []) for p in chunk.parameters()), seen)
+        optimizer += count(p for group in inner.param_groups for p in group["params"])
+        optimizer += count(v for state in inner.state.values() for v in state.values())
+    reference = count(p for chunk in getattr(actor, "ref_chunks", []) for p in chunk.parameters())
     # actor.ref_placement=host (actor/reference.py): the reference's and the parked policy's host copies
     held = getattr(actor, "reference", None)
-    reference += _storage_bytes([*getattr(held, "_ref", []), *getattr(held, "_park", [])], seen)
+    reference += count([*getattr(held, "_ref", []), *getattr(held, "_park", [])])
     return {"weights": weights, "grads": grads, "optimizer": optimizer, "reference": reference}
 
 

@@ -5,7 +5,8 @@ model written by transformers:
     parity     logprobs of response tokens against transformers fp32: mean / p99 / max |dlogp|, beside transformers'
                own bf16-vs-fp32 gap as the yardstick (issue 27's bar: Megatron within 1.5x of it)
     updates    three optimizer steps: seconds each, tokens/s, model TFLOP/s (6 x active parameters per token)
-    memory     peak allocated during the updates against the dry run's estimate (models/estimate.py) as a ratio
+    memory     the dry run's estimate (models/estimate.py) for these shapes against one more update, term by term
+               (memory_check.py): exact storages, CUDA's peak allocated (the profiler's peak on the CPU), ratios
     offload    bytes moved by kind, memory before / after, logprobs equal after onload
 
 Without transformers (a bare box that carries only megatron-core) the model is the actor's own random init and the
@@ -20,6 +21,8 @@ import time
 from typing import Any
 
 import torch
+
+from tools.gpu_smoke import memory_check
 
 SHAPES = {
     "qwen3_moe": dict(
@@ -98,7 +101,7 @@ def run(rec: Any, dry: bool, family: str) -> None:
     from mcore_rl.actor.batch import TrainBatch
     from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.config import ActorConfig, ModelConfig, OptimConfig
-    from mcore_rl.models.estimate import count_params, estimate_memory
+    from mcore_rl.models.estimate import count_params
     from mcore_rl.models.spec import te_in_use
     from mcore_rl.parallel.groups import free_port
 
@@ -151,15 +154,8 @@ def run(rec: Any, dry: bool, family: str) -> None:
     rec["updates"] = {"seconds": [round(s, 4) for s in seconds], "tokens_per_s": round(tokens / step, 1),
                       "model_tflops": round(6 * active * tokens / step / 1e12, 2), "active_params": active,
                       "update_ok": metrics["actor/update_ok"]}  # fmt: skip
-    if not dry:
-        peak = torch.cuda.max_memory_allocated()
-        est = estimate_memory(
-            config, 1, tp=1, pp=1, micro_batch=batch_size, seq_len=prompt + response + 1,
-            plan=actor.optim_plan, recompute=cfg.recompute, use_ref=True, overhead_gib=0.0,
-            ref_placement=actor.reference.placement,  # host on CUDA by default: not in the GPU's figures
-        )  # fmt: skip
-        rec["memory"] = {"peak_allocated_gib": peak / 2**30, "estimate_gib": est.training / 2**30,
-                         "estimate_over_peak": est.training / peak}  # fmt: skip
+    # --- memory: the dry run's estimate for these shapes against one more update (tools/gpu_smoke/memory_check.py)
+    rec["memory"] = memory_check.measure(actor, batch, config, prompt + response + 1, dry)
     # --- offload / onload
     before = actor.logprobs(batch).payload
     allocated = torch.cuda.memory_allocated() if not dry else 0
@@ -175,6 +171,7 @@ def run(rec: Any, dry: bool, family: str) -> None:
         (f"|dlogp| mean {parity['megatron_bf16_vs_hf_fp32']['mean']:.2e} ({parity['ratio_mean']:.2f}x HF bf16); "
          if isinstance(parity, dict) else "parity skipped; ")
         + f"update {step * 1e3:.0f} ms, {tokens / step:.0f} tok/s, {6 * active * tokens / step / 1e12:.2f} TFLOP/s; "
+        + f"{memory_check.summary(rec['memory'])}; "
         + f"offload {moved.get('bytes', 0) / 2**20:.0f} MiB, equal after onload: {torch.equal(before, again)}"
     )  # fmt: skip
     # the 1.5x bar is for CUDA; CPU bf16 kernels round differently from transformers' (dry run: reported only)
