@@ -1,4 +1,5 @@
-"""actor.ref_placement=host keeps one model on the device and gives what the resident reference gives (actor/reference.py).
+"""actor.ref_placement=host keeps one model on the device and gives what the resident reference gives
+(actor/reference.py).
 
 A tiny bf16 Qwen3-MoE actor on 2 CPU/gloo ranks (ep=2, the distributed optimizer: parameters are views of DDP's flat
 buffer) runs the same two RL steps with the reference resident and on the host: reference logprobs, the update's
@@ -153,3 +154,57 @@ def test_estimate_counts_a_host_reference_on_the_host() -> None:
     assert host.reference == 0 and host.reference_host == 2 * host.weights  # the reference + the parked policy
     assert host.total == resident.total - resident.weights
     assert "swapped in per pass" in host.describe()
+
+
+@pytest.mark.gpu
+def test_cuda_host_reference_is_pinned_saves_device_memory_and_matches_resident() -> None:
+    """On one GPU (NCCL, distributed optimizer, overlapped reduce and gather: the CUDA defaults): the host reference's
+    weights are pinned, the actor holds one model's weights less on the device, and the reference logprobs before and
+    after an update are those of the resident reference, and the update's losses and policy match it."""
+    import gc
+
+    from test_cuda_first_run import QWEN3_MOE_TINY
+
+    from mcore_rl.actor.batch import TrainBatch
+    from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.config import ActorConfig, ModelConfig, OptimConfig
+    from mcore_rl.parallel.groups import destroy_model_parallel, free_port
+
+    got = {}
+    for placement in ("resident", "host"):
+        torch.manual_seed(0)
+        batch = TrainBatch([[3, 4, 5], [6, 7]] * 2, torch.randint(1, 90, (4, 4)), torch.ones(4, 4))
+        batch.tensors.update(advantages=torch.randn(4, 4))
+        gc.collect()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_allocated()
+        cfg = ActorConfig(
+            world_size=1, use_ref=True, ref_placement=placement, kl_loss_coef=0.1, mini_batches=2,
+            optim=OptimConfig(distributed=True),
+        )  # fmt: skip
+        actor = MegatronActor(0, 1, ModelConfig(hf_config=QWEN3_MOE_TINY, dtype="bfloat16"), cfg, runtime="cuda")
+        try:
+            actor.initialize(("127.0.0.1", free_port()))
+            out = {"allocated": torch.cuda.memory_allocated() - before, "plan": actor.optim_plan}
+            out["weights"] = sum(p.numel() * p.element_size() for c in actor.chunks for p in c.parameters())
+            if placement == "host":
+                out["pinned"] = all(t.is_pinned() for t in actor.reference._ref + actor.reference._park)
+            out["ref0"] = actor.logprobs(batch, use_ref=True).payload
+            step = actor.logprobs_and_update(batch, use_ref=True).payload
+            out["metrics"] = {k: v for k, v in step["metrics"].items() if not k.startswith(("timing", "perf"))}
+            out["ref1"] = actor.logprobs(batch, use_ref=True).payload
+            out["policy1"] = actor.logprobs(batch).payload
+            got[placement] = out
+        finally:
+            destroy_model_parallel()
+            del actor
+    host, resident = got["host"], got["resident"]
+    assert host["plan"].overlap_grad_reduce and host["plan"].overlap_param_gather  # the CUDA defaults
+    assert host["pinned"]
+    assert resident["allocated"] - host["allocated"] >= 0.9 * host["weights"]
+    assert torch.equal(host["ref0"], resident["ref0"]) and torch.equal(host["ref1"], resident["ref1"])
+    assert torch.equal(host["ref0"], host["ref1"])  # the reference does not train
+    # two separate trainings on a GPU: equal up to CUDA's non-deterministic reductions in the backward
+    assert host["metrics"] == pytest.approx(resident["metrics"], rel=1e-3)
+    assert torch.allclose(host["policy1"], resident["policy1"], atol=5e-2)
+    assert not torch.equal(host["policy1"], host["ref1"])
