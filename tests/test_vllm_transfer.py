@@ -129,6 +129,19 @@ def test_init_info_refuses_what_vllm_would_hang_on() -> None:
         nccl_init_info(UID, 0, 3, 300)  # rank 0 is the leader: a worker there would never meet it
 
 
+def test_a_bucket_that_is_not_back_to_back_is_refused_before_it_is_sent() -> None:
+    """vLLM's consumer splits a broadcast by the tensors' sizes alone: padding would shift every later tensor."""
+    from types import SimpleNamespace as NS
+
+    entry = lambda name, offset: NS(name=name, shape=(2,), dtype="float32", offset=offset, nbytes=8)  # noqa: E731
+    good = NS(index=0, nbytes=16, entries=(entry("a", 0), entry("b", 8)))
+    assert bucket_update_info(good) == {"names": ["a", "b"], "dtype_names": ["float32"] * 2, "shapes": [[2], [2]]}
+    with pytest.raises(ValueError, match="b at byte 16, expected 8"):
+        bucket_update_info(NS(index=3, nbytes=24, entries=(entry("a", 0), entry("b", 16))))
+    with pytest.raises(ValueError, match="not a torch dtype"):
+        update_info(["a"], ["float33"], [[2]])
+
+
 @pytest.mark.vllm
 def test_our_nccl_ctypes_table_is_vllms(side) -> None:
     got = side["signatures"]
