@@ -62,3 +62,19 @@ def test_every_estimate_term_is_within_the_target_of_what_the_rank_allocates(dty
     # fp32 masters); Megatron pads the distributed optimizer's buffers, Adam adds a 4-byte step counter per tensor
     for term in ("weights", "grads", "optimizer"):
         assert got["estimate"][term] == pytest.approx(got["measured"][term], rel=1e-2), term
+
+
+def test_selective_recompute_drops_the_unfused_attention_probabilities() -> None:
+    """Selective recompute rebuilds the core attention in the backward: on the local spec the stored s^2
+    probabilities go (one layer's come back while it runs); with flash attention there were none to drop."""
+    from mcore_rl.config.model import RecomputeConfig
+    from mcore_rl.models.estimate import activation_bytes
+
+    def act(recompute: RecomputeConfig | None, fused: bool) -> float:
+        return activation_bytes(MODEL, 1, 1, 1, 8, 512, recompute=recompute, dtype_bytes=2, fused_attention=fused)
+
+    selective = RecomputeConfig("selective")
+    probabilities = 8 * 512 * 512 * MODEL["num_attention_heads"] * (4 + 2)  # fp32 softmax + its bf16 copy, a layer
+    layers = MODEL["num_hidden_layers"]
+    assert act(None, False) - act(selective, False) == pytest.approx((layers - 1) * probabilities)
+    assert act(selective, True) == act(None, True)

@@ -309,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
     overrides = (WIDE if args.preset == "wide" else []) + list(args.overrides)
     cfg = compose_recipe(args.recipe, overrides)
     if cfg.trainer.runtime != "cpu":
-        print("bench_memory_estimate runs the CPU runtime: add trainer.runtime=cpu", file=sys.stderr)
+        print("bench_memory_estimate runs the CPU runtime: expected trainer.runtime=cpu", file=sys.stderr)
+        return 2
+    if cfg.actor.recompute.granularity:  # what pre-flight refuses on CPU (mcore_rl/preflight.py)
+        print(f"actor.recompute.granularity={cfg.actor.recompute.granularity!r}: Megatron's recompute needs CUDA's RNG "
+              "state; expected null on the CPU runtime (the GPU kit measures the GPU)", file=sys.stderr)  # fmt: skip
         return 2
     from mcore_rl.models.spec import te_in_use
 

@@ -334,8 +334,10 @@ def activation_bytes(
     Unfused attention (`fused_attention=False`) keeps what Megatron 0.16.1's local spec saves for the backward
     (`unfused_layer_elements` per token, counted with saved_tensors_hooks by tools/bench_memory_estimate.py) and, per
     layer, the attention probabilities b x heads x s^2 (fp32 softmax output, + its 16-bit copy in a 16-bit model); the
-    backward adds two fp32 s^2 blocks (the grads of one layer's probabilities and scores). Measured against the
-    profiler's peak of a real update (tests/test_memory_estimate.py): 0.90-1.14 over fp32/bf16, 64-512 tokens.
+    backward adds two fp32 s^2 blocks (the grads of one layer's probabilities and scores); selective recompute (of the
+    core attention) keeps no probabilities but rebuilds one layer's. Measured against the profiler's peak of a real
+    update (tests/test_memory_estimate.py): 0.90-1.14 over fp32/bf16, 64-512 tokens; the recompute paths are not
+    measured (Megatron's recompute needs CUDA's RNG state: the CPU runtime refuses it).
     """
     import math
 
@@ -352,7 +354,8 @@ def activation_bytes(
         scores = tokens * seq_len * heads / tp  # b x heads x s x s, over tp
         per_token = sum(unfused_layer_elements(hf, i) for i in range(layers)) / layers
         layer_tokens = per_token * dtype_bytes * tokens / tp
-        full_layer = layer_tokens + scores * (4 + (dtype_bytes if dtype_bytes < 4 else 0))
+        probabilities = scores * (4 + (dtype_bytes if dtype_bytes < 4 else 0))
+        full_layer = layer_tokens + probabilities
         # the backward frees each layer's saved tensors as it goes; its peak is one attention's two fp32 s^2 grads
         backward = 2 * 4 * scores
     granularity = recompute.granularity if recompute is not None else None
@@ -361,10 +364,14 @@ def activation_bytes(
         if recompute.method == "block":
             kept = max(0.0, stage_layers - unit)
             stored = in_flight * (min(unit, stage_layers) * layer_input + kept * full_layer)
-            working = full_layer
+            working = full_layer + backward
         else:  # uniform
             stored = in_flight * math.ceil(stage_layers / unit) * layer_input
-            working = unit * full_layer
+            working = unit * full_layer + backward
+    elif granularity == "selective" and not fused_attention:
+        # Megatron recomputes the core attention (its s^2 probabilities) of one layer at a time in the backward
+        stored = in_flight * stage_layers * (full_layer - probabilities)
+        working = probabilities + backward
     else:
         stored, working = in_flight * stage_layers * full_layer, backward
     logits = tokens * int(hf["vocab_size"]) * 4 * 2 / tp  # logits + their softmax grad
