@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_size = cfg.actor.micro_batch_size * dp * cfg.actor.mini_batches
     ranks = run_on_ranks(measure_rank, cfg.actor.world_size, (cfg.model, cfg.actor, batch_size), timeout_s=900)
     result = compare(est, ranks)
-    title = (f"{args.recipe} {' '.join(overrides)}: actor world {cfg.actor.world_size} (dp {dp}), micro-batch "
+    title = (f"{' '.join([args.recipe, *overrides])}: actor world {cfg.actor.world_size} (dp {dp}), micro-batch "
              f"{cfg.actor.micro_batch_size} x {cfg.model.max_sequence_length} tokens, {cfg.model.dtype}")  # fmt: skip
     print(table(result, title))
     if args.json:
