@@ -36,6 +36,7 @@ from mcore_rl.actor.batch import (
     sequence_length,
 )
 from mcore_rl.actor.logprobs import response_logprobs
+from mcore_rl.actor.model_setup import hf_config_dict, load_hf, megatron_overrides
 from mcore_rl.actor.packing import packed_micro_batches, packed_seq_params, unpack_rows
 from mcore_rl.actor.rank_stats import step_rank_metrics, timed
 from mcore_rl.actor.runtime import layout_problem, rank_device, threads_per_rank, to_host
@@ -46,7 +47,6 @@ from mcore_rl.models.base import HFConfig
 from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
 from mcore_rl.parallel.cpu_runtime import mode_suspended
 from mcore_rl.parallel.groups import init_distributed, initialize_model_parallel
-from mcore_rl.resharding.weight_map import WeightMapError, load_hf_weights
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -108,7 +108,7 @@ class MegatronActor:
             raise ValueError(problem)
         # routing replay is the policy's (actor.router_replay_mode); a critic routes by its own logits
         self.routing_mode = getattr(actor_cfg, "router_replay_mode", "disabled")
-        config, self._unread = _hf_config_dict(model_cfg, announce=self.rank == 0)
+        config, self._unread = hf_config_dict(model_cfg, announce=self.rank == 0)
         hf = HFConfig(config)
         self.spec = ModelSpec(
             hf,
@@ -128,7 +128,7 @@ class MegatronActor:
         self.chunks, self.contexts = build_gpt_chunks(self.spec, self.pg)
         path = (getattr(actor_cfg, "path", None) or model_cfg.path) if self.role == "critic" else model_cfg.path
         if path:
-            self._load_hf(path)
+            load_hf(self, path)
         if self.role == "critic":
             from mcore_rl.actor.value_head import attach_value_heads
 
@@ -158,28 +158,6 @@ class MegatronActor:
         return getattr(self.reference, "chunks", [])
 
     # ----------------------------------------------------------------------------------------------- set-up
-    def _load_hf(self, path: str) -> None:
-        from mcore_rl.resharding.hf_io import HFCheckpointReader, fp8_aware_reader, fp8_block_size
-
-        reader = HFCheckpointReader(path)
-        # FP8 releases (DeepSeek-V3) are dequantised on load with their weight_scale_inv, never copied raw.
-        fp8 = fp8_block_size(reader.config) is not None
-        load_hf_weights(self.chunks, self.contexts, self.weight_map, fp8_aware_reader(reader))
-        shape = self.spec.family.shape(self.spec.hf)
-        unread = self._unread  # MTP layers: held by the checkpoint, not built for RL (see _hf_config_dict)
-        unexpected = [
-            n
-            for n in reader.names()
-            if not (fp8 and n.endswith("_scale_inv"))
-            and not (unread and n.startswith(unread))
-            and not self.weight_map.is_known_hf(n, shape.num_layers, shape.num_experts)
-        ]
-        if unexpected:
-            raise WeightMapError(
-                f"{path}: unexpected tensors not in the {self.spec.hf.model_type} weight map: "
-                f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
-            )
-
     # ------------------------------------------------------------------------------------------ queries
     def call_packed(self, method: str, packed: bytes) -> Any:
         """`method(*args, **kwargs)`, the arguments pickled by the controller (`ActorGroup.call`)."""
@@ -309,59 +287,17 @@ class MegatronActor:
 
     @torch.no_grad()
     def forward_logits(self, tokens: torch.Tensor) -> RankResult:
-        """Full-vocabulary logits [B_dp, T, vocab] of this rank's dp shard of `tokens` (TP-gathered, padding trimmed).
+        """Full-vocabulary logits [B_dp, T, vocab] of this rank's dp shard of `tokens` (actor/diagnostics.py)."""
+        from mcore_rl.actor.diagnostics import forward_logits
 
-        For parity checks against the rollout engine and HF; not used in training.
-        """
-        for chunk in self.ddp_chunks:
-            chunk.eval()
-        shard = tokens.chunk(self.pg.dp.size())[self.pg.dp.rank()].to(self.device)
-        tp = self.pg.tp.size()
-
-        def forward_step(data_iterator: Iterator[torch.Tensor], model: torch.nn.Module):
-            ids = next(data_iterator)
-            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-            out = model(input_ids=ids, position_ids=positions, attention_mask=None)
-
-            def gather(logits: torch.Tensor):
-                parts = [torch.empty_like(logits) for _ in range(tp)]
-                torch.distributed.all_gather(parts, logits.contiguous(), group=self.pg.tp)
-                return logits.new_zeros(()), {"logits": torch.cat(parts, -1)[..., : self.vocab_size]}
-
-            return out, gather
-
-        outputs = run_schedule(self.ddp_chunks, forward_step, [shard], shard.shape[1], shard.shape[0], self.pg, True)
-        return self._result(outputs[0]["logits"] if outputs else None)
+        return self._result(forward_logits(self, tokens))
 
     @torch.no_grad()
     def router_choices(self, batch: TrainBatch, replay: bool = True) -> RankResult:
-        """The experts the policy's routers dispatched each token to in a forward over this rank's dp shard, int32
-        [B_dp, T, num_hidden_layers, k] (sorted per token, -1 in layers not on this rank), with the configured
-        routing replay (or without it); for checks against the rollout engine's routed experts, not used in training.
-        """
-        from mcore_rl.actor.router_replay import capture_router_choices
+        """The experts the policy's routers choose per token, int32 [B_dp, T, layers, k] (actor/diagnostics.py)."""
+        from mcore_rl.actor.diagnostics import router_choices
 
-        for chunk in self.ddp_chunks:
-            chunk.eval()
-        batch.tensors["sample_index"] = torch.arange(batch.size)
-        shard = batch.shard(self.pg.dp.rank(), self.pg.dp.size())
-        mbs, seq_len = micro_batches(shard, shard.size, self._pad_multiple, device=self.device)  # one capture
-        layers = self.spec.hf.req("num_hidden_layers")
-        handles, captured = capture_router_choices(self.ddp_chunks, shard.size, layers)
-        if replay and self.routing is not None:
-            self.routing.begin("update")  # what the update's forwards route by
-        try:
-            self._run_schedule(self.ddp_chunks, mbs, seq_len, lambda mb, logits: (logits.new_zeros(()), {}), True)
-        finally:
-            if self.routing is not None:
-                self.routing.end()
-            for handle in handles:
-                handle.remove()
-        out = torch.full((shard.size, seq_len, layers, self.spec.transformer_config().moe_router_topk), -1)
-        for layer, choices in captured.items():
-            local = choices.reshape(-1, shard.size, choices.shape[-1])  # [s, b, k] (pp=1, no sp: full sequence)
-            out[:, : local.shape[0], layer] = local.transpose(0, 1)
-        return self._result(out.to(torch.int32))
+        return self._result(router_choices(self, batch, replay))
 
     @property
     def _pad_multiple(self) -> int:
@@ -561,43 +497,3 @@ class MegatronActor:
 
     def pid(self) -> int:
         return os.getpid()
-
-
-def megatron_overrides(cfg: Any, routing_mode: str) -> dict[str, Any]:
-    """TransformerConfig fields the worker's config sets on top of the family's translation: routing replay, the expert
-    bias update rate (DeepSeek-V3's aux-loss-free balancing; frozen by default in RL), activation recompute, the MoE
-    dispatcher and permute fusion."""
-    out: dict[str, Any] = {"moe_enable_routing_replay": True} if routing_mode != "disabled" else {}
-    rate = getattr(cfg, "router_bias_update_rate", 0.0)
-    if rate:
-        out["moe_router_bias_update_rate"] = rate
-    recompute = getattr(cfg, "recompute", None)
-    if recompute is not None:
-        out.update(recompute.megatron_fields())
-    dispatcher = getattr(cfg, "moe_dispatcher", None)
-    if dispatcher == "flex":  # DeepEP's kernels behind Megatron's flex dispatcher
-        out.update(moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep")
-    elif dispatcher:
-        out["moe_token_dispatcher_type"] = dispatcher
-    if getattr(cfg, "moe_permute_fusion", False):
-        out["moe_permute_fusion"] = True
-    return out
-
-
-def _hf_config_dict(model_cfg: ModelConfig, announce: bool = False) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """(HF config the worker builds from, HF name prefixes of the checkpoint it does not read).
-
-    Multi-token-prediction layers are off in RL: Megatron 0.16.1 computes MTP's loss inside the forward from `labels`
-    (it clones them) and returns a loss instead of logits when given labels, so a logprob forward cannot run with MTP
-    built; its tensors are left unread, and the engines keep the MTP weights they loaded (SGLang's speculative draft).
-    """
-    from mcore_rl.models.base import checkpoint_config, get_family
-
-    if model_cfg.path:
-        config, note, unread = checkpoint_config(model_cfg.path, "off")
-    else:
-        raw = dict(model_cfg.hf_config)
-        config, note, unread = get_family(raw.get("model_type", "<missing>")).resolve_mtp(raw, set(), "off")
-    if note and announce:
-        log.warning("%s; the RL workers do not train MTP layers (the engines keep theirs as loaded)", note)
-    return config, unread
