@@ -48,6 +48,10 @@ def _rank(rank: int, world: int, placement: str, save: str | None, load: str | N
     actor.initialize(("127.0.0.1", 0))  # the harness already started torch.distributed
     policy_bytes = sum(p.numel() * p.element_size() for chunk in actor.chunks for p in chunk.parameters())
     out = {"placement": actor.reference.placement, "policy_bytes": policy_bytes, "built": _module_params(actor)}
+    if placement == "host":
+        from mcore_rl.actor.reference import model_tensors
+
+        out["copies"] = (len(actor.reference._live), len(model_tensors(actor.chunks)))
     out["ref0"] = actor.logprobs(_batch(0), use_ref=True).payload
     out["policy0"] = actor.logprobs(_batch(0)).payload
     step = actor.logprobs_and_update(_batch(1), use_ref=True).payload  # old + ref pass, then 2 optimizer steps
@@ -115,6 +119,8 @@ def test_host_reference_keeps_one_model_in_device_storage(runs) -> None:
     for host, resident in zip(runs["host"], runs["resident"]):
         policy = host["policy_bytes"]
         assert host["built"][1] == host["training"][1] == policy  # the policy's parameters only
+        swapped, tensors = host["copies"]
+        assert swapped < tensors  # DDP's flat parameter buffers are copied whole, not tensor by tensor
         assert resident["built"][1] == resident["training"][1] == 2 * policy  # a second model beside it
         assert host["training"][0] < resident["training"][0]  # the reference's storages are gone from the modules
 

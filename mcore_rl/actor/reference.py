@@ -63,6 +63,21 @@ def model_tensors(chunks: list[torch.nn.Module]) -> list[torch.Tensor]:
     return out
 
 
+def swap_tensors(actor: Any) -> list[torch.Tensor]:
+    """What a swap copies: Megatron DDP's flat parameter buffers where the distributed optimizer keeps the parameters
+    as views of them (a few large copies instead of one per tensor: full PCIe bandwidth, few launches), and every
+    other tensor of the chunks' state dicts (all of them without the distributed optimizer, where DDP keeps no
+    parameter buffer; persistent buffers such as the expert bias)."""
+    flat = [
+        buffer.param_data
+        for ddp in getattr(actor, "ddp_chunks", [])
+        for buffer in list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+        if getattr(buffer, "param_data", None) is not None
+    ]
+    inside = {t.untyped_storage().data_ptr() for t in flat}
+    return flat + [t for t in model_tensors(actor.chunks) if t.untyped_storage().data_ptr() not in inside]
+
+
 class ResidentReference:
     """A second, frozen model on the device (the placement `resident`)."""
 
@@ -97,11 +112,11 @@ class HostReference:
 
     def __init__(self, actor: Any) -> None:
         pin = actor.runtime == "cuda"  # pinned: asynchronous copies at full PCIe bandwidth, no staging copy
-        self._live = model_tensors(actor.chunks)
+        self._live = swap_tensors(actor)
         with torch.no_grad():
             self._ref = [_host_like(t, pin).copy_(t) for t in self._live]
         self._park = [_host_like(t, pin) for t in self._live]  # the policy's weights during a reference pass
-        self.bytes = sum(t.numel() * t.element_size() for t in self._live)  #: one copy of the rank's weights
+        self.bytes = sum(t.numel() * t.element_size() for t in self._live)  #: the rank's weights (+ bucket padding)
         self.last_swap: dict[str, float] = {}  #: bytes moved and seconds of the last pass's two swaps (tools/)
 
     @contextlib.contextmanager
