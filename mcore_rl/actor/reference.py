@@ -16,9 +16,10 @@ host      the reference's weights (every tensor of the policy chunks' state dict
           weights in a second host buffer (D2H), copies the reference's into the policy's own parameters (H2D), runs
           the policy's chunks, and copies the policy's weights back (H2D): three transfers of the rank's weights per
           pass, on the current stream (ordered with the forward), and one model's weights on the device, as slime's
-          TensorBackuper keeps "actor" and "ref" on the host. The copies are plain `copy_` into the same tensors, so
-          every view (Megatron DDP's flat param buffer, the optimizer's references) stays valid and the policy comes
-          back to the bit.
+          TensorBackuper keeps "actor" and "ref" on the host. With the distributed optimizer the parameters are views
+          of DDP's flat buffers, which are copied whole (`swap_tensors`). The copies are plain `copy_` into the same
+          tensors, so every view (the parameters in DDP's buffer, the optimizer's references) stays valid and the
+          policy comes back to the bit. The host holds two copies of the rank's weights (reference, parked policy).
 
 The forward of a reference pass is the same module code on the same weights in both placements, so reference
 logprobs are bit-identical (tests/test_reference_swap.py). Forward-only passes run under no_grad: Megatron's router
