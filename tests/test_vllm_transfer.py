@@ -362,3 +362,21 @@ def test_a_real_vllm_engine_goes_through_the_colocated_release_cycle(tmp_path) -
     finally:
         client.close()
         engine.stop()
+
+
+def test_the_colocated_release_does_not_wait_on_vllms_slow_server_info() -> None:
+    """A colocated run on vLLM ended at its first release: the placement asked every engine's /server_info for our
+    server's `weights_released`, and vLLM's (its host's environment, collected) took longer than the GET's 10 s."""
+    from types import SimpleNamespace
+
+    from mcore_rl.controller.placement import ColocatedPlacement
+
+    class Client:
+        dialect = VLLMDialect()
+
+        def get(self, url: str, route: str, timeout_s: float = 10.0) -> Any:
+            raise TimeoutError(f"GET {route}")  # what the run met
+
+    engines = SimpleNamespace(urls=["http://e"], client=Client(), release_memory=lambda: None)
+    actor = SimpleNamespace(call=lambda method: [{"bytes": 0}])
+    assert ColocatedPlacement.to_training(None, actor, engines)["placement/engines_released"] == 0.0

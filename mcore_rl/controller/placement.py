@@ -259,6 +259,10 @@ class ColocatedPlacement(SplitPlacement):
         released = 0
         engines.release_memory()  # weights, KV cache and CUDA graphs; no /health probes until they are back
         for url in engines.urls:
+            if engines.client.dialect.name == "vllm":
+                # vLLM's /server_info collects its host's environment (seconds: past the GET's 10 s on a loaded
+                # host) and says nothing of released memory (rollout/vllm_transfer.py: its sleep mode)
+                break
             _, info = engines.client.get(url, "/server_info")
             states = (info or {}).get("internal_states") or [{}] if isinstance(info, dict) else [{}]
             released += bool(states[0].get("weights_released"))  # our server says so; SGLang's does not
