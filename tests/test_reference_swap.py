@@ -214,3 +214,42 @@ def test_cuda_host_reference_is_pinned_saves_device_memory_and_matches_resident(
     assert host["metrics"] == pytest.approx(resident["metrics"], rel=1e-3)
     assert torch.allclose(host["policy1"], resident["policy1"], atol=5e-2)
     assert not torch.equal(host["policy1"], host["ref1"])
+
+
+@pytest.mark.slow
+def test_a_run_with_the_reference_on_the_host_and_overlap_resumes_like_a_plain_run(tmp_path) -> None:
+    """The whole loop (Ray, rollouts, weight sync after each update), GRPO with a KL loss on the distributed optimizer:
+    2 steps with the reference resident and no overlap, saving each step; then its step-1 checkpoint resumed with
+    actor.ref_placement=host and the overlapped reduce and gather for step 2: every logged metric of step 2 equal
+    (the reference restored from the checkpoint onto the host, the KL to it, the update, the weights pushed)."""
+    import json
+    import subprocess
+    import sys
+
+    from _ray_cluster import ray_address_override, train_env
+
+    common = [
+        "data.batch_size=4", "rollout.n=4", "rollout.max_running_requests=4", "model.make_vocab_size_divisible_by=32",
+        "trainer.steps=2", "actor.use_ref=true", "actor.kl_loss_coef=0.01", "actor.optim.distributed=true",
+        ray_address_override(),
+    ]  # fmt: skip
+    swapped = [
+        "actor.ref_placement=host",
+        "actor.optim.overlap_grad_reduce=true",
+        "actor.optim.overlap_param_gather=true",
+    ]
+    plain = ["actor.ref_placement=resident", "actor.optim.overlap_grad_reduce=false"]
+
+    def train(run_dir, *overrides: str) -> list[dict]:  # noqa: ANN001
+        args = [sys.executable, "-m", "mcore_rl.train", *common, f"trainer.run_dir={run_dir}", *overrides]
+        out = subprocess.run(args, capture_output=True, text=True, timeout=600, env=train_env())
+        assert out.returncode == 0, out.stderr[-3000:]
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        timed = ("timing_s/", "timing_per_token_ms/", "perf/")
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(timed)} for line in lines]
+
+    want = train(tmp_path / "plain", *plain, "trainer.save_every=1", "trainer.keep_last=null")
+    got = train(tmp_path / "swapped", *swapped, f"trainer.resume={tmp_path / 'plain/checkpoints/step_00000001'}")
+    assert [m["step"] for m in got] == [2]
+    assert got[0]["actor/kl_loss"] != 0.0
+    assert got == [m for m in want if m["step"] == 2]
