@@ -23,9 +23,16 @@ MODEL = dict(
     num_experts_per_tok=2, norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=512,
     tie_word_embeddings=False,
 )  # fmt: skip  (configs/default.yaml's model)
+DSV3 = dict(
+    model_type="deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+    max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
+)  # fmt: skip  (tools/gpu_smoke's --dry-cpu DeepSeek-V3 shape)
 
 
-def _rank(rank: int, world_size: int, dtype: str, distributed: bool, micro_batch: int, seq_len: int) -> dict:
+def _rank(rank: int, world_size: int, hf: dict, dtype: str, distributed: bool, micro_batch: int, seq_len: int) -> dict:
     """Measure the actor rank, then the estimate's terms for the same config (rank_params after the actor: it sets up
     its own one-rank model-parallel groups)."""
     from mcore_rl.actor.optimizer import optimizer_plan
@@ -34,14 +41,14 @@ def _rank(rank: int, world_size: int, dtype: str, distributed: bool, micro_batch
     from mcore_rl.parallel.layout import ParallelLayout
     from tools.bench_memory_estimate import measure_rank
 
-    model_cfg = ModelConfig(hf_config=dict(MODEL), dtype=dtype, max_sequence_length=seq_len)
+    model_cfg = ModelConfig(hf_config=dict(hf), dtype=dtype, max_sequence_length=seq_len)
     actor_cfg = ActorConfig(world_size=1, micro_batch_size=micro_batch, mini_batches=1,
                             optim=OptimConfig(distributed=distributed, lr=1e-4))  # fmt: skip
     measured = measure_rank(rank, world_size, model_cfg, actor_cfg, micro_batch)
     est = estimate_memory(
-        MODEL, 1, tp=1, pp=1, micro_batch=micro_batch, seq_len=seq_len, use_ref=False, overhead_gib=0.0,
+        hf, 1, tp=1, pp=1, micro_batch=micro_batch, seq_len=seq_len, use_ref=False, overhead_gib=0.0,
         plan=optimizer_plan(actor_cfg.optim, dtype, "cpu"), recompute=actor_cfg.recompute, fused_attention=False,
-        params=rank_params(MODEL, ParallelLayout(), model_cfg.make_vocab_size_divisible_by, dtype),
+        params=rank_params(hf, ParallelLayout(), model_cfg.make_vocab_size_divisible_by, dtype),
     )  # fmt: skip
     estimate = {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer + est.optimizer_host,
                 "activations": est.activations}  # fmt: skip
@@ -49,13 +56,20 @@ def _rank(rank: int, world_size: int, dtype: str, distributed: bool, micro_batch
 
 
 @pytest.mark.parametrize(
-    "dtype,distributed",
-    [("float32", False), ("bfloat16", True)],  # the default job's; a GPU run's (fp32 masters, distributed optimizer)
+    "hf,dtype,distributed",
+    [
+        (MODEL, "float32", False),  # the default job's
+        (MODEL, "bfloat16", True),  # a GPU run's settings: fp32 masters, the distributed optimizer
+        (DSV3, "bfloat16", True),  # MLA, a dense first layer, a shared expert
+    ],
+    ids=["qwen3_moe-fp32", "qwen3_moe-bf16-distributed", "deepseek_v3-bf16-distributed"],
 )
-def test_every_estimate_term_is_within_the_target_of_what_the_rank_allocates(dtype: str, distributed: bool) -> None:
+def test_every_estimate_term_is_within_the_target_of_what_the_rank_allocates(
+    hf: dict, dtype: str, distributed: bool
+) -> None:
     from mcore_rl.parallel.harness import run_on_ranks
 
-    got = run_on_ranks(_rank, 1, (dtype, distributed, 8, 256))[0]
+    got = run_on_ranks(_rank, 1, (hf, dtype, distributed, 8, 256))[0]
     ratios = {term: got["estimate"][term] / got["measured"][term] for term in got["estimate"]}
     assert all(0.8 <= r <= 1.25 for r in ratios.values()), (ratios, got)
     # the static terms are exact but for padding: the same parameters, 4-byte grads, Adam's 8 bytes (+ 4 for bf16's

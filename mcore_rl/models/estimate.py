@@ -334,10 +334,11 @@ def activation_bytes(
     Unfused attention (`fused_attention=False`) keeps what Megatron 0.16.1's local spec saves for the backward
     (`unfused_layer_elements` per token, counted with saved_tensors_hooks by tools/bench_memory_estimate.py) and, per
     layer, the attention probabilities b x heads x s^2 (fp32 softmax output, + its 16-bit copy in a 16-bit model); the
-    backward adds two fp32 s^2 blocks (the grads of one layer's probabilities and scores); selective recompute (of the
-    core attention) keeps no probabilities but rebuilds one layer's. Measured against the profiler's peak of a real
-    update (tests/test_memory_estimate.py): 0.90-1.14 over fp32/bf16, 64-512 tokens; the recompute paths are not
-    measured (Megatron's recompute needs CUDA's RNG state: the CPU runtime refuses it).
+    backward adds two s^2 blocks (the grads of one layer's probabilities, in the model's dtype, and of its scores, in
+    fp32); selective recompute (of the core attention) keeps no probabilities but rebuilds one layer's. Measured
+    against the profiler's peak of a real update (tests/test_memory_estimate.py, tools/bench_memory_estimate.py):
+    0.90-1.14 over Qwen3-MoE and DeepSeek-V3 shapes, fp32 and bf16, 64-512 tokens; the recompute paths are not measured
+    (Megatron's recompute needs CUDA's RNG state: the CPU runtime refuses it).
     """
     import math
 
@@ -356,8 +357,9 @@ def activation_bytes(
         layer_tokens = per_token * dtype_bytes * tokens / tp
         probabilities = scores * (4 + (dtype_bytes if dtype_bytes < 4 else 0))
         full_layer = layer_tokens + probabilities
-        # the backward frees each layer's saved tensors as it goes; its peak is one attention's two fp32 s^2 grads
-        backward = 2 * 4 * scores
+        # the backward frees each layer's saved tensors as it goes; its peak is one attention's two s^2 grads: of the
+        # probabilities (model dtype) and of the scores (fp32, as Megatron's softmax runs)
+        backward = (dtype_bytes + 4) * scores
     granularity = recompute.granularity if recompute is not None else None
     if granularity == "full":
         unit = recompute.num_layers or 1
