@@ -216,11 +216,12 @@ def running_requests(url: str) -> int:
     )
 
 
-@pytest.mark.parametrize("mode", ["abort", "in_place"])
+@pytest.mark.parametrize("mode", ["abort", "in_place", "none"])
 def test_pause_during_push(client: RolloutClient, server: Any, mode: str) -> None:
     """Requests paused mid-decode for a push complete with their whole budget, their tokens' versions the old one
     then the new one. abort (vLLM's abort): the engine ends them, the client continues each from its tokens as a
-    partial rollout; in_place (vLLM's keep): they are frozen and resumed in place, never continued."""
+    partial rollout; in_place (vLLM's keep): they are frozen and resumed in place, never continued; none (what
+    sync.pause_mode=auto sends vLLM): not paused at all, the plugin applies the push between two engine steps."""
     model = hf_model(seed=5)
     pusher = Pusher(client, server.url())
     pusher.push(checkpoint(model), version=20)
@@ -229,18 +230,20 @@ def test_pause_during_push(client: RolloutClient, server: Any, mode: str) -> Non
     continued = client.stats["continued_after_abort"]
     out: dict[str, Any] = {}
     # keep with seeded requests crashes vLLM 0.32's CPU engine on resume (docs/vllm.md): unseeded there
-    seed = 1 if mode == "abort" else None
+    seed = None if mode == "in_place" else 1
     thread = threading.Thread(target=lambda: out.update(s=client.generate_samples(prompts, 2, params, seed=seed)))
     thread.start()
     deadline = time.monotonic() + 60
     while running_requests(server.url()) == 0:  # paused only once they decode
         assert time.monotonic() < deadline and thread.is_alive(), "the requests never ran"
         time.sleep(0.05)
-    client.post(server.url(), "/pause_generation", {"mode": mode})
+    if mode != "none":
+        client.post(server.url(), "/pause_generation", {"mode": mode})
     try:
         pusher.push(checkpoint(hf_model(seed=6)), version=21)
     finally:
-        client.post(server.url(), "/continue_generation")
+        if mode != "none":
+            client.post(server.url(), "/continue_generation")
     thread.join(timeout=300)
     samples = out["s"]
     assert len(samples) == 16
