@@ -380,3 +380,28 @@ def test_the_colocated_release_does_not_wait_on_vllms_slow_server_info() -> None
     engines = SimpleNamespace(urls=["http://e"], client=Client(), release_memory=lambda: None)
     actor = SimpleNamespace(call=lambda method: [{"bytes": 0}])
     assert ColocatedPlacement.to_training(None, actor, engines)["placement/engines_released"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_default_job_runs_colocated_on_vllm(tmp_path) -> None:
+    """trainer.placement=colocated with vLLM engines on CPU: every step releases them (vLLM's sleep), takes the
+    weights back, pushes and resumes the KV cache; the engine's logprobs stay the actor's (the push landed)."""
+    import sys
+
+    from _ray_cluster import ray_address_override, train_env
+
+    reason = vllm_unavailable_reason(VLLMConfig())
+    if reason is not None:
+        pytest.skip(reason)
+    done = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.train", "rollout.engine=vllm", "model.hf_config.head_dim=32",
+         "trainer.placement=colocated", "trainer.steps=2", f"trainer.run_dir={tmp_path}", "trainer.loggers=[jsonl]",
+         ray_address_override()],
+        capture_output=True, text=True, env=train_env(), timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "rollout/logprob_abs_diff" in s]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert all(s["rollout/logprob_abs_diff"] < 1e-4 for s in steps)
