@@ -255,3 +255,23 @@ def test_pause_during_push(client: RolloutClient, server: Any, mode: str) -> Non
         assert client.stats["continued_after_abort"] > continued
     else:
         assert client.stats["continued_after_abort"] == continued
+
+
+def test_bench_sync_measures_the_push_beside_the_raw_broadcast(server: Any, capsys: pytest.CaptureFixture) -> None:
+    """tools/bench_sync.py --vllm's section (tools/_bench_sync_vllm.py), on this module's engine (it serves the
+    bench's --quick model): every push commits its version, vLLM's logprobs then match the pushed weights, and the
+    figures line carries the push and the raw broadcast of the same bytes."""
+    import re
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    from _bench_sync_vllm import report_vllm, run_vllm
+
+    info = run_vllm(0.0, 1 << 14, 2, quick=True, url=server.url())
+    assert report_vllm(info), info["problems"]
+    number = r"[0-9][0-9.e+-]*"
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    match = re.fullmatch(
+        rf"vllm: gb=({number}) seconds=({number}) raw_seconds=({number}) vs_raw=({number}) bucket_mb=({number})", last
+    )
+    assert match is not None and all(float(v) > 0 for v in match.groups()), last

@@ -202,15 +202,24 @@ def _logprob_gap(client: Any, model: Any) -> float:
     return max(abs(a - b) for a, b in zip(ours, sample.response_logprobs))
 
 
-def run_vllm(size_gb: float, bucket_bytes: int, repeats: int, quick: bool) -> dict[str, Any]:
-    """Start the engine, push `repeats` times (each right after a raw broadcast of the same bytes): the figures."""
+def run_vllm(size_gb: float, bucket_bytes: int, repeats: int, quick: bool, url: str | None = None) -> dict[str, Any]:
+    """Start the engine, push `repeats` times (each right after a raw broadcast of the same bytes): the figures.
+    `url`: an engine already serving this model (tests/test_vllm_engine.py's), used instead of starting one."""
+    # one thread packs (a copy is memory-bound), as each rank does: OpenMP threads on a shared, oversubscribed
+    # machine wait for each other far longer than the copy takes
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(size_gb, bucket_bytes, repeats, quick, url)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(size_gb: float, bucket_bytes: int, repeats: int, quick: bool, url: str | None) -> dict[str, Any]:
     from mcore_rl.rollout.client import RolloutClient
     from mcore_rl.rollout.vllm_config import VLLMConfig
     from mcore_rl.rollout.vllm_launcher import VLLMServer, probe, vllm_python
 
-    # one thread packs (a copy is memory-bound), as each rank does: OpenMP threads on a shared, oversubscribed
-    # machine wait for each other far longer than the copy takes
-    torch.set_num_threads(1)
     hf = model_config(size_gb, quick)
     model = _hf_model(hf)
     tensors = _checkpoint(model)
@@ -221,13 +230,15 @@ def run_vllm(size_gb: float, bucket_bytes: int, repeats: int, quick: bool) -> di
     with open(os.path.join(work, "config.json"), "w") as f:
         json.dump(dict(hf, architectures=["Qwen3MoeForCausalLM"]), f)
     cfg = VLLMConfig(max_model_len=hf["max_position_embeddings"])
-    server = VLLMServer(cfg, work, "float32", "cpu", os.path.join(work, "logs"))
     info: dict[str, Any] = dict(hf=hf, nbytes=nbytes, tensors=len(tensors), buckets=len(buckets),
                                 version=probe(vllm_python(cfg))["version"], attempts=[], problems=[],
-                                bucket_mb=bucket_bytes / MB)  # fmt: skip
-    start = time.perf_counter()
-    url = server.start()
-    info["startup_s"] = time.perf_counter() - start
+                                bucket_mb=bucket_bytes / MB, startup_s=None)  # fmt: skip
+    server = None
+    if url is None:
+        server = VLLMServer(cfg, work, "float32", "cpu", os.path.join(work, "logs"))
+        start = time.perf_counter()
+        url = server.start()
+        info["startup_s"] = time.perf_counter() - start
     client = RolloutClient(url, engine="vllm", timeout_s=TIMEOUT_S)
     raw = RawBroadcast(nbytes, repeats)
     try:
@@ -245,7 +256,8 @@ def run_vllm(size_gb: float, bucket_bytes: int, repeats: int, quick: bool) -> di
     finally:
         raw.close()
         client.close()
-        server.stop()
+        if server is not None:
+            server.stop()
     return info
 
 
@@ -255,10 +267,11 @@ def report_vllm(info: dict[str, Any]) -> bool:
     median = sorted(attempts, key=lambda a: a["seconds"])[(len(attempts) - 1) // 2]
     raw = sorted(a["raw_s"] for a in attempts)[(len(attempts) - 1) // 2]
     ok = not info["problems"]
+    started = "already serving" if info["startup_s"] is None else f"started in {info['startup_s']:.0f} s"
     print(
         f"\n== vllm: qwen3_moe {n / GB:.3f} GB fp32 ({hf['num_hidden_layers']} layers, {hf['num_experts']} experts, "
         f"hidden {hf['hidden_size']}), {info['tensors']} HF tensors in {info['buckets']} buckets, one sending "
-        f"process -> one vLLM {info['version']} engine (CPU, mcore_gloo backend; started in {info['startup_s']:.0f} s)"
+        f"process -> one vLLM {info['version']} engine (CPU, mcore_gloo backend; {started})"
     )
     print(f"raw distributed {raw:.2f} s = {n / GB / raw:.2f} GB/s (one gloo broadcast, two processes, median)")
     spread = " ".join(f"{a['seconds']:.2f}" for a in attempts)
