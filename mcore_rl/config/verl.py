@@ -116,6 +116,13 @@ def _dispatcher(value: Any) -> str | None:
     raise VerlValueError("alltoall or flex (Megatron's allgather dispatcher is the CPU runtime's own choice)")
 
 
+def _bool_or_null(value: Any) -> bool | None:
+    """A verl switch that our config leaves to the runtime when null (true | false | null)."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise VerlValueError("true, false or null")
+
+
 def _falsy(value: Any) -> bool:
     return value in (None, False, 0, "", [], {}, "null")
 
@@ -176,6 +183,11 @@ def _optim(verl: str, ours: str) -> dict[str, Rule]:
         f"{verl}.override_optimizer_config.use_precision_aware_optimizer": Ignore(
             "Adam state stays fp32 (Megatron's default): the same update, more optimizer memory"
         ),
+        f"{verl}.override_optimizer_config.overlap_param_gather": Ignore(
+            "Megatron's OptimizerConfig copy of the setting (megatron-core 0.16 reads it for MXFP8 only; verl's hooks "
+            "only with align_param_gather); the gather overlaps by megatron.override_ddp_config.overlap_param_gather "
+            f"({ours}.overlap_param_gather), which sets both here"
+        ),
     }
 
 
@@ -188,6 +200,16 @@ def _megatron(verl: str, ours: str) -> dict[str, Rule]:
             f"{verl}.grad_offload": Ignore(_OFFLOAD),
             f"{verl}.optimizer_offload": Ignore(_OFFLOAD),
             f"{verl}.use_distributed_optimizer": Map(f"{ours}.optim.distributed"),
+            # verl's Megatron workers build DDP with overlap_grad_reduce=False under these overrides (and Megatron's
+            # overlap_param_gather=False); absent here, ours resolve per runtime (on for CUDA, KEPT_DEFAULTS)
+            f"{verl}.override_ddp_config.overlap_grad_reduce": Map(
+                f"{ours}.optim.overlap_grad_reduce", _bool_or_null, "null: on for trainer.runtime=cuda, off for cpu"
+            ),
+            f"{verl}.override_ddp_config.overlap_param_gather": Map(
+                f"{ours}.optim.overlap_param_gather",
+                _bool_or_null,
+                "needs the distributed optimizer and the overlapped reduce; null: on exactly when both are",
+            ),
             f"{verl}.use_mbridge": Ignore("HF weights convert through the family's weight map (mcore_rl/models/)"),
             f"{verl}.vanilla_mbridge": Ignore("HF weights convert through the family's weight map (mcore_rl/models/)"),
             f"{verl}.use_dist_checkpointing": Ignore(
@@ -334,7 +356,15 @@ VERL_KEYS: dict[str, Rule] = {
     f"{AR}.ref.strategy": _ref_same("backend"),
     f"{AR}.ref.use_torch_compile": Ignore("Megatron's own fused kernels; no torch.compile"),
     **{f"{AR}.ref.megatron.{k}": Derived(f"actor.layout.{v} (must agree)") for k, v in _LAYOUT.items()},
-    f"{AR}.ref.megatron.param_offload": Ignore(_OFFLOAD),
+    # verl offloads the reference's weights between its passes (ref.megatron.param_offload, whose default is
+    # actor.megatron.param_offload; an FSDP reference's fsdp_config.param_offload): our actor.ref_placement
+    f"{AR}.actor.megatron.param_offload": Derived(
+        "actor.ref_placement (when ref.megatron.param_offload is unset); the actor's weights: colocated offload"
+    ),
+    f"{AR}.ref.megatron.param_offload": Derived("actor.ref_placement (true: host, false: resident)"),
+    f"{AR}.ref.fsdp_config.param_offload": Derived("actor.ref_placement (true: host, false: resident)"),
+    f"{AR}.ref.megatron.grad_offload": Ignore("the reference has no gradients"),
+    f"{AR}.ref.megatron.optimizer_offload": Ignore("the reference has no optimizer"),
     f"{AR}.ref.megatron.use_dist_checkpointing": Ignore("the reference loads model.path, as the actor"),
     f"{AR}.ref.megatron.use_mbridge": Ignore("HF weights convert through the family's weight map"),
     f"{AR}.hybrid_engine": Ignore("colocated placement (trainer.placement=colocated) is verl's hybrid engine"),
@@ -480,6 +510,7 @@ VERL_KEYS: dict[str, Rule] = {
 PREFIXES: dict[str, Rule] = {
     f"{AR}.actor.fsdp_config.": Ignore(_NO_FSDP),
     f"{AR}.ref.fsdp_config.": Ignore(_NO_FSDP),
+    f"{AR}.ref.megatron.override_ddp_config.": Ignore("the reference is not trained: it has no DDP wrapper"),
     "critic.model.fsdp_config.": Ignore(_NO_FSDP),
     "critic.fsdp_config.": Ignore(_NO_FSDP),
     "*.profiler.": Ignore("profiling: tools/profile_step.py and trainer timings (timing_s/*)"),
@@ -522,6 +553,29 @@ VERL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "trainer.loggers": (["console", "jsonl"], "trainer.logger (verl's yaml adds wandb; here only when named)"),
     "rollout.engine": ("sglang", f"{AR}.rollout.name"),
     "sync.timeout_s": (600.0, f"{AR}.nccl_timeout"),
+}
+
+#: verl's defaults a verl command does NOT get: our key -> (verl's value, its verl key, why ours is kept). Each is a
+#: placement or an overlap that leaves the numbers of a step as they are (tests/test_reference_swap.py,
+#: tests/test_overlap_reduce.py) and saves GPU memory or time; the verl key given explicitly is honoured.
+KEPT_DEFAULTS: dict[str, tuple[Any, str, str]] = {
+    "actor.ref_placement": (
+        "resident",
+        f"{AR}.ref.megatron.param_offload (False: actor.megatron.param_offload's)",
+        "null = host on CUDA: the same reference logprobs with one model's weights less per GPU, for a copy of them "
+        "from pinned host memory per reference pass; ref.megatron.param_offload=False keeps verl's resident one",
+    ),
+    "actor.optim.overlap_grad_reduce": (
+        False,
+        f"{AR}.actor.megatron.override_ddp_config.overlap_grad_reduce",
+        "null = on for CUDA: the same parameters, the gradient reduce under the backward (critic.optim's too)",
+    ),
+    "actor.optim.overlap_param_gather": (
+        False,
+        f"{AR}.actor.megatron.override_ddp_config.overlap_param_gather",
+        "null = on with the distributed optimizer and the overlapped reduce: the same parameters, the all-gather "
+        "under the next forward (critic.optim's too)",
+    ),
 }
 
 #: verl's defaults read by `derive` when a command does not set them (verl key -> value)
@@ -584,6 +638,7 @@ def markdown_table() -> str:
         return f"| `{key}` | refused | {rule.lost} |"
 
     defaults = [f"| `{ours}` | `{value!r}` | `{verl}` |" for ours, (value, verl) in VERL_DEFAULTS.items()]
+    kept = [f"| `{ours}` | `{value!r}` | `{verl}` | {why} |" for ours, (value, verl, why) in KEPT_DEFAULTS.items()]
     return "\n".join(
         [
             "# verl keys on `python -m mcore_rl.train`",
@@ -596,6 +651,12 @@ def markdown_table() -> str:
             "| our key | value | verl key |",
             "| --- | --- | --- |",
             *defaults,
+            "",
+            "## verl's defaults that do not apply (ours stay; the verl key given explicitly is honoured)",
+            "",
+            "| our key | verl's value | verl key | why ours |",
+            "| --- | --- | --- | --- |",
+            *kept,
             "",
             "## Every verl key (`*` ends a prefix: the whole sub-tree)",
             "",

@@ -115,6 +115,7 @@ def derive(
     _validation(d)
     _trainer(d)
     _reference(d)
+    _ref_placement(d, megatron)
     for verl_key, ours in ((f"{AR}.actor.optim.betas", "actor.optim"), ("critic.optim.betas", "critic.optim")):
         if verl_key in given:
             betas = given[verl_key]
@@ -372,3 +373,27 @@ def _reference(d: _Derivation) -> None:
                    f"actor.layout.{ours}={actor!r}; expected the same value")  # fmt: skip
         else:
             d.lines.append(f"{key}={value!r}: the actor's layout (the reference runs inside the actor's ranks)")
+
+
+def _ref_placement(d: _Derivation, megatron: bool) -> None:
+    """verl's param_offload of the reference (its weights on the host between its passes, loaded onto the GPU for
+    each) is actor.ref_placement=host; false keeps them on the GPU: resident. ref.megatron.param_offload defaults to
+    actor.megatron.param_offload in verl's Megatron config; an FSDP reference has its own fsdp_config.param_offload.
+    None given: our default (null: host on CUDA; config/verl.py KEPT_DEFAULTS)."""
+    keys = [f"{AR}.ref.megatron.param_offload", f"{AR}.ref.fsdp_config.param_offload"]
+    actor_key = f"{AR}.actor.megatron.param_offload"
+    if actor_key in d.given:
+        d.lines.append(f"{actor_key}={d.given[actor_key]!r}: the actor's own weights: {V._OFFLOAD}")
+    if megatron:
+        keys.append(actor_key)
+    for key in keys:
+        if key not in d.given:
+            continue
+        value = d.given[key]
+        if not isinstance(value, bool):
+            d.fail(f"verl's {key}={value!r} (our actor.ref_placement) is invalid: expected True (host) or False "
+                   "(resident)")  # fmt: skip
+        else:
+            why = key if key.startswith(f"{AR}.ref.") else f"{key} (verl's default for ref.megatron.param_offload)"
+            d.set("actor.ref_placement", "host" if value else "resident", why)
+        return
