@@ -3,7 +3,7 @@
     TrainBatch of 2P sequences, interleaved [chosen_0, rejected_0, chosen_1, ...] with "ref_logprobs" [2P, R]
       -> mini-batches (`actor.mini_batches`) -> dp shard -> micro-batches (all of even size, so a pair never splits)
       -> per micro-batch: token logprobs -> sequence logprobs -> algorithms.dpo loss over its pairs
-      -> backward (Megatron's schedule), finalize grads, optimizer step
+      -> backward (Megatron's schedule), finalize grads, optimizer step, lr schedule step (actor.optim.lr_*)
 
 The loss of a micro-batch is the sum of its pair losses divided by the mini-batch's pair count (over all dp ranks),
 times dp x micro-batches (Megatron averages gradients over dp and scales each micro-batch's loss by 1/num_microbatches
@@ -67,10 +67,15 @@ def dpo_update(actor: MegatronActor, batch: TrainBatch, beta: float, loss_type: 
                 chunk.zero_grad_buffer()
             actor.optimizer.zero_grad()
             outputs = actor._run_schedule(actor.ddp_chunks, mbs, seq_len, loss_fn, forward_only=False)
+            lr = float(actor.optimizer.param_groups[0]["lr"])
             ok, grad_norm, _ = actor.optimizer_step()
+            # the schedule counts optimizer steps, as the RL update does (actor/optimizer.py lr_scheduler): without
+            # this, lr_warmup / lr_decay_style left every DPO step at the schedule's first value
+            actor.lr_scheduler.step(1)
             metrics = _pair_means(outputs)
             metrics["actor/grad_norm"] = float(grad_norm) if grad_norm is not None else math.nan
             metrics["actor/update_ok"] = float(bool(ok))
+            metrics["actor/lr"] = lr
             for key, value in metrics.items():
                 totals[key] = totals.get(key, 0.0) + value
             steps += 1
