@@ -4,7 +4,8 @@ counts them: parameter, main-grad and optimizer storages, and the peak the profi
 
 The activation term was Korthikanti's bf16 flash-attention figure whatever the ranks ran: on the default job's fp32
 local-spec ranks (no Transformer Engine: attention keeps b x heads x s^2 probabilities) it was 0.09 of the measured
-peak. One rank, in a forked process (parallel/harness.py), a small full-length batch: fast tier.
+peak; and it gave the loss 8 bytes per position x vocab entry where the workers hold 32 (0.27 with a 32k
+vocabulary). One rank, in a forked process (parallel/harness.py), a small full-length batch: fast tier.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def _rank(rank: int, world_size: int, hf: dict, dtype: str, distributed: bool, m
         (MODEL, "float32", False),  # the default job's
         (MODEL, "bfloat16", True),  # a GPU run's settings: fp32 masters, the distributed optimizer
         (DSV3, "bfloat16", True),  # MLA, a dense first layer, a shared expert
+        ({**MODEL, "vocab_size": 32768}, "bfloat16", True),  # a real vocabulary: the loss's logits dominate
     ],
-    ids=["qwen3_moe-fp32", "qwen3_moe-bf16-distributed", "deepseek_v3-bf16-distributed"],
+    ids=["qwen3_moe-fp32", "qwen3_moe-bf16-distributed", "deepseek_v3-bf16-distributed", "vocab-32k-bf16"],
 )
 def test_every_estimate_term_is_within_the_target_of_what_the_rank_allocates(
     hf: dict, dtype: str, distributed: bool

@@ -7,7 +7,8 @@ actor's Megatron ranks really allocate, term by term, as ratios (issue 27: targe
 
 Each rank is the real actor (MegatronActor on the CPU runtime, the recipe's layout, optimizer and micro-batch) fed a
 batch at the estimate's own assumption: micro-batches of `actor.micro_batch_size` full-length sequences
-(model.max_sequence_length tokens; the longest micro-batch a run can build). What is measured per rank:
+(model.max_sequence_length tokens; the longest micro-batch a run can build), each one prompt token and a response to
+the end (the loss reads the logits of response positions: its largest footprint). What is measured per rank:
 
 - tensor level, exact: unique storages of the policy's parameters (weights), of their main grads (DDP's grad
   buffers), of the optimizer's fp32 masters and Adam state (after a first update, Adam's state is lazy), of the
@@ -186,12 +187,14 @@ def profiled_peak(fn: Callable[[], Any], trace: str) -> tuple[Any, int]:
 # ------------------------------------------------------------------------------------------------ one rank
 def full_length_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> Any:
     """`batch_size` samples of `seq_len` tokens in all (the actor adds one target position: prompt + response =
-    seq_len - 1), with old logprobs and advantages, so an update runs at the longest micro-batch of a run."""
+    seq_len - 1), with old logprobs and advantages, so an update runs at the longest micro-batch of a run. One prompt
+    token, the rest response: the loss reads the logits of response positions, so this is its largest footprint (the
+    estimate's bound)."""
     from mcore_rl.actor.batch import TrainBatch
 
     gen = torch.Generator().manual_seed(seed)
-    response = max(1, (seq_len - 1) // 2)
-    prompt = seq_len - 1 - response
+    prompt = 1
+    response = max(1, seq_len - 1 - prompt)
     ids = torch.randint(1, vocab, (batch_size, prompt + response), generator=gen)
     batch = TrainBatch([row.tolist() for row in ids[:, :prompt]], ids[:, prompt:].clone(),
                        torch.ones(batch_size, response))  # fmt: skip

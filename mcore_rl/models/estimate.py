@@ -329,7 +329,7 @@ def activation_bytes(
     Full recompute keeps the input of each recompute unit (uniform: every num_layers layers; block: the first
     num_layers layers of the stage, the rest keep everything) and rebuilds one unit's activations in the backward.
     Layers of the largest stage, times the pp micro-batches in flight on the first stage under 1F1B (interleaving adds
-    ~1/vpp more); plus the fp32 logits of the output layer and their softmax grad (vocab split by tp).
+    ~1/vpp more); plus the loss's logits (below; vocab split by tp).
 
     Unfused attention (`fused_attention=False`) keeps what Megatron 0.16.1's local spec saves for the backward
     (`unfused_layer_elements` per token, counted with saved_tensors_hooks by tools/bench_memory_estimate.py) and, per
@@ -376,8 +376,16 @@ def activation_bytes(
         working = probabilities + backward
     else:
         stored, working = in_flight * stage_layers * full_layer, backward
-    logits = tokens * int(hf["vocab_size"]) * 4 * 2 / tp  # logits + their softmax grad
-    return stored + working + logits
+    # The loss reads the logits at response positions (at most every position, the bound taken here), all at once
+    # in a training pass (actor/logprobs.py, actor/step_losses.py): the output layer's logits and the gathered rows in
+    # the model dtype and their fp32 softmax stay for the backward; the entropy metric's fp32 temporaries (the cast of
+    # 16-bit rows, masked, shifted, exp, exp x shifted and its where) come and go before it, so the larger of them and
+    # the backward's working set counts. Measured with a 32k vocabulary: 31.5-31.6 bytes per position x vocab entry,
+    # fp32 and bf16 (tests/test_memory_estimate.py); the estimate gave 8 (logits + their softmax grad in fp32).
+    logit_entries = tokens * int(hf["vocab_size"]) / tp
+    held = logit_entries * (2 * dtype_bytes + 4)
+    entropy_metric = logit_entries * (20 + (4 if dtype_bytes < 4 else 0))
+    return stored + held + max(working, entropy_metric)
 
 
 def unfused_layer_elements(hf: Mapping[str, Any], layer: int) -> float:
