@@ -394,6 +394,6 @@ def _ref_placement(d: _Derivation, megatron: bool) -> None:
             d.fail(f"verl's {key}={value!r} (our actor.ref_placement) is invalid: expected True (host) or False "
                    "(resident)")  # fmt: skip
         else:
-            why = key if key.startswith(f"{AR}.ref.") else f"{key} (verl's default for ref.megatron.param_offload)"
+            why = f"{key}={value!r}" + ("" if key.startswith(f"{AR}.ref.") else " (verl's default for the reference's)")
             d.set("actor.ref_placement", "host" if value else "resident", why)
         return
