@@ -294,6 +294,8 @@ def table(result: dict[str, Any], title: str) -> str:
         f"{'peak RSS - baseline':<22}{m(result['estimate_total']):>13}{m(result['rss_over_baseline']):>13}"
         f"{result['rss_ratio']:>10.2f}",
     ]
+    per_rank = ", ".join(f"{r['activations'] / MIB:.1f}" for r in result["ranks"])
+    lines.append(f"(activations per rank: {per_rank} MiB; MoE ranks differ by the tokens their experts receive)")
     base = max(r["rss_baseline"] for r in result["ranks"])
     lines.append(f"(RSS after imports {base / MIB:.0f} MiB per rank; CUDA context allowance of the estimate left out)")
     return "\n".join(lines)
