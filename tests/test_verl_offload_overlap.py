@@ -126,3 +126,15 @@ def test_siblings_without_a_meaning_here_are_ignored_with_why(model_dir: str) ->
     # a DDP setting we do not have stays an unknown key, named with the closest one
     t = translate(_verl(model_dir, f"+{DDP}.bucket_size=1000"))
     assert len(t.errors) == 1 and f"unknown key '{DDP}.bucket_size'" in t.errors[0], t.errors
+
+
+def test_offloading_the_critic_is_refused_not_dropped(model_dir: str) -> None:
+    """Only the actor goes to the host while colocated engines generate: verl's critic offload would be lost."""
+    gae = ["algorithm.adv_estimator=gae", f"critic.model.path={model_dir}"]
+    offload = ["critic.megatron.param_offload=True", "critic.megatron.optimizer_offload=True"]
+    t = translate(_verl(model_dir, *gae, *offload))
+    assert len(t.errors) == 2, t.errors
+    assert all("cannot be honoured here: offloading the critic" in e for e in t.errors)
+    assert "critic.megatron.param_offload=True" in t.errors[0]
+    _, lines = _run(_verl(model_dir, *gae, "critic.megatron.param_offload=False"))
+    assert "critic.megatron.param_offload=False: ignored: the critic stays on its GPUs" in lines

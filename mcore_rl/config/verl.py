@@ -191,14 +191,24 @@ def _optim(verl: str, ours: str) -> dict[str, Rule]:
     }
 
 
+def _offload(ours: str) -> Ignore:
+    """The actor's state goes to the host while colocated engines generate; the critic's stays on its GPUs (only the
+    actor is offloaded: controller/placement.py), so asking to offload the critic is refused, not dropped."""
+    if ours == "actor":
+        return Ignore(_OFFLOAD)
+    return Ignore(
+        "the critic stays on its GPUs while the engines generate (only the actor is offloaded)",
+        _falsy,
+        "offloading the critic while the engines generate (the dry run counts it resident)",
+    )
+
+
 def _megatron(verl: str, ours: str) -> dict[str, Rule]:
     """verl's megatron group -> our LayoutConfig (plus what it means elsewhere)."""
     rules: dict[str, Rule] = {f"{verl}.{k}": Map(f"{ours}.layout.{v}") for k, v in _LAYOUT.items()}
     rules.update(
         {
-            f"{verl}.param_offload": Ignore(_OFFLOAD),
-            f"{verl}.grad_offload": Ignore(_OFFLOAD),
-            f"{verl}.optimizer_offload": Ignore(_OFFLOAD),
+            **{f"{verl}.{what}": _offload(ours) for what in ("param_offload", "grad_offload", "optimizer_offload")},
             f"{verl}.use_distributed_optimizer": Map(f"{ours}.optim.distributed"),
             # verl's Megatron workers build DDP with overlap_grad_reduce=False under these overrides (and Megatron's
             # overlap_param_gather=False); absent here, ours resolve per runtime (on for CUDA, KEPT_DEFAULTS)
