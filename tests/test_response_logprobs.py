@@ -48,3 +48,21 @@ def test_entropy_on_response_positions_equals_the_gathered_full_entropy() -> Non
     logits, _, gather = _inputs(2)
     full = vocab_parallel_entropy(logits, VOCAB).gather(1, gather)
     assert torch.equal(vocab_parallel_entropy(response_positions(logits, gather), VOCAB), full)
+
+
+def test_the_entropy_metric_in_chunks_equals_one_pass_and_keeps_no_graph() -> None:
+    """The metric runs `chunk` positions at a time (its fp32 temporaries bounded; models/estimate.py counts one chunk
+    of them, METRIC_CHUNK, which must be the actor's LOGPROB_CHUNK) and without autograd (a graph would keep every
+    chunk's temporaries alive until the loss is freed)."""
+    from mcore_rl.actor.logprobs import LOGPROB_CHUNK
+    from mcore_rl.models.estimate import METRIC_CHUNK
+
+    logits, _, _ = _inputs(3)
+    rows = logits.float().requires_grad_()
+    whole = vocab_parallel_entropy(rows, VOCAB, chunk=10**9)
+    for chunk in (1, 7, 40, 119):  # 120 positions: uneven last chunks, one row, and one chunk short of all
+        parts = vocab_parallel_entropy(rows, VOCAB, chunk=chunk)
+        assert parts.shape == (3, 40) and torch.equal(parts, whole)
+    assert not whole.requires_grad and whole.grad_fn is None
+    assert vocab_parallel_entropy(rows[:, :0], VOCAB).shape == (3, 0)
+    assert METRIC_CHUNK == LOGPROB_CHUNK

@@ -84,9 +84,10 @@ def policy_loss(actor: Any, mb: MicroBatch, logits: torch.Tensor, denominator: f
         loss = loss - cfg.entropy_coef * aggregate_loss(
             entropy, mask, cfg.loss_agg_mode, max_response_len=mask.shape[1], denominator=denominator
         )
-    else:
-        rows = response_positions(logits, mb.gather_index)
-        entropy = unpack_rows(mb, vocab_parallel_entropy(rows, actor.vocab_size, actor.pg.tp))
+    else:  # the metric only: no graph, its temporaries a chunk at a time
+        with torch.no_grad():
+            rows = response_positions(logits, mb.gather_index)
+            entropy = unpack_rows(mb, vocab_parallel_entropy(rows, actor.vocab_size, actor.pg.tp))
     metrics["actor/entropy"] = float((entropy.detach() * mask).sum())
     metrics["_tokens"] = weight
     return loss * scale, metrics

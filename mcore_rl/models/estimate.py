@@ -38,6 +38,7 @@ from mcore_rl.parallel.layout import ParallelLayout
 GIB = 1024**3
 #: bytes of an activation element: activations are in the model's dtype (model.dtype)
 ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+METRIC_CHUNK = 1024  #: positions per chunk of the entropy metric: actor/logprobs.py's LOGPROB_CHUNK (a test checks)
 
 
 class OptimizerPlan(Protocol):
@@ -378,13 +379,16 @@ def activation_bytes(
         stored, working = in_flight * stage_layers * full_layer, backward
     # The loss reads the logits at response positions (at most every position, the bound taken here), all at once
     # in a training pass (actor/logprobs.py, actor/step_losses.py): the output layer's logits and the gathered rows in
-    # the model dtype and their fp32 softmax stay for the backward; the entropy metric's fp32 temporaries (the cast of
-    # 16-bit rows, masked, shifted, exp, exp x shifted and its where) come and go before it, so the larger of them and
-    # the backward's working set counts. Measured with a 32k vocabulary: 31.5-31.6 bytes per position x vocab entry,
-    # fp32 and bf16 (tests/test_memory_estimate.py); the estimate gave 8 (logits + their softmax grad in fp32).
-    logit_entries = tokens * int(hf["vocab_size"]) / tp
+    # the model dtype and their fp32 softmax stay for the backward; the entropy metric (no graph) gathers its own rows
+    # in the model dtype and its fp32 temporaries (the cast of 16-bit rows, masked, shifted, exp, exp x shifted and
+    # its where) come and go METRIC_CHUNK positions at a time before it, so the larger of them and the backward's
+    # working set counts. Measured with a 32k vocabulary (tests/test_memory_estimate.py).
+    vocab_entries = int(hf["vocab_size"]) / tp
+    logit_entries = tokens * vocab_entries
     held = logit_entries * (2 * dtype_bytes + 4)
-    entropy_metric = logit_entries * (20 + (4 if dtype_bytes < 4 else 0))
+    entropy_metric = logit_entries * dtype_bytes + min(tokens, METRIC_CHUNK) * vocab_entries * (
+        20 + (4 if dtype_bytes < 4 else 0)
+    )
     return stored + held + max(working, entropy_metric)
 
 
@@ -466,8 +470,18 @@ def estimate_memory(
         reference=dense.weights + expert.weights if use_ref and ref_placement == "resident" else 0.0,
         reference_host=2 * (dense.weights + expert.weights) if use_ref and ref_placement == "host" else 0.0,
         activations=activation_bytes(
-            hf, tp, pp, cp, micro_batch, seq_len, vpp or 1, first_stage_layers, last_stage_layers, recompute,
-            dtype_bytes=ACTIVATION_BYTES.get(plan.dtype, 2), fused_attention=fused_attention,
+            hf,
+            tp,
+            pp,
+            cp,
+            micro_batch,
+            seq_len,
+            vpp or 1,
+            first_stage_layers,
+            last_stage_layers,
+            recompute,
+            dtype_bytes=ACTIVATION_BYTES.get(plan.dtype, 2),
+            fused_attention=fused_attention,
         ),
         overhead=overhead_gib * GIB,
         dp=dp,
