@@ -30,6 +30,9 @@ TRAIN = [sys.executable, "-m", "mcore_rl.train"]
 STEPS = 6
 KILL_AFTER = 2  #: the engine is killed once this many steps are in metrics.jsonl
 ASYNC_STEPS = 4
+#: a request's retries back off 0.5 s doubling: 10 wait 511 s in all, for a replacement vLLM that a loaded CI machine
+#: starts in up to about 190 s (9 waited 255 s)
+RETRIES = 10
 
 
 def _steps(metrics: Path) -> list[dict[str, Any]]:
@@ -44,7 +47,7 @@ def _train(run_dir: Path, overrides: list[str], kill_after: int | None = None) -
     whole process group is SIGKILLed (so the next step's generation or push meets a dead engine)."""
     proc = subprocess.Popen(
         [*TRAIN, "rollout.engine=vllm", "model.hf_config.head_dim=32", f"trainer.run_dir={run_dir}",
-         "trainer.loggers=[console,jsonl]", "rollout.max_retries=9", ray_address_override(), *overrides],
+         "trainer.loggers=[console,jsonl]", f"rollout.max_retries={RETRIES}", ray_address_override(), *overrides],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=train_env(),
     )  # fmt: skip
     killed = None
