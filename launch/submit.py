@@ -160,6 +160,7 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
     """Placement, GPU packages, the weight-sync plan and per-GPU memory against N x G (the module docstring);
     SubmitError (exit 2) naming the key and the figures when the run would fail."""
     from mcore_rl.models.estimate import EngineShare, count_params
+    from mcore_rl.models.spec import te_in_use
 
     report = CheckReport(run_dir=cfg.trainer.run_dir)
     gpus = nodes * gpus_per_node
@@ -235,9 +236,15 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
     est = _estimate(cfg, cfg.actor, hf, None if colocated else engine, use_ref=cfg.actor.use_ref)
     report.lines.append(
         f"memory per GPU (estimate; micro_batch={_micro_batch(cfg, cfg.actor)}, seq={cfg.model.max_sequence_length}, "
-        f"recompute={cfg.actor.recompute.granularity or 'off'}):"
+        f"recompute={cfg.actor.recompute.granularity or 'off'}, attention fused: Transformer Engine's spec):"
     )
     report.lines.append(est.describe())
+    if not te_in_use(cfg.trainer.runtime):  # the GPU set brings TE; where it is missing the ranks build the local spec
+        local = _estimate(cfg, cfg.actor, hf, None if colocated else engine, cfg.actor.use_ref, fused_attention=False)
+        report.lines.append(
+            f"  without Transformer Engine (not importable here; the local spec keeps each layer's s^2 attention "
+            f"probabilities): activations {local.activations / GIB:.1f} GiB, training peak {local.total / GIB:.1f} GiB"
+        )
     critic = _estimate(cfg, cfg.critic, hf, None, use_ref=False) if cfg.critic.enable else None
     total = est.total
     if colocated:  # the phases of one shared GPU (controller/placement.py)
@@ -285,8 +292,11 @@ def _micro_batch(cfg: Any, group: Any) -> int:
     return max(1, min(group.micro_batch_size, budget // cfg.model.max_sequence_length))
 
 
-def _estimate(cfg: Any, group: Any, hf: dict[str, Any], engine: Any, use_ref: bool) -> Any:
-    """models/estimate.py's per-GPU figures of one worker group (the actor, or the critic) at its own layout."""
+def _estimate(
+    cfg: Any, group: Any, hf: dict[str, Any], engine: Any, use_ref: bool, fused_attention: bool = True
+) -> Any:
+    """models/estimate.py's per-GPU figures of one worker group (the actor, or the critic) at its own layout, with
+    Transformer Engine's fused attention (the GPU set's) unless told otherwise."""
     from mcore_rl.actor.optimizer import optimizer_plan
     from mcore_rl.actor.reference import resolve_placement
     from mcore_rl.models.estimate import estimate_memory, rank_params
@@ -312,6 +322,7 @@ def _estimate(cfg: Any, group: Any, hf: dict[str, Any], engine: Any, use_ref: bo
         ref_placement=resolve_placement(getattr(group, "ref_placement", None), cfg.trainer.runtime),
         params=rank_params(hf, lay.to_layout(), cfg.model.make_vocab_size_divisible_by, cfg.model.dtype),
         engine=engine,
+        fused_attention=fused_attention,
     )
 
 

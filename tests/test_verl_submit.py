@@ -33,13 +33,16 @@ def world(tmp_path_factory) -> tuple[str, dict[str, str]]:
     return home, env
 
 
-def dry_run(script: str, world: tuple[str, dict[str, str]], *extra: str) -> subprocess.CompletedProcess:
+def dry_run(
+    script: str, world: tuple[str, dict[str, str]], *extra: str, gpu_memory_gb: int = 80
+) -> subprocess.CompletedProcess:
     """`launch/submit.py --dry-run` of a verl script on the nodes x GPUs the script names, as the user runs it (with
     `extra` overrides after the script's own)."""
     home, env = world
     args = [*script_args(script, home), *extra]
     given = dict(a.split("=", 1) for a in args if "=" in a)
-    cluster = ["--nodes", given["trainer.nnodes"], "--gpus-per-node", given["trainer.n_gpus_per_node"]]
+    cluster = ["--nodes", given["trainer.nnodes"], "--gpus-per-node", given["trainer.n_gpus_per_node"],
+               "--gpu-memory-gb", str(gpu_memory_gb)]  # fmt: skip
     return subprocess.run(
         [sys.executable, SUBMIT, *cluster, *SLURM, "--dry-run", "--", *args],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
@@ -69,13 +72,17 @@ def test_the_ppo_quickstart_passes_the_dry_run_on_one_gpu(world) -> None:
 
 @pytest.mark.slow  # builds the 30B MoE's meta model for the sync plan
 def test_the_qwen3_30b_megatron_script_passes_with_sglang_engines(world) -> None:
-    """verl's Qwen3-30B-A3B script (EP 8, dynamic batches of 10240 tokens, optimizer state on the host) on 1 x 8, with
-    SGLang engines: its token budget caps a micro-batch at one 10240-token sample, and the engines release their
-    memory while the actor trains (with its vLLM engines it is refused: their GPU push is not written)."""
-    res = dry_run("grpo_qwen3moe_30b_megatron", world, SGLANG)
+    """verl's Qwen3-30B-A3B script (run_qwen3moe-30b_megatron_96gb.sh: EP 8, dynamic batches of 10240 tokens,
+    optimizer state on the host) on 1 x 8 GPUs of 96 GB as its name says, with SGLang engines: its token budget caps a
+    micro-batch at one 10240-token sample, and the engines release their memory while the actor trains (with its vLLM
+    engines it is refused: their GPU push is not written). At 80 GB it does not fit (no recompute: about 50 GiB of
+    activations at 10240 tokens), which the test also checks."""
+    res = dry_run("grpo_qwen3moe_30b_megatron", world, SGLANG, gpu_memory_gb=96)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout + res.stderr
     assert "ep=8" in out and "micro_batch=1, seq=10240" in out and "fits:" in out
+    small = dry_run("grpo_qwen3moe_30b_megatron", world, SGLANG, gpu_memory_gb=80)
+    assert small.returncode == 2 and "> --gpu-memory-gb 80 GiB" in small.stderr, small.stderr[-2000:]
 
 
 def test_the_dapo_script_is_refused_for_its_context_parallelism(world) -> None:
