@@ -14,7 +14,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Files that touch the same machine-wide state; `--dist loadgroup` runs each group on one worker, in order.
 SHARED_STATE = {
-    # the namespace Slurm cluster of tools/slurm_local.sh (started, stopped and reconfigured by these tests)
+    # the namespace Slurm clusters of tools/slurm_local.sh (started, stopped and reconfigured by these tests); also
+    # marked `serial`: `make test` runs them after the parallel pass, alone
     "slurm": ("test_submit_slurm.py", "test_submit_slurm2.py", "test_submit_slurm2_engines.py"),
     # the no-escape check lists every process of the sandbox's uid: another file's sandbox would count as escaped
     "sandbox": ("test_sandbox.py", "test_agent_loop.py"),
@@ -35,6 +36,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     group_of = {item: _group(item.path.name) for item in items}
     for item, group in group_of.items():
         item.add_marker(pytest.mark.xdist_group(group))  # a file's module fixtures start once
+        if group == "slurm":
+            item.add_marker(pytest.mark.serial)
     # The longest groups first (xdist hands out groups in this order, `--no-loadscope-reorder`), so that neither
     # worker starts one at the end: vLLM's, then by the number of slow tests (end-to-end runs, gloo ranks).
     weight: dict[str, int] = {}
