@@ -28,8 +28,9 @@ run: $(STAMP)
 	$(PY) -m mcore_rl.train $(ARGS)
 
 # Two pytest-xdist workers (TEST_JOBS=0: one process); tests/conftest.py keeps each file, and files sharing
-# machine-wide state (the sandbox uid, vLLM), on one worker. Then, alone, the tests marked `serial` (the namespace
-# Slurm clusters: their jobs' time limits assume a machine they do not share). Exit 5 = nothing selected (ARGS).
+# machine-wide state (the sandbox uid, vLLM), on one worker. Then, alone, the tests conftest marks `serial` (the
+# namespace-Slurm jobs, whose time limits assume an unshared machine; bench_sync's four-rank quick run).
+# Exit 5 = nothing selected (ARGS).
 TEST_JOBS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=40 -n $(TEST_JOBS) --dist loadgroup --no-loadscope-reorder -m "not serial" tests $(ARGS) || [ $$? = 5 ]

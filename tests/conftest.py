@@ -23,6 +23,9 @@ SHARED_STATE = {
     "vllm": (),  # every test_vllm_*.py (see _group)
 }
 _GROUP_OF = {name: group for group, names in SHARED_STATE.items() for name in names}
+# Run alone after the parallel pass (marked `serial`): the Slurm jobs' time limits; bench_sync's quick run (four
+# ranks, every transport: its shared-memory transport's manager timed out once with the other worker busy).
+SERIAL = ("slurm", "test_bench_sync.py")
 
 
 def _group(filename: str) -> str:
@@ -36,7 +39,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     group_of = {item: _group(item.path.name) for item in items}
     for item, group in group_of.items():
         item.add_marker(pytest.mark.xdist_group(group))  # a file's module fixtures start once
-        if group == "slurm":
+        if group in SERIAL:
             item.add_marker(pytest.mark.serial)
     # The longest groups first (xdist hands out groups in this order, `--no-loadscope-reorder`), so that neither
     # worker starts one at the end: vLLM's, then by the number of slow tests (end-to-end runs, gloo ranks).

@@ -148,7 +148,7 @@ def test_a_sample_older_than_the_bound_is_refused():
 
 
 def test_stale_samples_get_truncated_importance_weights_fresh_ones_weight_one():
-    from mcore_rl.actor.megatron_actor import stale_tis_weights
+    from mcore_rl.actor.step_losses import stale_tis_weights
 
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
     old = torch.tensor([[-1.0, -0.1, -5.0], [-1.0, -1.0, -1.0]])

@@ -241,6 +241,9 @@ def test_pause_during_push(client: RolloutClient, server: Any, mode: str) -> Non
         client.post(server.url(), "/pause_generation", {"mode": mode})
     try:
         pusher.push(checkpoint(hf_model(seed=6)), version=21)
+        # paused requests are still there by construction; unpaused ones may all have finished first on a loaded
+        # machine (the push took longer than their remaining tokens): then no token can carry the new version
+        decoding_after_push = mode != "none" or running_requests(server.url()) > 0
     finally:
         if mode != "none":
             client.post(server.url(), "/continue_generation")
@@ -249,8 +252,9 @@ def test_pause_during_push(client: RolloutClient, server: Any, mode: str) -> Non
     assert len(samples) == 16
     assert all(len(s.response_ids) == 480 and s.finish_reason == "length" for s in samples)
     spans = [[v for v, _, _ in s.weight_versions] for s in samples]
-    assert all(v[0] == 20 for v in spans), spans
-    assert any(v[-1] == 21 for v in spans), spans  # paused mid-decode: the rest of its tokens are the new version
+    assert all(v[0] == 20 and v == sorted(v) and set(v) <= {20, 21} for v in spans), spans
+    if decoding_after_push:  # paused (or decoding) across the push: the rest of their tokens are the new version
+        assert any(v[-1] == 21 for v in spans), spans
     if mode == "abort":
         assert client.stats["continued_after_abort"] > continued
     else:
