@@ -2,6 +2,7 @@
 (`make test` runs two workers) each file runs whole on one worker, and files that share machine-wide state run on the
 same worker, one after the other."""
 
+import json
 import os
 
 import pytest
@@ -54,3 +55,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A dense Qwen2 checkpoint directory (config.json only: the config check reads nothing else), for the verl
+    translation tests (test_verl_config.py, test_verl_offload_overlap.py)."""
+    path = tmp_path / "qwen2"
+    path.mkdir()
+    config = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-6, "tie_word_embeddings": False}  # fmt: skip
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)

@@ -4,7 +4,6 @@ of a command is reported at once (exit 2), and the config layer imports nothing 
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,18 +14,6 @@ from mcore_rl.config import to_config
 from mcore_rl.config.verl_cli import compose, translate
 
 AR = "actor_rollout_ref"
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    """A dense Qwen2 checkpoint directory (config.json only: the config check reads nothing else)."""
-    path = tmp_path / "qwen2"
-    path.mkdir()
-    config = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 512,
-              "rms_norm_eps": 1e-6, "tie_word_embeddings": False}  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 def _run(args: list[str]):

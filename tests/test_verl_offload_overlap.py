@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from mcore_rl.config import ConfigError, to_config
@@ -18,18 +16,6 @@ from mcore_rl.config.verl_cli import compose, translate
 
 AR = "actor_rollout_ref"
 DDP = f"{AR}.actor.megatron.override_ddp_config"
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    """A dense Qwen2 checkpoint directory (config.json only: the config check reads nothing else)."""
-    path = tmp_path / "qwen2"
-    path.mkdir()
-    config = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "max_position_embeddings": 512,
-              "rms_norm_eps": 1e-6, "tie_word_embeddings": False}  # fmt: skip
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
 
 
 def _verl(model_dir: str, *extra: str) -> list[str]:
