@@ -35,12 +35,12 @@ def test_response_logprobs_equal_the_full_path_bit_for_bit() -> None:
 
 def test_response_logprobs_gradients_equal_the_full_path() -> None:
     logits, targets, gather = _inputs(1)
-    weights = torch.randn(3, 30)
+    weights = torch.randn(3, 30, generator=torch.Generator().manual_seed(11))  # seeded: a fixed case
     a = logits.clone().float().requires_grad_()
     (vocab_parallel_logprobs(a, targets, VOCAB).gather(1, gather) * weights).sum().backward()
     b = logits.clone().float().requires_grad_()
     (response_logprobs(b, targets, gather, VOCAB) * weights).sum().backward()
-    assert torch.allclose(a.grad, b.grad, rtol=0, atol=1e-7)
+    assert torch.allclose(a.grad, b.grad, rtol=0, atol=1e-6)  # fp32 sums in another order: ulps of values ~1
     assert b.grad[1, 39].abs().sum() > 0 and b.grad[2, 30:].abs().sum() == 0  # rows past the responses get none
 
 

@@ -234,16 +234,18 @@ def test_pause_during_push(client: RolloutClient, server: Any, mode: str) -> Non
     thread = threading.Thread(target=lambda: out.update(s=client.generate_samples(prompts, 2, params, seed=seed)))
     thread.start()
     deadline = time.monotonic() + 60
-    while running_requests(server.url()) == 0:  # paused only once they decode
-        assert time.monotonic() < deadline and thread.is_alive(), "the requests never ran"
+    while running_requests(server.url()) == 0 and thread.is_alive():  # paused only once they decode
+        assert time.monotonic() < deadline, "the requests never ran"
         time.sleep(0.05)
+    # vLLM's running gauge lags its engine: on an idle machine all 16 requests may end before it shows them, and
+    # unpaused ones may end before the push does; the version and continuation checks below need requests that were
+    # still decoding across the push, so they apply when those were seen
+    decoding = thread.is_alive()
     if mode != "none":
         client.post(server.url(), "/pause_generation", {"mode": mode})
     try:
         pusher.push(checkpoint(hf_model(seed=6)), version=21)
-        # paused requests are still there by construction; unpaused ones may all have finished first on a loaded
-        # machine (the push took longer than their remaining tokens): then no token can carry the new version
-        decoding_after_push = mode != "none" or running_requests(server.url()) > 0
+        decoding_after_push = decoding and (mode != "none" or running_requests(server.url()) > 0)
     finally:
         if mode != "none":
             client.post(server.url(), "/continue_generation")
@@ -255,10 +257,10 @@ def test_pause_during_push(client: RolloutClient, server: Any, mode: str) -> Non
     assert all(v[0] == 20 and v == sorted(v) and set(v) <= {20, 21} for v in spans), spans
     if decoding_after_push:  # paused (or decoding) across the push: the rest of their tokens are the new version
         assert any(v[-1] == 21 for v in spans), spans
-    if mode == "abort":
-        assert client.stats["continued_after_abort"] > continued
-    else:
+    if mode != "abort":
         assert client.stats["continued_after_abort"] == continued
+    elif decoding_after_push:
+        assert client.stats["continued_after_abort"] > continued
 
 
 def test_bench_sync_measures_the_push_beside_the_raw_broadcast(server: Any, capsys: pytest.CaptureFixture) -> None:

@@ -146,10 +146,9 @@ def test_async_rollout_on_vllm_generates_one_step_ahead_within_the_bound(vllm_as
     assert steps[0]["async/stale_frac"] == 0.0  # generated on the weights it trains
     assert all(r["async/staleness_max"] <= 1 for r in steps)
     assert any(r["async/stale_frac"] > 0 for r in steps[1:])
-    # partial rollouts: a push landed while vLLM generated the next batch (generating a batch took longer than
-    # training on one here: 1.2-3.3 s against about 0.5 s); vLLM aborted the requests, the client continued them
-    # on the new weights, so their tokens are of two versions
-    assert any(r["async/two_version_frac"] > 0 for r in steps[1:]), [r["async/two_version_frac"] for r in steps]
+    # Partial rollouts (a push landing while vLLM generates, tokens of two versions) happen here only when generating
+    # a batch takes longer than training on one, which depends on the machine's load: not asserted here;
+    # tests/test_vllm_engine.py::test_pause_during_push pauses and continues requests across a push directly.
 
 
 def test_vllm_refuses_a_head_size_it_cannot_serve(vllm_venv) -> None:  # noqa: F811
