@@ -13,7 +13,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# Files that touch the same machine-wide state; `--dist loadgroup` runs each group on one worker, in order.
+# Files that touch the same machine-wide state; `--dist loadgroup` runs each group on one worker, in order
+# (pytest_xdist_make_scheduler below).
 SHARED_STATE = {
     # the namespace Slurm clusters of tools/slurm_local.sh (started, stopped and reconfigured by these tests); also
     # marked `serial`: `make test` runs them after the parallel pass, alone
@@ -35,11 +36,27 @@ def _group(filename: str) -> str:
     return _GROUP_OF.get(filename, filename)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (absent where it is not installed)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadgroup`: one work unit per group of `_group` (a file, or files sharing state), so a worker runs a
+    group whole, in collection order, and a file's module fixtures (an engine, a vLLM server, a train run) start once.
+    xdist's own loadgroup cannot be used: it tags `item._nodeid`, which pytest 9 no longer reads (it keeps `_id`), so
+    every test became its own unit and the two workers each ran parts of every file, module fixtures included."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileGroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
+
+    return FileGroupScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     group_of = {item: _group(item.path.name) for item in items}
     for item, group in group_of.items():
-        item.add_marker(pytest.mark.xdist_group(group))  # a file's module fixtures start once
         if group in SERIAL:
             item.add_marker(pytest.mark.serial)
     # The longest groups first (xdist hands out groups in this order, `--no-loadscope-reorder`), so that neither
