@@ -476,11 +476,13 @@ class MegatronActor:
         timeout_s: float = 300.0,
         keep_buffers: bool = True,
         colocation: list[list[int]] | None = None,
+        engine: str = "sglang",
     ) -> dict[str, Any]:
         """Send this rank's part of the plan (collective within each stream's gather group); the sync buffers stay
-        resident for the next one unless `keep_buffers` is false. `colocation`: see SyncSender.send."""
+        resident for the next one unless `keep_buffers` is false. `colocation`, `engine`: see SyncSender.send."""
         return self._sender().send(
-            version, transport, engine_urls, api_key, disk_dir, ranks_per_engine, timeout_s, keep_buffers, colocation
+            version, transport, engine_urls, api_key, disk_dir, ranks_per_engine, timeout_s, keep_buffers, colocation,
+            engine,
         )
 
     def offload(self) -> dict[str, int]:

@@ -19,10 +19,12 @@ colocated  one placement group with a bundle per actor rank; on CUDA its bundles
            slime orders them, so consecutive bundles are one node's consecutive GPUs. Critic rank r shares bundle r.
            Engines share the bundles too, with a fraction of each GPU (Ray counts a GPU once: actor 0.4 + critic
            0.3 + engine 0.2): an embedded engine i takes bundle i % world; node k of SGLang engine e the tp / nnodes
-           bundles from (e x nnodes + k) x tp / nnodes on, its Ray actor holding the first and its server seeing
-           all of them (CUDA_VISIBLE_DEVICES set from the bundles' GPUs, Ray told not to override it). While the
-           actor trains, engines release weights and KV cache (/release_memory_occupation: SGLang's memory saver;
-           our server drops its parameters); while engines generate, the actor offloads parameters, gradients and
+           bundles from (e x nnodes + k) x tp / nnodes on (a vLLM engine e: the tp x dp bundles from e x tp x dp on,
+           one node), its Ray actor holding the first and its server seeing all of them (CUDA_VISIBLE_DEVICES set
+           from the bundles' GPUs, Ray told not to override it). While the actor trains, engines release weights
+           and KV cache (/release_memory_occupation: SGLang's memory saver; vLLM's sleep level 1, the launcher
+           starting colocated vLLM engines in sleep mode; our server drops its parameters); while engines
+           generate, the actor offloads parameters, gradients and
            optimizer state to host memory (CUDA; on CPU a no-op that says so in the log). The hand-over back to
            generation is verl's order: engines resume their weights -> the push refills them from the actor's (still
            on device) -> the actor offloads -> engines resume their KV cache.
@@ -240,10 +242,11 @@ class ColocatedPlacement(SplitPlacement):
         positions = range(first, first + per_node)
         nodes = {self.where[i][0] for i in positions}
         if len(nodes) != 1:
+            terms = engine_shape(self.cfg.rollout, self.cfg.trainer.runtime).terms()
             raise PlacementError(
                 f"rollout engine {index} node {node_rank} would span actor bundles {list(positions)} on nodes "
-                f"{sorted(nodes)}: expected the {per_node} GPUs (rollout.sglang.tp / nnodes) of one node; make "
-                "rollout.sglang.tp / nnodes divide the GPUs per node"
+                f"{sorted(nodes)}: expected the {per_node} GPUs ({terms}, over its nodes) of one node; make them "
+                "divide the GPUs per node"
             )
         gpus = ",".join(self.where[i][1] for i in positions)
         env = {NOSET_CUDA: "1", "CUDA_VISIBLE_DEVICES": gpus} if self.cuda else {}

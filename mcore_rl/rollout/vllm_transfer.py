@@ -8,7 +8,9 @@ connect   leader: ncclGetUniqueId (vllm_nccl)   POST /init_weight_transfer_engin
           float32 all_reduce (the warm-up handshake), which the leader issues too (vllm_nccl.NcclSender)
 per bucket  POST /update_weights {update_info: update_info(bucket)}   the worker: packed_nccl_broadcast_consumer
             leader: one ncclBroadcast of the bucket's bytes            (chunks cut at packed_buffer_size_bytes)
-colocated   POST /update_weights {update_info: ipc_update_info(...)}  the worker: packed_ipc_consumer
+colocated   POST /init_weight_transfer_engine {init_info: IPC_INIT_INFO}, once per engine and push
+            POST /update_weights_from_distributed bucket_ipc_request(...)  (the plugin: vLLM's update_weights with
+            {names, dtype_names, shapes, tensor_sizes, ipc_handles_pickled}; the worker: packed_ipc_consumer)
 memory      /release_memory_occupation {tags}  -> POST /sleep?level=1&mode=abort (weights backed up in host
                                                   memory, KV cache dropped), or /pause + /release_kv_cache_memory
             /resume_memory_occupation {tags}   -> POST /wake_up?tags=weights&tags=kv_cache
@@ -120,6 +122,39 @@ def ipc_update_info(
 
 
 IPC_INIT_INFO: dict[str, Any] = {"packed": True}  #: IPCWeightTransferInitInfo: no rendezvous, the packed wire format
+#: the IPC route of the tensor transport: the plugin's SGLang-named data-plane route (names, dtypes, shapes, the
+#: bucket's weight_version), which hands the IPC fields on to vLLM's own update_weights
+IPC_UPDATE_ROUTE = "/update_weights_from_distributed"
+
+
+def ipc_share(tensor: torch.Tensor) -> tuple[str, tuple]:
+    """One handle of vLLM's `ipc` update_info for a CUDA bucket copy: (its GPU's UUID, the args of torch's
+    `reduce_tensor`), as vLLM's own IPC trainer makes it (the worker overwrites the device index, arg 6, with its
+    own, and finds its entry by `str(torch.cuda.get_device_properties(i).uuid)`). The caller keeps `tensor` alive
+    until every engine answered: the args hold no reference to it."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if not tensor.is_cuda:
+        raise ValueError(f"vLLM's ipc backend shares CUDA memory; got a {tensor.device} tensor")
+    _, args = reduce_tensor(tensor)
+    return str(torch.cuda.get_device_properties(tensor.device).uuid), args
+
+
+def bucket_ipc_request(bucket: Any, handles: dict[str, tuple], weight_version: str) -> dict[str, Any]:
+    """The body of `IPC_UPDATE_ROUTE` for one bucket of a sync plan (packed: back to back from offset 0) shared as
+    `handles` ({GPU UUID: reduce_tensor args} of every GPU of the engine): SGLang's field names for the plugin's
+    route, vLLM's packed IPC fields (`ipc_update_info`) for its worker."""
+    meta = bucket_update_info(bucket)  # refuses a bucket that is not vLLM's packed layout
+    info = ipc_update_info(meta["names"], meta["dtype_names"], meta["shapes"],
+                           [e.nbytes for e in bucket.entries], handles)  # fmt: skip
+    return {
+        "names": info["names"],
+        "dtypes": info["dtype_names"],
+        "shapes": info["shapes"],
+        "tensor_sizes": info["tensor_sizes"],
+        "ipc_handles_pickled": info["ipc_handles_pickled"],
+        "weight_version": weight_version,
+    }
 
 
 def memory_release_routes(tags: Iterable[str]) -> list[str]:

@@ -37,6 +37,17 @@ the UUID; shared memory on CPU), `gather_object` brings the payloads to the lead
 raises if an engine refused, and drops its copy only after every engine answered. That last collective makes a
 bucket synchronous (the next bucket is packed after this one's POSTs, not during them).
 
+vLLM engines (`engine="vllm"`, colocated on CUDA: the launcher starts them with vLLM's own `ipc` weight-transfer
+backend) get the same collective per bucket, with vLLM's wire format instead of SGLang's: each mapped rank shares its
+own copy as `reduce_tensor` args keyed by its GPU's UUID (rollout/vllm_transfer.py `ipc_share`), the leader merges an
+engine's GPUs into one handle dict and posts one `bucket_ipc_request` (names, dtypes, shapes, tensor_sizes, the
+pickled handles, the version) to the plugin's `/update_weights_from_distributed`, which hands them to vLLM's
+`update_weights` (IPCWeightTransferUpdateInfo, packed); before an engine's first bucket of a push it posts
+`/init_weight_transfer_engine` {packed: true}. vLLM's worker answers after its copies out of the IPC memory are done
+(`torch.accelerator.synchronize()` after each update) and keeps the mapping open until the next bucket arrives or
+the update finishes; the shared copies are dropped as for SGLang and torch frees them once released
+(`ipc_collect` at `close`).
+
 Segments are reused on CPU: the executor (resharding/sync/execute.py) packs every bucket of every sync into one of
 two buffers this transport allocated once. That is safe because (1) an engine answers the POST only after it has
 copied the bucket out of the segment (a copy from host memory has read its source when it returns), (2) `send`
@@ -159,9 +170,22 @@ class TensorTransport:
         colocation: list[list[int]] | None = None,
         rank: int = 0,
         group: Any = None,
+        engine: str = "sglang",
     ) -> None:
         """`colocation[i][r]`: the actor rank on the GPU of engine `engine_urls[i]`'s TP rank r (see the module
-        docstring); `rank` is this actor rank, `group` the actor's process group (None: the default one)."""
+        docstring); `rank` is this actor rank, `group` the actor's process group (None: the default one);
+        `engine` (rollout.engine): "vllm" posts vLLM's ipc update_info, which needs `colocation`; any other engine
+        reads SGLang's payload (our embedded server too)."""
+        if engine == "vllm" and colocation is None:
+            raise ValueError(
+                "rollout.engine=vllm with sync.transport=tensor: vLLM's ipc backend takes one handle per engine GPU, "
+                "made by the actor rank on that GPU, so the colocation map (trainer.placement=colocated on CUDA) "
+                "is needed"
+            )
+        self.vllm = engine == "vllm"
+        #: (GPU UUID, reduce_tensor args) of a CUDA bucket copy; a test's stand-in where there is no CUDA
+        self.ipc_share = _vllm_ipc_share
+        self._vllm_ready: set[str] = set()  # engines given vLLM's IPC init in this push
         self.engine_urls = list(engine_urls)
         self.api_key = api_key
         self.weight_version = weight_version
@@ -222,16 +246,21 @@ class TensorTransport:
             data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
         dist.broadcast(data, src=stream.leader, group=self.group)
         metadata = [_record(e.name, e.shape, getattr(torch, e.dtype), e.offset, e.nbytes) for e in bucket.entries]
-        mine: dict[tuple[int, int], SharedPayload] = {}
-        if self._slots and self.device.type == "cpu":  # one pickle per opener (module docstring)
+        mine: dict[tuple[int, int], Any] = {}
+        if self.vllm:  # a copy per engine GPU, never a reused buffer, shared as vLLM's handle (module docstring)
+            fresh = not leader and self.device.type != "cpu"  # a non-leader's CUDA receive buffer is new per bucket
+            mine = {slot: data if fresh and n == 0 else data.clone() for n, slot in enumerate(self._slots)}
+            sent: dict[tuple[int, int], Any] = {slot: self.ipc_share(copy) for slot, copy in mine.items()}
+        elif self._slots and self.device.type == "cpu":  # one pickle per opener (module docstring)
             mine = {slot: encode({"flattened_tensor": data, "metadata": metadata}) for slot in self._slots}
         elif self._slots:  # one copy per engine rank: a CUDA IPC share is counted once (module docstring)
             copies = [data.clone() if leader or i else data for i in range(len(self._slots))]
             mine = {
                 slot: encode_cuda({"flattened_tensor": c, "metadata": metadata}) for slot, c in zip(self._slots, copies)
             }
-        # plain str over the wire (the payloads stay alive in `mine` on this rank until the outcome is known)
-        sent = {slot: str(p) for slot, p in mine.items()}
+        if not self.vllm:
+            # plain str over the wire (the payloads stay alive in `mine` on this rank until the outcome is known)
+            sent = {slot: str(p) for slot, p in mine.items()}
         everyone: list[Any] | None = [None] * dist.get_world_size(self.group) if leader else None
         dist.gather_object(sent, everyone, dst=stream.leader, group=self.group)
         outcome: list[Any] = [None]
@@ -245,7 +274,7 @@ class TensorTransport:
         if outcome[0] is not None:
             raise TransportError(f"bucket {bucket.index} of stream {stream.name}: {outcome[0]}")
 
-    def _post_colocated(self, stream: Stream, bucket: Bucket, gathered: list[dict[tuple[int, int], str]]) -> None:
+    def _post_colocated(self, stream: Stream, bucket: Bucket, gathered: list[dict[tuple[int, int], Any]]) -> None:
         by_slot = {slot: payload for part in gathered for slot, payload in (part or {}).items()}
         bodies = []
         for i, url in enumerate(self.engine_urls):
@@ -255,13 +284,39 @@ class TensorTransport:
                     f"no payload for engine {url} TP rank(s) {missing} (colocation {self.colocation[i]})"
                 )
             payloads = [by_slot[(i, r)] for r in range(self.ranks_per_engine)]
-            bodies.append((url, self._body(payloads)))
+            bodies.append((url, self._vllm_body(url, bucket, payloads) if self.vllm else self._body(payloads)))
+        if self.vllm:
+            self._init_vllm([url for url, _ in bodies])
+        route = _vllm_route() if self.vllm else "/update_weights_from_tensor"
+        calls = [self._http.submit(http_post, url + route, body, self.api_key, self.timeout_s) for url, body in bodies]
+        for call in calls:
+            call.result()
+
+    def _vllm_body(self, url: str, bucket: Bucket, shares: list[tuple[str, tuple]]) -> dict[str, Any]:
+        """vLLM's ipc request for one engine: its ranks' handles by GPU UUID (vllm_transfer.bucket_ipc_request)."""
+        from mcore_rl.rollout.vllm_transfer import bucket_ipc_request
+
+        handles: dict[str, tuple] = {}
+        for r, (uuid, args) in enumerate(shares):
+            if uuid in handles:  # vLLM's worker finds its handle by its GPU alone: two ranks there would mix
+                raise TransportError(f"engine {url}: TP ranks share GPU {uuid} (rank {r}); expected one per GPU")
+            handles[uuid] = args
+        return bucket_ipc_request(bucket, handles, self.weight_version)
+
+    def _init_vllm(self, urls: list[str]) -> None:
+        """vLLM's IPC init ({packed: true}, no rendezvous) on engines not given it yet in this push (also replaced
+        engines, which start without it): vLLM's worker decodes a bucket as the last init said."""
+        from mcore_rl.rollout.vllm_transfer import IPC_INIT_INFO
+
+        todo = [url for url in urls if url not in self._vllm_ready]
+        body = {"init_info": IPC_INIT_INFO}
         calls = [
-            self._http.submit(http_post, url + "/update_weights_from_tensor", body, self.api_key, self.timeout_s)
-            for url, body in bodies
+            self._http.submit(http_post, url + "/init_weight_transfer_engine", body, self.api_key, self.timeout_s)
+            for url in todo
         ]
         for call in calls:
             call.result()
+        self._vllm_ready.update(todo)
 
     def _body(self, payloads: list[str]) -> dict[str, Any]:
         return {
@@ -299,3 +354,17 @@ class TensorTransport:
     def close(self) -> None:
         self._sender.close()
         self._http.shutdown(wait=False)
+        if self.vllm and self.device.type == "cuda":
+            torch.cuda.ipc_collect()  # free the shared copies vLLM has released (torch keeps them until asked)
+
+
+def _vllm_ipc_share(tensor: torch.Tensor) -> tuple[str, tuple]:
+    from mcore_rl.rollout.vllm_transfer import ipc_share
+
+    return ipc_share(tensor)
+
+
+def _vllm_route() -> str:
+    from mcore_rl.rollout.vllm_transfer import IPC_UPDATE_ROUTE
+
+    return IPC_UPDATE_ROUTE
