@@ -90,16 +90,18 @@ def test_the_launcher_picks_vllms_backend_and_sleep_mode_by_placement() -> None:
         transfer_backend("cuda", "hybrid")
 
 
-@pytest.mark.vllm
-def test_vllms_own_parser_reads_the_launchers_command_lines(tmp_path) -> None:
-    """Every flag exists in vLLM 0.32's serve parser and lands in the engine arguments vLLM builds its config from."""
-    cfg = VLLMConfig(tp=2, dp=1, gpu_memory_utilization=0.45)
-    argv = {
+def _launcher_argv() -> dict[str, list[str]]:
+    return {
         "cpu": _argv(VLLMConfig(), "cpu", "split"),
         "split": _argv(VLLMConfig(tp=2, dp=2, enable_expert_parallel=True), "cuda", "split"),
-        "colocated": _argv(cfg, "cuda", "colocated"),
+        "colocated": _argv(VLLMConfig(tp=2, dp=1, gpu_memory_utilization=0.45), "cuda", "colocated"),
     }
-    got = run_side(str(tmp_path), ["argv"], argv=argv)["argv"]
+
+
+@pytest.mark.vllm
+def test_vllms_own_parser_reads_the_launchers_command_lines(one_engine) -> None:
+    """Every flag exists in vLLM 0.32's serve parser and lands in the engine arguments vLLM builds its config from."""
+    got = one_engine["side"]["argv"]
     colocated = got["colocated"]
     assert colocated["transfer_config_class"] == "WeightTransferConfig" and colocated["backend"] == "ipc"
     assert colocated["enable_sleep_mode"] is True and colocated["sleep_mode_offload_cudagraph"] is True
@@ -217,30 +219,41 @@ def _ipc_rank(rank: int, world: int, hf: dict, bucket_bytes: int) -> Any:
     return posts, shared, reference
 
 
-def _push_through_vllm(tmp_path, world: int) -> None:
+def _push(tmp_path, world: int, checks: tuple[str, ...] = ("ipc",)) -> dict[str, Any]:
+    """A real push of `world` actor ranks into one engine of `world` GPUs, its POSTs replayed into vLLM's IPC engine
+    (and the other `checks` of the side, in the same vLLM process): what each side saw."""
     from tiny_models import tiny_qwen3_moe
 
     from mcore_rl.parallel.harness import run_on_ranks
 
+    reason = vllm_unavailable_reason(VLLMConfig())
+    if reason is not None:
+        pytest.skip(reason)
     hf = tiny_qwen3_moe(vocab_size=70, initializer_range=0.5, max_position_embeddings=64, num_hidden_layers=2)
     results = run_on_ranks(_ipc_rank, world, (hf, 1 << 15))
     # each stream's leader posts its buckets (with several ranks, the plan spreads the leaders)
     by_rank = [[(url.removeprefix("http://engine0"), body) for url, body in r[0]] for r in results]
     leaders = [posts for posts in by_rank if posts]
+    posts = [post for posts in leaders for post in posts[:1]] + [post for posts in leaders for post in posts[1:]]
+    torch.save({h: t for _, s, _ in results for h, t in s.items()}, tmp_path / "shared.pt")
+    uuids = [f"GPU-stand-in-{r}" for r in range(world)]
+    side = run_side(
+        str(tmp_path), list(checks), posts=posts, shared=str(tmp_path / "shared.pt"), worker_uuids=uuids,
+        received=str(tmp_path / "received.pt"), env={IPC_ENV: server_env({}, "ipc")[IPC_ENV]},
+        argv=_launcher_argv(),
+    )  # fmt: skip
+    return {"side": side, "leaders": leaders, "uuids": uuids, "reference": results[0][2],
+            "received": torch.load(tmp_path / "received.pt")}  # fmt: skip
+
+
+def _check_push(run: dict[str, Any]) -> None:
+    leaders, uuids, reference = run["leaders"], run["uuids"], run["reference"]
     # a leader's first POST of a push is the engine's IPC init, and only that one
     assert all([path for path, _ in posts].count("/init_weight_transfer_engine") == 1 for posts in leaders)
     assert all(posts[0][0] == "/init_weight_transfer_engine" for posts in leaders)
-    posts = [post for posts in leaders for post in posts[:1]] + [post for posts in leaders for post in posts[1:]]
-    shared = {h: t for _, s, _ in results for h, t in s.items()}
-    reference = results[0][2]
-    buckets = [body for path, body in posts if path != "/init_weight_transfer_engine"]
+    buckets = [body for posts in leaders for path, body in posts[1:]]
     assert len(buckets) > 2, "several buckets"
-    torch.save(shared, tmp_path / "shared.pt")
-    uuids = [f"GPU-stand-in-{r}" for r in range(world)]
-    got = run_side(
-        str(tmp_path), ["ipc"], posts=posts, shared=str(tmp_path / "shared.pt"), worker_uuids=uuids,
-        received=str(tmp_path / "received.pt"), env={IPC_ENV: server_env({}, "ipc")[IPC_ENV]},
-    )["ipc"]  # fmt: skip
+    got = run["side"]["ipc"]
     assert got["inits"] == [{"packed": True}] * len(leaders) and all(got["packed"].values())
     # the launcher's environment is what lets vLLM read the handles (without it: refused before anything loads)
     assert got["without_env"][0] == 400 and IPC_ENV in got["without_env"][1]["message"]
@@ -251,18 +264,24 @@ def _push_through_vllm(tmp_path, world: int) -> None:
         mine = [r for r in got["rebuilt"] if r["uuid"] == uuid]
         assert len(mine) == len(buckets) and {r["device"] for r in mine} == {0}
         assert {int(bytes.fromhex(r["handle"])[:4]) for r in mine} == {int(uuid[-1])}  # made by the rank there
-    received = torch.load(tmp_path / "received.pt")
     for uuid in uuids:
-        assert sorted(received[uuid]) == sorted(reference)
+        received = run["received"][uuid]
+        assert sorted(received) == sorted(reference)
         for name, tensor in reference.items():
-            assert received[uuid][name].dtype == tensor.dtype and torch.equal(received[uuid][name], tensor), name
+            assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def one_engine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The one-rank push and the launcher's command lines, in one vLLM process (vLLM imports in ~10 s)."""
+    return _push(tmp_path_factory.mktemp("one_engine"), 1, ("ipc", "argv"))
 
 
 @pytest.mark.vllm
-def test_real_buckets_go_through_vllms_ipc_engine_bit_exact(tmp_path) -> None:
+def test_real_buckets_go_through_vllms_ipc_engine_bit_exact(one_engine) -> None:
     """One actor rank beside a one-GPU engine: every bucket's body, through the plugin route and vLLM's
     IPCWeightTransferEngine, restores the actor's exported weights bit exact; the version commits at finish."""
-    _push_through_vllm(tmp_path, 1)
+    _check_push(one_engine)
 
 
 @pytest.mark.slow
@@ -270,7 +289,7 @@ def test_real_buckets_go_through_vllms_ipc_engine_bit_exact(tmp_path) -> None:
 def test_a_two_gpu_engine_gets_each_gpus_own_handle(tmp_path) -> None:
     """Two actor ranks beside an engine of two GPUs: each bucket's handle dict has both GPUs' copies (made by the
     rank on each), and each of vLLM's workers opens its own."""
-    _push_through_vllm(tmp_path, 2)
+    _check_push(_push(tmp_path, 2))
 
 
 # ---------------------------------------------------------------- what needs CUDA (skipped here)
