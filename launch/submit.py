@@ -186,6 +186,12 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
             f"trainer.runtime={cfg.trainer.runtime}: GPU world-size and memory checks skipped "
             f"({nodes} node(s) x {gpus_per_node} GPU(s))"
         )
+        # what each rank's process will hold in host memory (tools/bench_memory_estimate.py measures it)
+        report.lines.append(
+            f"memory per rank (estimate, host memory; micro_batch={_micro_batch(cfg, cfg.actor)}, "
+            f"seq={cfg.model.max_sequence_length}, the local spec's attention):"
+        )
+        report.lines.append(actor_estimate(cfg).describe())
         return report
     if gpus == 0:
         raise SubmitError(f"trainer.runtime=cuda needs GPUs, but --nodes {nodes} x --gpus-per-node 0 gives none")
@@ -292,6 +298,16 @@ def _micro_batch(cfg: Any, group: Any) -> int:
     return max(1, min(group.micro_batch_size, budget // cfg.model.max_sequence_length))
 
 
+def actor_estimate(cfg: Any) -> Any:
+    """The actor's per-rank estimate on cfg's own runtime with the attention its ranks build (Transformer Engine's
+    where it is in use, else the local spec's): what the dry run prints for a CPU recipe and what
+    tools/bench_memory_estimate.py compares with the ranks."""
+    from mcore_rl.models.spec import te_in_use
+
+    fused = te_in_use(cfg.trainer.runtime)
+    return _estimate(cfg, cfg.actor, _hf_dict(cfg), None, cfg.actor.use_ref, fused_attention=fused)
+
+
 def _estimate(
     cfg: Any, group: Any, hf: dict[str, Any], engine: Any, use_ref: bool, fused_attention: bool = True
 ) -> Any:
@@ -323,6 +339,8 @@ def _estimate(
         params=rank_params(hf, lay.to_layout(), cfg.model.make_vocab_size_divisible_by, cfg.model.dtype),
         engine=engine,
         fused_attention=fused_attention,
+        runtime=cfg.trainer.runtime,
+        logprob_micro_batch=getattr(group, "logprob_micro_batch_size", None),
     )
 
 

@@ -94,3 +94,59 @@ def test_selective_recompute_drops_the_unfused_attention_probabilities() -> None
     layers = MODEL["num_hidden_layers"]
     assert act(None, False) - act(selective, False) == pytest.approx((layers - 1) * probabilities)
     assert act(selective, True) == act(None, True)
+
+
+def _dry_run(rank: int, world_size: int) -> dict:
+    """The default recipe's CPU dry run (launch/submit.py's check_config, as --dry-run prints it) and the estimate
+    tools/bench_memory_estimate.py compares with the ranks, in a forked rank (rank_params needs torch.distributed)."""
+    sys.path.insert(0, str(REPO / "launch"))
+    import submit
+
+    from mcore_rl.controller.recipe_check import compose_recipe
+    from tools.bench_memory_estimate import dry_run_estimate
+
+    cfg = compose_recipe("default", [])
+    est = dry_run_estimate(cfg)
+    lines = submit.check_config(cfg, 1, 0, 80.0).lines
+    return {"lines": lines, "overhead": est.overhead, "activations": est.activations, "runtime": est.runtime,
+            "training": est.training, "hf": submit._hf_dict(cfg), "micro_batch": cfg.actor.micro_batch_size,
+            "seq_len": cfg.model.max_sequence_length, "describe": est.describe()}  # fmt: skip
+
+
+def test_the_cpu_dry_run_prints_the_estimate_the_bench_compares_with_its_runtime_allowance() -> None:
+    """A CPU recipe's dry run prints the actor's per-rank estimate, and it is the bench's: the local spec's unfused
+    attention (the bench handed its ranks TE's fused figure: 153 vs 752 MiB of activations on the default job) and
+    the CPU rank process's allowance in place of the CUDA context's (models/estimate.py's CPU_* figures)."""
+    from mcore_rl.models.estimate import CPU_PROCESS_IMAGE_MIB, CPU_RUNTIME_GROWTH_MIB, MIB, activation_bytes
+    from mcore_rl.parallel.harness import run_on_ranks
+
+    got = run_on_ranks(_dry_run, 1)[0]
+    assert got["runtime"] == "cpu"
+    assert got["overhead"] == (CPU_PROCESS_IMAGE_MIB + CPU_RUNTIME_GROWTH_MIB) * MIB
+    local = activation_bytes(got["hf"], 1, 1, 1, got["micro_batch"], got["seq_len"], dtype_bytes=4,
+                             fused_attention=False)  # fmt: skip
+    assert got["activations"] == pytest.approx(local)
+    printed = "\n".join(got["lines"])
+    assert "CPU rank process:" in printed and "CUDA ctx" not in printed
+    assert got["describe"] in printed  # the very figures the bench compares
+
+
+def test_the_local_spec_attention_buffer_counts_where_cuda_commits_it() -> None:
+    """Megatron's local-spec attention keeps a [b x heads, s, s] scores buffer between passes, sized by the largest
+    micro-batch of any pass (the logprob passes' may be larger): device memory on CUDA; on the CPU nothing touches
+    its pages (baddbmm with beta=0), so no resident memory; none with TE's fused attention."""
+    from mcore_rl.actor.optimizer import optimizer_plan
+    from mcore_rl.config import OptimConfig
+    from mcore_rl.models.estimate import estimate_memory
+
+    plan = optimizer_plan(OptimConfig(distributed=True), "bfloat16", "cuda")
+    est = lambda **kw: estimate_memory(MODEL, 1, tp=1, pp=1, micro_batch=8, seq_len=512, plan=plan, **kw)  # noqa: E731
+    local = est(fused_attention=False, runtime="cuda", logprob_micro_batch=16)
+    assert local.buffers == 16 * MODEL["num_attention_heads"] * 512 * 512 * 2
+    static = local.weights + local.grads + local.optimizer + local.reference
+    assert local.resident == pytest.approx(static + local.buffers + 4 * 2**30)  # kept between passes
+    assert est(fused_attention=False, runtime="cuda").buffers == 8 * MODEL["num_attention_heads"] * 512 * 512 * 2
+    assert est(fused_attention=True, runtime="cuda", logprob_micro_batch=16).buffers == 0
+    assert est(fused_attention=False, runtime="cpu", logprob_micro_batch=16).buffers == 0
+    with pytest.raises(ValueError, match="runtime='tpu'"):
+        est(runtime="tpu")

@@ -1,27 +1,36 @@
-"""The dry run's memory estimate (models/estimate.py, as launch/submit.py --dry-run computes it) against what the
-actor's Megatron ranks really allocate, term by term, as ratios (issue 27: target 0.8-1.25).
+"""The dry run's memory estimate (models/estimate.py, as launch/submit.py --dry-run prints it for the recipe: its
+`actor_estimate`) against what the actor's Megatron ranks really hold, term by term, as ratios (issue 27: target
+0.8-1.25).
 
     python tools/bench_memory_estimate.py                        # the default job (configs/default.yaml), 2 gloo ranks
     python tools/bench_memory_estimate.py --preset wide          # a wider, deeper model where the weights dominate
+    python tools/bench_memory_estimate.py --mmap-threshold 131072   # the allocator experiment (below)
     python tools/bench_memory_estimate.py [--recipe NAME] [--json FILE] -- model.dtype=bfloat16 ...   # Hydra overrides
 
-Each rank is the real actor (MegatronActor on the CPU runtime, the recipe's layout, optimizer and micro-batch) fed a
-batch at the estimate's own assumption: micro-batches of `actor.micro_batch_size` full-length sequences
-(model.max_sequence_length tokens; the longest micro-batch a run can build), each one prompt token and a response to
-the end (the loss reads the logits of response positions: its largest footprint). What is measured per rank:
+Each rank is the real actor (MegatronActor on the CPU runtime, the recipe's layout, optimizer and micro-batches) fed
+a batch at the estimate's own assumption: full-length sequences (model.max_sequence_length tokens; the longest
+micro-batch a run can build), each one prompt token and a response to the end (the loss reads the logits of response
+positions: its largest footprint). As a step does, it computes the old policy's logprobs
+(actor.logprob_micro_batch_size at a time), then updates. What is measured per rank:
 
 - tensor level, exact: unique storages of the policy's parameters (weights), of their main grads (DDP's grad
   buffers), of the optimizer's fp32 masters and Adam state (after a first update, Adam's state is lazy), of the
-  reference model; activations = the peak of bytes allocated during a second update (torch's CPU memory profiler,
-  "Total Allocated": every tensor allocated while profiling, net of those freed), beside the peak of tensors autograd
-  saved for the backward (saved_tensors_hooks, parameters excluded);
-- process level: peak RSS (VmHWM, reset once imports are done) through the build and the first update, minus the RSS
-  after imports and before the model is built. It includes what tensors do not show (Python objects of the modules,
-  gloo buffers, oneDNN scratch, the allocator's slack), so on a tiny model it says little; the wide preset is where
-  it means something.
+  reference model; buffers = Megatron's global memory buffer (the local spec's attention scores), its resident pages;
+  activations = the peak of bytes allocated during a second update (torch's CPU memory profiler, "Total Allocated":
+  every tensor allocated while profiling, net of those freed), beside the peak of tensors autograd saved for the
+  backward (saved_tensors_hooks, parameters excluded);
+- process level (tools/process_memory.py): peak RSS (VmHWM) through the build, the logprob pass and the first update,
+  against the estimate's training figure, which on the CPU runtime includes the rank's process (models/estimate.py:
+  CPU_PROCESS_IMAGE_MIB + CPU_RUNTIME_GROWTH_MIB); and the same without the process image (RSS after imports). The
+  process rows measure those two allowances: the RSS after imports, and what the rank holds after the first step
+  beyond its tensors and the bytes glibc holds free (of it, file-backed pages: library code first touched). Not
+  estimated, shown: the bytes glibc holds free at the RSS peak (freed tensors kept in its arenas, glibc's mallinfo2
+  sampled at the peak). `--mmap-threshold BYTES` sets glibc's M_MMAP_THRESHOLD in the ranks (the project's ranks do
+  not): every allocation from that size up is its own mapping, returned to the kernel when freed, which shows that
+  gap is the allocator's.
 
-The estimate's CUDA context + NCCL allowance has no CPU counterpart and is left out of the CPU totals. The same
-per-rank tensor counts (`rank_tensor_bytes`) serve tools/gpu_smoke's memory step, which adds CUDA's peak allocated.
+The same per-rank tensor counts (`rank_tensor_bytes`) serve tools/gpu_smoke's memory step, which adds CUDA's peak
+allocated.
 """
 
 from __future__ import annotations
@@ -38,6 +47,20 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python tools/bench_memory_estimate.py`: tools.process_memory and mcore_rl from here
+    sys.path.insert(0, str(REPO))
+
+from tools.process_memory import (  # noqa: E402
+    RssPeakSampler,
+    malloc_info,
+    peak_rss_bytes,
+    reset_peak_rss,
+    resident_bytes,
+    rss_bytes,
+    rss_parts,
+    set_mmap_threshold,
+)
+
 MIB = 2**20
 #: --preset wide: a model whose weights and optimizer dominate a rank (about 60 M parameters per rank, short sequences)
 WIDE = [
@@ -46,36 +69,7 @@ WIDE = [
     "model.hf_config.num_attention_heads=16", "model.hf_config.num_key_value_heads=4", "model.hf_config.head_dim=64",
     "model.hf_config.num_experts=8", "model.max_sequence_length=64", "actor.micro_batch_size=2",
 ]  # fmt: skip
-TERMS = ("weights", "grads", "optimizer", "reference", "activations")
-
-
-# ------------------------------------------------------------------------------------------------ process memory
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def rss_bytes() -> int:
-    """This process's resident set now."""
-    return _status_kib("VmRSS") * 1024
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM) since it started or since `reset_peak_rss`."""
-    return _status_kib("VmHWM") * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0: '5' into clear_refs); False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+TERMS = ("weights", "grads", "optimizer", "reference", "buffers", "activations")
 
 
 # ------------------------------------------------------------------------------------------------ tensor memory
@@ -106,8 +100,9 @@ def _inner_optimizers(optimizer: Any) -> list[Any]:
 def rank_tensor_bytes(actor: Any, device: str | None = None) -> dict[str, int]:
     """Exact bytes one actor rank holds, by the estimate's terms: weights (the policy's parameters and buffers),
     grads (main grads: DDP's fp32 grad buffers), optimizer (fp32 masters + Adam state), reference (the frozen copy's
-    parameters, or its host copies with actor.ref_placement=host); only tensors on `device` ("cuda": what the GPU
-    holds) or all. Call after an update: Adam creates its state at the first step."""
+    parameters, or its host copies with actor.ref_placement=host), buffers (Megatron's global memory buffer); only
+    tensors on `device` ("cuda": what the GPU holds) or all. Call after an update: Adam creates its state at the first
+    step."""
     seen: set[int] = set()
     count = lambda tensors: _storage_bytes(tensors, seen, device)  # noqa: E731
     params = [p for chunk in actor.chunks for p in chunk.parameters()]
@@ -122,7 +117,23 @@ def rank_tensor_bytes(actor: Any, device: str | None = None) -> dict[str, int]:
     # actor.ref_placement=host (actor/reference.py): the reference's and the parked policy's host copies
     held = getattr(actor, "reference", None)
     reference += count([*getattr(held, "_ref", []), *getattr(held, "_park", [])])
-    return {"weights": weights, "grads": grads, "optimizer": optimizer, "reference": reference}
+    return {"weights": weights, "grads": grads, "optimizer": optimizer, "reference": reference,
+            "buffers": megatron_buffer_bytes(device)}  # fmt: skip
+
+
+def megatron_buffer_bytes(device: str | None = None) -> int:
+    """Bytes of Megatron's global memory buffer (the local spec's attention scores among them) that the device
+    holds: on CUDA the allocation (committed when made), on the CPU its resident pages (committed on first touch; the
+    attention's baddbmm with beta=0 never touches it: models/estimate.py's attention_buffer_bytes)."""
+    from megatron.core import parallel_state
+
+    buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    total = 0
+    for tensor in getattr(buffer, "buffer", {}).values():
+        if device is not None and tensor.device.type != device:
+            continue
+        total += resident_bytes(tensor) if tensor.device.type == "cpu" else tensor.untyped_storage().nbytes()
+    return total
 
 
 class SavedTensorPeak:
@@ -203,21 +214,29 @@ def full_length_batch(batch_size: int, seq_len: int, vocab: int, seed: int = 0) 
     return batch
 
 
-def measure_rank(rank: int, world_size: int, model_cfg: Any, actor_cfg: Any, batch_size: int) -> dict[str, Any]:
-    """One actor rank (parallel/harness.py's run_on_ranks): RSS baseline, build, two updates; the module doc's
-    figures in bytes."""
+def measure_rank(
+    rank: int, world_size: int, model_cfg: Any, actor_cfg: Any, batch_size: int, mmap_threshold: int | None = None
+) -> dict[str, Any]:
+    """One actor rank (parallel/harness.py's run_on_ranks): RSS baseline, build, a step's passes (the old policy's
+    logprobs, then an update), one more profiled update; the module doc's figures in bytes. `mmap_threshold`: glibc's
+    M_MMAP_THRESHOLD for this rank (tools/process_memory.py), the experiment of --mmap-threshold."""
     from mcore_rl.actor.megatron_actor import MegatronActor
 
+    threshold_set = set_mmap_threshold(mmap_threshold) if mmap_threshold else False
     gc.collect()
     reset = reset_peak_rss()
-    baseline = rss_bytes()
+    baseline, base_parts, base_malloc = rss_bytes(), rss_parts(), malloc_info()
     actor = MegatronActor(rank, world_size, model_cfg, actor_cfg, runtime="cpu")
     actor.initialize(("127.0.0.1", 0))  # torch.distributed is up already (the harness): the address is not used
     built = rss_bytes()
     vocab = int(actor.vocab_size)
     batch = full_length_batch(batch_size, model_cfg.max_sequence_length, vocab)
-    actor.update(batch)  # the first step creates Adam's state
+    with RssPeakSampler() as sampler:
+        actor.logprobs(batch)  # as a step starts: the old policy's logprobs, logprob_micro_batch_size at a time
+        actor.update(batch)  # the first update creates Adam's state
     first_peak = peak_rss_bytes()  # before the profiler and the hooks add their own bookkeeping
+    gc.collect()
+    after, after_parts, after_malloc = rss_bytes(), rss_parts(), malloc_info()
     tensors = rank_tensor_bytes(actor)
     params = {p.untyped_storage().data_ptr() for chunks in (actor.chunks, actor.ref_chunks)
               for chunk in chunks for p in chunk.parameters()}  # fmt: skip
@@ -225,6 +244,8 @@ def measure_rank(rank: int, world_size: int, model_cfg: Any, actor_cfg: Any, bat
     batch = full_length_batch(batch_size, model_cfg.max_sequence_length, vocab, seed=1)
     with saved.hooks():
         _, peak = profiled_peak(lambda: actor.update(batch), f"/tmp/bench_memory_{os.getpid()}.json")
+    freed = lambda m: (m or {}).get("free", 0) - (base_malloc or {}).get("free", 0)  # noqa: E731
+    held = sum(tensors[t] for t in ("weights", "grads", "optimizer", "reference", "buffers"))
     return {
         **tensors,
         "activations": peak,
@@ -232,79 +253,107 @@ def measure_rank(rank: int, world_size: int, model_cfg: Any, actor_cfg: Any, bat
         "rss_baseline": baseline,
         "rss_built": built,
         "rss_peak_first_update": first_peak,
+        "rss_after_first_update": after,
         "rss_peak": peak_rss_bytes(),
         "rss_peak_reset": reset,
+        # the process's own part (module doc): after the first step, what is resident beyond the tensors held and
+        # beyond the bytes glibc holds free
+        "file_growth": after_parts["file"] - base_parts["file"],
+        "anon_growth": after_parts["anon"] - base_parts["anon"],
+        "malloc_free_after": freed(after_malloc),
+        "malloc_free_at_peak": freed(sampler.at_peak.get("malloc")),
+        "runtime_growth": after - baseline - held - freed(after_malloc),
+        "mmap_threshold_set": threshold_set,
     }
 
 
 # ------------------------------------------------------------------------------------------------ the driver
-def dry_run_estimate(cfg: Any, fused_attention: bool = True) -> Any:
-    """The actor's MemoryEstimate as launch/submit.py --dry-run computes it (its `_estimate`, so every argument is the
-    dry run's), for ranks whose attention is fused (TE's flash attention, what a CUDA dry run assumes) or not (the
-    local spec these CPU ranks run: `fused_attention=False` is handed to estimate_memory for this one call)."""
-    import functools
-
-    import mcore_rl.models.estimate as estimate
-
+def dry_run_estimate(cfg: Any) -> Any:
+    """The actor's MemoryEstimate as `launch/submit.py --dry-run` prints it for this recipe (its `actor_estimate`:
+    the runtime's allowance, the attention the ranks build)."""
     if str(REPO / "launch") not in sys.path:
         sys.path.insert(0, str(REPO / "launch"))
     import submit
 
-    original = estimate.estimate_memory
-    estimate.estimate_memory = functools.partial(original, fused_attention=fused_attention)
-    try:
-        return submit._estimate(cfg, cfg.actor, submit._hf_dict(cfg), None, use_ref=cfg.actor.use_ref)
-    finally:
-        estimate.estimate_memory = original
+    return submit.actor_estimate(cfg)
 
 
 def compare(est: Any, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per term: the estimate, the fullest rank's measurement, estimate / measured; totals at tensor and RSS level."""
+    """Per term: the estimate, the fullest rank's measurement, estimate / measured; totals at tensor and RSS level;
+    the CPU rank process's allowance against what the ranks' processes hold besides tensors."""
+    from mcore_rl.models.estimate import CPU_PROCESS_IMAGE_MIB, CPU_RUNTIME_GROWTH_MIB
+
     estimate = {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer + est.optimizer_host,
-                "reference": est.reference + getattr(est, "reference_host", 0.0),
+                "reference": est.reference + est.reference_host, "buffers": est.buffers,
                 "activations": est.activations}  # fmt: skip
     fullest = max(ranks, key=lambda r: sum(r[t] for t in TERMS))
     rows = {t: {"estimate": estimate[t], "measured": fullest[t],
-                "ratio": estimate[t] / fullest[t] if fullest[t] else None} for t in TERMS}  # fmt: skip
-    cpu_total = sum(estimate.values())  # est.training without the CUDA context allowance
+                "ratio": estimate[t] / fullest[t] if fullest[t] and estimate[t] else None} for t in TERMS}  # fmt: skip
+    tensor_estimate = sum(estimate.values())
     tensor_total = sum(fullest[t] for t in TERMS)
-    rss = max(r["rss_peak_first_update"] - r["rss_baseline"] for r in ranks)  # the profiled update adds its own
+    image = CPU_PROCESS_IMAGE_MIB * MIB
+    top = max(ranks, key=lambda r: r["rss_peak_first_update"])  # the profiled update adds its own bookkeeping
+    process = {
+        "process image (RSS after imports)": (image, top["rss_baseline"]),
+        "runtime growth (not tensors, not free)": (CPU_RUNTIME_GROWTH_MIB * MIB, top["runtime_growth"]),
+        "  of it file-backed (libraries)": (None, top["file_growth"]),
+        "allocator free bytes at the peak": (None, top["malloc_free_at_peak"]),
+        "  and held after the step": (None, top["malloc_free_after"]),
+    }
     return {
         "terms": rows,
         "saved_for_backward": fullest["saved_for_backward"],
-        "estimate_total": cpu_total,
+        "estimate_total": tensor_estimate,
         "tensor_total": tensor_total,
-        "tensor_ratio": cpu_total / tensor_total,
-        "rss_over_baseline": rss,
-        "rss_ratio": cpu_total / rss,
+        "tensor_ratio": tensor_estimate / tensor_total,
+        "process": {k: {"estimate": e, "measured": m} for k, (e, m) in process.items()},
+        "estimate_training": est.training,  # tensors + the CPU rank process's allowance
+        "rss_peak": top["rss_peak_first_update"],
+        "rss_peak_ratio": est.training / top["rss_peak_first_update"],
+        "rss_over_baseline": top["rss_peak_first_update"] - top["rss_baseline"],
+        "rss_ratio": (est.training - image) / (top["rss_peak_first_update"] - top["rss_baseline"]),
         "ranks": ranks,
     }
 
 
 def table(result: dict[str, Any], title: str) -> str:
-    m = lambda b: f"{b / MIB:10.2f}"  # noqa: E731
-    lines = [title, f"{'term':<22}{'estimate MiB':>13}{'measured MiB':>13}{'est/meas':>10}"]
+    """The comparison as printed: one row per term, the totals, the process's own part."""
+    m = lambda b: f"{b / MIB:10.2f}" if b is not None else f"{'-':>10}"  # noqa: E731
+    lines = [title, f"{'term':<40}{'estimate MiB':>13}{'measured MiB':>13}{'est/meas':>10}"]
     for term, row in result["terms"].items():
         ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
-        lines.append(f"{term:<22}{m(row['estimate']):>13}{m(row['measured']):>13}{ratio:>10}")
+        lines.append(f"{term:<40}{m(row['estimate']):>13}{m(row['measured']):>13}{ratio:>10}")
     lines += [
-        f"{'  (saved for backward)':<22}{'':>13}{m(result['saved_for_backward']):>13}",
-        f"{'total (tensors)':<22}{m(result['estimate_total']):>13}{m(result['tensor_total']):>13}"
+        f"{'  (saved for backward)':<40}{'':>13}{m(result['saved_for_backward']):>13}",
+        f"{'total (tensors)':<40}{m(result['estimate_total']):>13}{m(result['tensor_total']):>13}"
         f"{result['tensor_ratio']:>10.2f}",
-        f"{'peak RSS - baseline':<22}{m(result['estimate_total']):>13}{m(result['rss_over_baseline']):>13}"
-        f"{result['rss_ratio']:>10.2f}",
+        "process (the fullest rank by peak RSS):",
+    ]
+    for name, row in result["process"].items():
+        lines.append(f"{name:<40}{m(row['estimate']):>13}{m(row['measured']):>13}")
+    lines += [
+        f"{'peak RSS':<40}{m(result['estimate_training']):>13}{m(result['rss_peak']):>13}"
+        f"{result['rss_peak_ratio']:>10.2f}",
+        f"{'peak RSS - process image':<40}{m(result['estimate_training'] - result['process'][IMAGE]['estimate']):>13}"
+        f"{m(result['rss_over_baseline']):>13}{result['rss_ratio']:>10.2f}",
     ]
     per_rank = ", ".join(f"{r['activations'] / MIB:.1f}" for r in result["ranks"])
     lines.append(f"(activations per rank: {per_rank} MiB; MoE ranks differ by the tokens their experts receive)")
-    base = max(r["rss_baseline"] for r in result["ranks"])
-    lines.append(f"(RSS after imports {base / MIB:.0f} MiB per rank; CUDA context allowance of the estimate left out)")
+    if any(r["mmap_threshold_set"] for r in result["ranks"]):
+        lines.append("(ranks ran with glibc's M_MMAP_THRESHOLD set: --mmap-threshold)")
     return "\n".join(lines)
+
+
+IMAGE = "process image (RSS after imports)"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default="default", help="configs/<recipe>.yaml")
     p.add_argument("--preset", choices=("default", "wide"), default="default", help="wide: the WIDE overrides first")
+    p.add_argument("--mmap-threshold", type=int, metavar="BYTES",
+                   help="glibc's M_MMAP_THRESHOLD in the ranks (the allocator experiment; the project's ranks do not "
+                        "set it)")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the figures here")
     p.add_argument("overrides", nargs="*", help="Hydra overrides (after --)")
     args = p.parse_args(argv)
@@ -320,16 +369,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"actor.recompute.granularity={cfg.actor.recompute.granularity!r}: Megatron's recompute needs CUDA's RNG "
               "state; expected null on the CPU runtime (the GPU kit measures the GPU)", file=sys.stderr)  # fmt: skip
         return 2
-    from mcore_rl.models.spec import te_in_use
-
-    est = dry_run_estimate(cfg, fused_attention=te_in_use("cpu"))
+    if args.mmap_threshold is not None and args.mmap_threshold <= 0:
+        print(f"--mmap-threshold {args.mmap_threshold}: expected a positive byte count", file=sys.stderr)
+        return 2
+    est = dry_run_estimate(cfg)
     lay = cfg.actor.layout
     dp = cfg.actor.world_size // (lay.tp * lay.pp * lay.cp)
     batch_size = cfg.actor.micro_batch_size * dp * cfg.actor.mini_batches
-    ranks = run_on_ranks(measure_rank, cfg.actor.world_size, (cfg.model, cfg.actor, batch_size), timeout_s=900)
+    ranks = run_on_ranks(measure_rank, cfg.actor.world_size,
+                         (cfg.model, cfg.actor, batch_size, args.mmap_threshold), timeout_s=900)  # fmt: skip
     result = compare(est, ranks)
     title = (f"{' '.join([args.recipe, *overrides])}: actor world {cfg.actor.world_size} (dp {dp}), micro-batch "
-             f"{cfg.actor.micro_batch_size} x {cfg.model.max_sequence_length} tokens, {cfg.model.dtype}")  # fmt: skip
+             f"{cfg.actor.micro_batch_size} x {cfg.model.max_sequence_length} tokens, {cfg.model.dtype}"
+             + (f", M_MMAP_THRESHOLD={args.mmap_threshold}" if args.mmap_threshold else ""))  # fmt: skip
     print(table(result, title))
     if args.json:
         args.json.write_text(json.dumps({"title": title, **result}, indent=1, default=float))
@@ -337,5 +389,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())

@@ -22,9 +22,11 @@ from the meta-device model at the actor's layout (`rank_params`: padded vocabula
 figures are what the ranks allocate. On top: a frozen reference copy when actor.use_ref with
 actor.ref_placement=resident (with `host` its weights and the parked policy's are host memory, reported beside the
 GPU figures, as the offloaded optimizer share is), an activation allowance
-(`activation_bytes`, from the run's `actor.recompute`, the setting the ranks pass to Megatron), a fixed allowance for
-the CUDA context and NCCL buffers, and a colocated rollout engine's share (`EngineShare`: its weights and KV cache,
-`rollout.sglang.mem_fraction_static` of the GPU).
+(`activation_bytes`, from the run's `actor.recompute`, the setting the ranks pass to Megatron), Megatron's attention
+scores buffer where the local spec runs on CUDA (`attention_buffer_bytes`), a fixed allowance for the runtime (CUDA:
+the context and NCCL buffers; the CPU runtime: the rank's process image and what building and running it add besides
+tensors, `CPU_PROCESS_IMAGE_MIB` / `CPU_RUNTIME_GROWTH_MIB`), and a colocated rollout engine's share (`EngineShare`:
+its weights and KV cache, `rollout.sglang.mem_fraction_static` of the GPU).
 """
 
 from __future__ import annotations
@@ -36,6 +38,23 @@ from typing import Any, Protocol
 from mcore_rl.parallel.layout import ParallelLayout
 
 GIB = 1024**3
+MIB = 1024**2
+#: The CPU runtime's counterpart of the CUDA context + NCCL allowance, per rank: what a rank's process holds besides the
+#: tensors of the other terms, measured by `python tools/bench_memory_estimate.py [--preset wide]` (its "process"
+#: rows; harness ranks: forked, gloo; a Ray actor's worker adds Ray's own, not measured), Python 3.11, torch 2.13 CPU,
+#: megatron-core 0.16.1. Both parts are fixed: the same on the default job (0.08 M parameters per rank) and on the
+#: wide preset (60 M).
+#: - the process image, the RSS after imports (interpreter, torch, megatron-core, the actor's modules): 236.8 MiB;
+CPU_PROCESS_IMAGE_MIB = 237
+#: - what building the model, a logprob pass and the first update add, beyond the tensors held and the bytes glibc
+#:   holds free: 64 MiB (default job) and 70 MiB (wide), of it 35 MiB file-backed (library code and data first
+#:   touched: torch's CPU kernels, oneDNN, gloo) and the rest anonymous (the modules' Python objects, the process
+#:   groups, the stacks of 54 gloo threads). Not modelled: the bytes glibc holds free at the peak (freed tensors it
+#:   keeps in its arenas: 286 MiB on the default job, 144 MiB on the wide one), the allocator's behaviour rather than
+#:   the model's; `--mmap-threshold` shows them gone (docs/gpu.md, "Memory estimate").
+CPU_RUNTIME_GROWTH_MIB = 67
+#: the CUDA context + NCCL buffers (not measured here: no GPU)
+CUDA_OVERHEAD_GIB = 4.0
 #: bytes of an activation element: activations are in the model's dtype (model.dtype)
 ACTIVATION_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 METRIC_CHUNK = 1024  #: positions per chunk of the entropy metric: actor/logprobs.py's LOGPROB_CHUNK (a test checks)
@@ -160,6 +179,8 @@ class MemoryEstimate:
     plan: OptimizerPlan
     engine: EngineShare | None = None
     reference_host: float = 0.0  #: ref_placement=host: the reference's weights + the parked policy's, host memory
+    buffers: float = 0.0  #: Megatron's attention scores buffer (local spec on CUDA), kept between passes
+    runtime: str = "cuda"  #: which runtime's allowance `overhead` is (cuda: context + NCCL; cpu: the rank's process)
 
     @property
     def params_per_rank(self) -> float:
@@ -167,8 +188,9 @@ class MemoryEstimate:
 
     @property
     def resident(self) -> float:
-        """What the actor holds between updates (weights, grads, optimizer, reference, CUDA context)."""
-        return self.weights + self.grads + self.optimizer + self.reference + self.overhead
+        """What the actor holds between updates (weights, grads, optimizer, reference, buffers, the runtime's
+        allowance)."""
+        return self.weights + self.grads + self.optimizer + self.reference + self.buffers + self.overhead
 
     @property
     def training(self) -> float:
@@ -185,6 +207,14 @@ class MemoryEstimate:
     def total(self) -> float:
         return max(self.training, self.generating)
 
+    def _overhead_line(self, g: Any) -> str:
+        if self.runtime == "cuda":
+            return f"  CUDA ctx + NCCL:     {g(self.overhead)}"
+        return (
+            f"  CPU rank process:    {g(self.overhead)} (host memory: the image after imports "
+            f"{CPU_PROCESS_IMAGE_MIB} MiB + what the build and first step add, {CPU_RUNTIME_GROWTH_MIB} MiB)"
+        )
+
     def describe(self) -> str:
         """One line per figure, in GiB."""
         g = lambda b: f"{b / GIB:.1f} GiB"  # noqa: E731
@@ -194,12 +224,17 @@ class MemoryEstimate:
             f"  {self.plan.describe()} (dp={self.dp}, expert dp={self.expert_dp})",
             f"  weights {self.plan.dtype}:    {g(self.weights)}",
             f"  main grads fp32:     {g(self.grads)}",
-            f"  optimizer on GPU:    {g(self.optimizer)}"
+            f"  optimizer on {'GPU:   ' if self.runtime == 'cuda' else 'device:'} {g(self.optimizer)}"
             + (f"  (host: {g(self.optimizer_host)})" if self.optimizer_host else ""),
             f"  reference:           {g(self.reference)}"
             + (f"  (host: {g(self.reference_host)}, swapped in per pass)" if self.reference_host else ""),
             f"  activations:         {g(self.activations)}",
-            f"  CUDA ctx + NCCL:     {g(self.overhead)}",
+            *(
+                [f"  attention buffer:    {g(self.buffers)} (local spec: b x heads x s^2 scores)"]
+                if self.buffers
+                else []
+            ),
+            self._overhead_line(g),
             f"  training peak:       {g(self.training)}",
         ]
         if self.engine is not None:
@@ -209,7 +244,7 @@ class MemoryEstimate:
                 f"{'released' if self.engine.releases else 'kept'} while training)",
                 f"  generation peak:     {g(self.generating)}",
             ]
-        lines.append(f"  total per GPU:       {g(self.total)}")
+        lines.append(f"  total per {'GPU:      ' if self.runtime == 'cuda' else 'rank:     '} {g(self.total)}")
         return "\n".join(lines)
 
 
@@ -392,6 +427,27 @@ def activation_bytes(
     return stored + held + max(working, entropy_metric)
 
 
+def attention_buffer_bytes(
+    hf: Mapping[str, Any],
+    tp: int,
+    micro_batch: int,
+    seq_len: int,
+    dtype_bytes: int,
+    fused_attention: bool,
+    runtime: str,
+) -> float:
+    """Megatron's attention scores buffer on the local spec (0.16.1 DotProductAttention: `baddbmm` into a
+    [b x heads/tp, s, s] tensor of the model's dtype from the global memory buffer, kept between passes and grown to
+    the largest micro-batch of any pass: `micro_batch` is the larger of the update's and the logprob passes'). With
+    beta=0 `baddbmm` never reads it and nothing writes it: CUDA commits the bytes at allocation, the CPU on first touch,
+    so on the CPU runtime it takes no resident memory of its own (tools/bench_memory_estimate.py counts its resident
+    pages: none on the default job's 256 MiB buffer; a small one, 1 MiB on the wide preset, shares heap pages that
+    other tensors touched)."""
+    if fused_attention or runtime != "cuda":
+        return 0.0
+    return float(micro_batch * int(hf["num_attention_heads"]) / tp * seq_len * seq_len * dtype_bytes)
+
+
 def unfused_layer_elements(hf: Mapping[str, Any], layer: int) -> float:
     """Elements per token that decoder layer `layer` saves for its backward on Megatron's local spec, at tp=1 (the
     s^2 probabilities aside). Attribution of what tools/bench_memory_estimate.py counts on the default job's
@@ -437,12 +493,14 @@ def estimate_memory(
     recompute: Recompute | None = None,
     use_ref: bool = True,
     ref_placement: str = "resident",
-    overhead_gib: float = 4.0,
+    overhead_gib: float | None = None,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
     params: RankParams | None = None,
     engine: EngineShare | None = None,
     fused_attention: bool = True,
+    runtime: str = "cuda",
+    logprob_micro_batch: int | None = None,
 ) -> MemoryEstimate:
     """Per-GPU memory of one actor rank (see the module doc); bytes per parameter from `plan` (the run's
     `optimizer_plan`), activations under `recompute` (the run's `actor.recompute`), the reference's weights on the GPU
@@ -450,7 +508,18 @@ def estimate_memory(
     resolve_placement), parameters per rank from `params`
     (`rank_params`; without it, the closed-form count of `count_params`: dense / (tp*pp) + experts / (ep*etp*pp), pp
     being num_layers / layers on the largest stage). `fused_attention`: the ranks run Transformer Engine's flash
-    attention (no s^2 scores kept); False for Megatron's local spec (the CPU runtime, a GPU without TE)."""
+    attention (no s^2 scores kept); False for Megatron's local spec (the CPU runtime, a GPU without TE). `runtime`
+    (the run's trainer.runtime) picks the fixed allowance, unless `overhead_gib` gives one: CUDA_OVERHEAD_GIB for the
+    CUDA context and NCCL, or the CPU rank's process (CPU_PROCESS_IMAGE_MIB + CPU_RUNTIME_GROWTH_MIB).
+    `logprob_micro_batch`: samples per micro-batch of the logprob passes (actor.logprob_micro_batch_size; None: as the
+    update's), which size the attention buffer when larger."""
+    if runtime not in ("cuda", "cpu"):
+        raise ValueError(f"runtime={runtime!r}: expected 'cuda' or 'cpu' (trainer.runtime)")
+    cpu_process = (CPU_PROCESS_IMAGE_MIB + CPU_RUNTIME_GROWTH_MIB) * MIB
+    if overhead_gib is not None:
+        overhead = overhead_gib * GIB
+    else:
+        overhead = CUDA_OVERHEAD_GIB * GIB if runtime == "cuda" else cpu_process
     etp = tp if etp is None else etp
     if params is None:
         counts = count_params(hf)
@@ -460,6 +529,8 @@ def estimate_memory(
     edp = max(1, world_size // (etp * ep * pp))
     # the distributed optimizer shards dense parameters over dp x cp (Megatron's data-parallel-with-cp group)
     dense, expert = plan.rank_bytes(params.dense, dp * cp), plan.rank_bytes(params.expert, edp)
+    dtype_bytes = ACTIVATION_BYTES.get(plan.dtype, 2)
+    buffer_batch = max(micro_batch, logprob_micro_batch or micro_batch)
     return MemoryEstimate(
         dense_params_per_rank=params.dense,
         expert_params_per_rank=params.expert,
@@ -480,12 +551,14 @@ def estimate_memory(
             first_stage_layers,
             last_stage_layers,
             recompute,
-            dtype_bytes=ACTIVATION_BYTES.get(plan.dtype, 2),
+            dtype_bytes=dtype_bytes,
             fused_attention=fused_attention,
         ),
-        overhead=overhead_gib * GIB,
+        buffers=attention_buffer_bytes(hf, tp, buffer_batch, seq_len, dtype_bytes, fused_attention, runtime),
+        overhead=overhead,
         dp=dp,
         expert_dp=edp,
         plan=plan,
         engine=engine,
+        runtime=runtime,
     )

@@ -3,6 +3,9 @@ what the rank allocates, term by term, as ratios (issue 27's target: 0.8-1.25).
 
     weights, grads, optimizer, reference   exact bytes of the rank's storages on the device (CUDA, or the CPU with
                                            --dry-cpu): tools/bench_memory_estimate.py's rank_tensor_bytes
+    buffers                                Megatron's global memory buffer (the local spec's attention scores,
+                                           b x heads x s^2, kept between passes): allocated on CUDA; on the CPU its
+                                           resident pages (never touched: none)
     activations                            one more update: CUDA's peak allocated minus what was allocated before it
                                            (on the CPU, the profiler's peak of bytes allocated during it)
     peak                                   CUDA's peak allocated through that update against the estimate's training
@@ -18,7 +21,7 @@ from typing import Any
 
 import torch
 
-TERMS = ("weights", "grads", "optimizer", "reference", "activations")
+TERMS = ("weights", "grads", "optimizer", "reference", "buffers", "activations")
 
 
 def measure(actor: Any, batch: Any, hf: dict[str, Any], seq_len: int, dry: bool) -> dict[str, Any]:
@@ -33,7 +36,8 @@ def measure(actor: Any, batch: Any, hf: dict[str, Any], seq_len: int, dry: bool)
         hf, 1, tp=1, pp=1, micro_batch=cfg.micro_batch_size, seq_len=seq_len, plan=actor.optim_plan,
         recompute=cfg.recompute, use_ref=cfg.use_ref, overhead_gib=0.0,
         ref_placement=actor.reference.placement if actor.reference is not None else "resident",
-        fused_attention=te_in_use(runtime),
+        fused_attention=te_in_use(runtime), runtime=runtime,
+        logprob_micro_batch=getattr(cfg, "logprob_micro_batch_size", None),
     )  # fmt: skip
     measured: dict[str, float] = dict(rank_tensor_bytes(actor, device=runtime))
     if dry:
@@ -49,7 +53,7 @@ def measure(actor: Any, batch: Any, hf: dict[str, Any], seq_len: int, dry: bool)
         measured["activations"] = peak - before
     # on the device only: the offloaded optimizer share and a host-placed reference are host memory
     estimate = {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer, "reference": est.reference,
-                "activations": est.activations}  # fmt: skip
+                "buffers": est.buffers, "activations": est.activations}  # fmt: skip
     terms = {t: {"estimate": estimate[t], "measured": measured[t],
                  "ratio": round(estimate[t] / measured[t], 3) if measured[t] else None} for t in TERMS}  # fmt: skip
     total = sum(estimate.values())
