@@ -74,6 +74,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session")
+def vllm_venv():
+    """The vLLM tier's virtualenv (every test that needs vLLM asks for this): `make vllm-setup` once per session (a
+    no-op when its stamp is fresh), then the launcher's own check; skip, with the reason, where vLLM cannot be
+    installed. Returns the VLLMConfig the tests start engines with."""
+    import subprocess
+
+    from mcore_rl.rollout.vllm_config import VLLMConfig
+    from mcore_rl.rollout.vllm_launcher import vllm_unavailable_reason
+
+    cfg = VLLMConfig(startup_timeout_s=600)
+    if vllm_unavailable_reason(cfg) is not None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        done = subprocess.run(["make", "vllm-setup"], cwd=root, capture_output=True, text=True, timeout=1200)
+        if done.returncode != 0:
+            pytest.skip(f"vLLM cannot be installed here (make vllm-setup failed): {done.stderr.strip()[-800:]}")
+    reason = vllm_unavailable_reason(cfg)
+    if reason is not None:
+        pytest.skip(reason)
+    return cfg
+
+
 @pytest.fixture
 def model_dir(tmp_path):
     """A dense Qwen2 checkpoint directory (config.json only: the config check reads nothing else), for the verl

