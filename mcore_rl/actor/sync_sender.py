@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_rl.parallel.update_group import UpdateGroup, new_update_group, reserve_port
+from mcore_rl.parallel.update_group import UpdateGroup, new_update_group, new_vllm_nccl_group, reserve_port
 from mcore_rl.resharding.sync.execute import SyncExecutor
 from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
 from mcore_rl.resharding.sync.order import InGlobalOrder, global_order
@@ -36,6 +36,8 @@ class SyncSender:
         self.groups: dict[str, UpdateGroup] = {}
         self._listeners: dict[str, Any] = {}  # sockets holding the ports `addresses` gave out, until `join`
         self._sends = 0  # syncs run so far (the same count on every rank): names each one's keys in the store
+        #: `connect` / `mint_id` for new_vllm_nccl_group: vLLM's NCCL (empty); a test's stand-in communicator
+        self.vllm_connect: dict[str, Any] = {}
 
     def plan(self, engines: dict[str, int], bucket_bytes: int, mode: str, fp8: bool = False) -> str:
         """Compute the plan (collective over the actor's world); returns its digest."""
@@ -72,6 +74,8 @@ class SyncSender:
         return {
             "streams": len(plan.streams),
             "stream_names": [s.name for s in plan.streams],
+            "stream_leaders": [s.leader for s in plan.streams],
+            "max_bucket_bytes": plan.max_bucket_bytes,
             "buckets": len(plan.buckets),
             "bytes": plan.nbytes,
             "largest_tensor_bytes": plan.largest_tensor_bytes,
@@ -98,12 +102,32 @@ class SyncSender:
         return {name: (host, listener.getsockname()[1]) for name, listener in self._listeners.items()}
 
     def join(self, name: str, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
-        """Host the broadcast group `name` as its rank 0 (blocks until every engine rank has joined)."""
-        self.groups.pop(name, None)
+        """Host the broadcast group `name` as its rank 0 (blocks until every engine rank has joined).
+        backend `vllm_nccl` (rollout.engine=vllm on CUDA): vLLM's NCCL weight-transfer group, whose workers hold one
+        such group each, so it carries every stream this rank leads (controller/weight_sync.py `check_vllm_streams`
+        refuses a plan whose streams have several leaders); its packed buffer is the plan's largest bucket."""
         listener = self._listeners.pop(name, None)
+        if backend == "vllm_nccl":
+            led = [s.name for s in self._plan().streams if s.leader == self.actor.rank]
+            self.drop_groups()
+            for other in led:  # one rendezvous port for the one group: the others' are given back
+                spare = self._listeners.pop(other, None)
+                if spare is not None:
+                    spare.close()
+            device = torch.device("cuda", torch.cuda.current_device()) if self.actor.runtime == "cuda" else "cpu"
+            group = new_vllm_nccl_group(host, port, world_size, name, self._plan().max_bucket_bytes, device,
+                                        timeout_s, listener, **self.vllm_connect)  # fmt: skip
+            self.groups.update({stream: group for stream in led})
+            return
+        self.groups.pop(name, None)
         self.groups[name] = new_update_group(backend, host, port, 0, world_size, name, timeout_s, listener)
 
     def drop_groups(self) -> None:
+        """Leave every group (a vLLM NCCL communicator is aborted: its engines get a new one on re-init)."""
+        for group in {id(g): g for g in self.groups.values()}.values():
+            close = getattr(group.group, "close", None)
+            if close is not None:
+                close()
         self.groups.clear()
 
     def send(

@@ -206,16 +206,9 @@ def transport_problem(cfg: Any) -> str | None:
         return None
     transport, placement = cfg.sync.transport, cfg.trainer.placement
     if cfg.rollout.engine == "vllm":
-        # The parts of the push into vLLM's own nccl/ipc backends exist (rollout/vllm_transfer.py: the bodies and
-        # the packed layout, checked against vLLM's code; rollout/vllm_nccl.py: the leader's NCCL rank 0), but the
-        # sync does not use them yet: the leader still joins a torch NCCL group (SGLang's rendezvous), the engines'
-        # init still gets SGLang's fields, and vLLM's worker holds one NCCL group, not one per stream (docs/vllm.md).
-        return (
-            "rollout.engine=vllm is invalid with trainer.runtime=cuda: the weight push into vLLM's NCCL/IPC "
-            "weight-transfer backends is not wired into the weight sync yet (its parts are in "
-            "mcore_rl/rollout/vllm_transfer.py and vllm_nccl.py; on CPU the project's gloo plugin is used); expected "
-            "rollout.engine=sglang (verl: actor_rollout_ref.rollout.name=sglang)"
-        )
+        problem = _vllm_problem(cfg)
+        if problem is not None:
+            return problem
     if placement == "colocated" and transport == "distributed":
         return (
             "sync.transport='distributed' is invalid with trainer.placement=colocated on CUDA: each engine rank shares "
@@ -227,6 +220,36 @@ def transport_problem(cfg: Any) -> str | None:
             "sync.transport='tensor' is invalid with trainer.placement=split on CUDA: a CUDA IPC handle opens only on "
             "a GPU the engine rank sees, and split engines have GPUs of their own; expected sync.transport="
             "distributed (NCCL) or disk"
+        )
+    return None
+
+
+def _vllm_problem(cfg: Any) -> str | None:
+    """What of rollout.engine=vllm on CUDA cannot run (docs/vllm.md, On GPUs), or None; the placement rules below
+    apply as for any engine. Split engines take vLLM's own `nccl` backend: the stream leader is rank 0 of the one
+    transfer group each vLLM worker holds, so the plan must have one leader (one pipeline stage, one EP rank;
+    controller/weight_sync.py check_vllm_streams). Colocated engines take its `ipc` backend (the tensor transport).
+    Both load each bucket as it arrives, so the engine must be paused during a push."""
+    transport = cfg.sync.transport
+    if transport == "disk":
+        return (
+            "sync.transport='disk' is invalid with rollout.engine=vllm on CUDA: vLLM's weight-transfer API loads "
+            "from a broadcast or CUDA IPC, not from files; expected sync.transport=distributed "
+            "(trainer.placement=split) or tensor (colocated)"
+        )
+    layout = cfg.actor.layout
+    if cfg.trainer.placement == "split" and transport == "distributed" and (layout.pp > 1 or layout.ep > 1):
+        return (
+            f"actor.layout.pp={layout.pp}, actor.layout.ep={layout.ep} is invalid with rollout.engine=vllm and "
+            "trainer.placement=split on CUDA: each pipeline stage and EP rank streams its weights from its own "
+            "leader, but a vLLM worker holds one NCCL weight-transfer group, with one sender; expected "
+            "actor.layout.pp=1 and actor.layout.ep=1 (or rollout.engine=sglang, which joins one group per stream)"
+        )
+    if cfg.sync.pause_mode == "none":
+        return (
+            "sync.pause_mode='none' is invalid with rollout.engine=vllm on CUDA: vLLM's NCCL and IPC backends load "
+            "each bucket as it arrives (a layer is unusable until all its tensors are in), so the engine must not "
+            "generate during a push; expected auto (abort), abort, retract or in_place"
         )
     return None
 

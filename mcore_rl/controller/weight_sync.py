@@ -69,10 +69,10 @@ class WeightSync:
         self.actor, self.pool, self.cfg, self.rollout = actor, pool, cfg, rollout
         # pause_mode_for: ConfigError for a mode SGLang cannot be updated under
         self.fence = EngineFence(
-            pool.client, cfg.pause_mode_for(rollout.engine), pool.replace,
+            pool.client, push_pause_mode(cfg, rollout.engine, runtime), pool.replace,
             control_timeout_s=min(CONTROL_TIMEOUT_S, cfg.timeout_s), update_timeout_s=cfg.timeout_s,
         )  # fmt: skip
-        self.backend = "nccl" if runtime == "cuda" else "gloo"
+        self.backend = update_group_backend(rollout.engine, runtime)
         self.run_dir = run_dir
         self.layout = engine_layout(rollout, len(pool.urls))
         self.ranks_per_engine = self.layout.tp
@@ -90,7 +90,11 @@ class WeightSync:
             raise SyncError(f"actor ranks computed different sync plans (digests {sorted(digests)})")
         self.digest = digests.pop()
         self.summary = ray.get(actor.handles[0].sync_summary.remote())
-        self.groups_per_engine_gpu = update_groups_per_engine_gpu(cfg, self.summary["streams"])
+        if self.backend == "vllm_nccl" and cfg.transport == "distributed":
+            check_vllm_streams(self.summary)
+            self.groups_per_engine_gpu = 1  # every stream in the one group vLLM's worker holds
+        else:
+            self.groups_per_engine_gpu = update_groups_per_engine_gpu(cfg, self.summary["streams"])
         self._connected: list[str] = []
         self.model = model or {}
         for url in pool.urls:
@@ -124,6 +128,8 @@ class WeightSync:
         for rank, found in enumerate(ray.get([h.sync_addresses.remote() for h in self.actor.handles])):
             for name, address in found.items():
                 addresses[name] = (rank, address)
+        if self.backend == "vllm_nccl":  # one group (the leader's first stream) carries every stream
+            addresses = dict(sorted(addresses.items())[:1])
         world = 1 + len(urls) * self.ranks_per_engine
         joins = [
             self.actor.handles[rank].sync_join.remote(name, host, port, world, self.backend, self.cfg.timeout_s)
@@ -132,12 +138,8 @@ class WeightSync:
         calls = []
         for name, (_, (host, port)) in addresses.items():
             for i, url in enumerate(urls):
-                body = {
-                    "master_address": host, "master_port": port, "rank_offset": 1 + i * self.ranks_per_engine,
-                    "world_size": world, "group_name": name, "backend": self.backend,
-                }  # fmt: skip
-                if self.rollout.engine == "hf":  # our server also takes the broadcast timeout (SGLang has none)
-                    body["timeout_s"] = self.cfg.timeout_s
+                body = init_group_body(self.rollout.engine, host, port, 1 + i * self.ranks_per_engine, world, name,
+                                       self.backend, self.cfg.timeout_s)  # fmt: skip
                 calls.append(self.pool.client.apost(url, "/init_weights_update_group", body, self.cfg.timeout_s))
 
         async def _all() -> list[Any]:
@@ -280,6 +282,53 @@ def check_model_info(url: str, info: dict[str, Any], model: dict[str, Any]) -> N
         theirs, ours = info.get(key), model.get(key)
         if theirs is not None and ours is not None and theirs != ours:
             raise SyncError(f"engine {url} serves another model: its {key} is {theirs!r}, the actor's is {ours!r}")
+
+
+def update_group_backend(engine: str, runtime: str) -> str:
+    """The broadcast groups' backend: gloo on CPU; on CUDA torch's NCCL (SGLang's and our server's rendezvous), or
+    `vllm_nccl` for vLLM engines (vLLM's own NCCL weight-transfer backend, joined from a unique id the leader mints:
+    parallel/update_group.py new_vllm_nccl_group)."""
+    if runtime != "cuda":
+        return "gloo"
+    return "vllm_nccl" if engine == "vllm" else "nccl"
+
+
+def init_group_body(
+    engine: str, host: str, port: int, rank_offset: int, world_size: int, name: str, backend: str, timeout_s: float
+) -> dict[str, Any]:
+    """SGLang's /init_weights_update_group body for one engine (the vLLM dialect maps it: vllm_dialect.py)."""
+    body: dict[str, Any] = {
+        "master_address": host, "master_port": port, "rank_offset": rank_offset, "world_size": world_size,
+        "group_name": name, "backend": backend,
+    }  # fmt: skip
+    if engine == "hf":  # our server also takes the broadcast timeout (SGLang has none)
+        body["timeout_s"] = timeout_s
+    return body
+
+
+def push_pause_mode(cfg: SyncConfig, engine: str, runtime: str) -> str:
+    """The fence's pause mode. vLLM's own GPU backends load each bucket as it arrives (layerwise reload: a layer is
+    on the meta device until its last tensor is in), so the engine must not step during a push: `auto` pauses with
+    abort there (the client continues the aborted requests); gpu_plan.transport_problem refuses `none`."""
+    mode = cfg.pause_mode_for(engine)
+    if engine == "vllm" and runtime == "cuda" and mode == "none":
+        return "abort"
+    return mode
+
+
+def check_vllm_streams(summary: dict[str, Any]) -> None:
+    """SyncError unless every stream of the plan has one leader: vLLM's NCCL worker holds one transfer group, whose
+    rank 0 (the sender of every broadcast) is that leader. Pipeline stages and EP ranks (actor pp > 1, ep > 1) are
+    refused before anything starts (gpu_plan.transport_problem); this catches a plan that spread a MoE's dense and
+    expert streams over two ranks of one stage."""
+    leaders = sorted(set(summary.get("stream_leaders") or [0]))
+    if len(leaders) > 1:
+        streams = dict(zip(summary["stream_names"], summary["stream_leaders"]))
+        raise SyncError(
+            f"rollout.engine=vllm on CUDA: the sync plan's streams {streams} (stream -> actor rank) have "
+            f"{len(leaders)} leaders, but vLLM's NCCL weight-transfer worker holds one group with one sender; "
+            "expected one leader (actor.layout.pp=1 and ep=1, and a dense model or actor.world_size=1)"
+        )
 
 
 def update_groups_per_engine_gpu(cfg: SyncConfig, streams: int) -> int:

@@ -11,6 +11,8 @@ POST /generate {input_ids, sampling_params, return_logprob}      -> POST /infere
 /pause_generation {mode: in_place | retract | abort}             -> /pause?mode=keep | abort | abort
 /continue_generation                                             -> /resume
 /init_weights_update_group {master_address, ..., group_name}     -> /init_weight_transfer_engine {init_info}
+                                  backend vllm_nccl (CUDA)            {init_info: nccl_init_info(the unique id and
+                                                                    largest bucket read from the leader's store)}
 /begin_weight_update                                             -> /abandon_weight_update, /start_weight_update
 /end_weight_update                                               -> /finish_weight_update_with_version
 /destroy_weights_update_group, /flush_cache                      -> nothing (groups are replaced on re-init;
@@ -30,7 +32,8 @@ import itertools
 from collections import Counter
 from typing import Any
 
-from mcore_rl.rollout.vllm_transfer import MEMORY_ROUTES, memory_call
+from mcore_rl.parallel.update_group import read_vllm_nccl_rendezvous
+from mcore_rl.rollout.vllm_transfer import MEMORY_ROUTES, memory_call, nccl_init_info
 
 #: SGLang sampling_params -> vLLM SamplingParams; None: meaningless without a tokenizer (token ids only), dropped
 SAMPLING_NAMES: dict[str, str | None] = {
@@ -194,6 +197,8 @@ class VLLMDialect:
             return await client.arequest("POST", url, f"/pause?mode={PAUSE_MODES[mode]}", {}, timeout_s)
         if route == "/continue_generation":
             return await client.arequest("POST", url, "/resume", {}, timeout_s)
+        if route == "/init_weights_update_group" and body.get("backend") == "vllm_nccl":
+            return await self._init_nccl(client, url, body, timeout_s)
         if route == "/init_weights_update_group":
             keys = (
                 "master_address",
@@ -214,3 +219,18 @@ class VLLMDialect:
         if route == "/end_weight_update":
             return await client.arequest("POST", url, "/finish_weight_update_with_version", {}, timeout_s)
         return await client.arequest("POST", url, route, body, timeout_s)
+
+    async def _init_nccl(self, client: Any, url: str, body: dict[str, Any], timeout_s: float | None) -> tuple[int, Any]:
+        """/init_weights_update_group for vLLM's own `nccl` backend (trainer.runtime=cuda): the unique id and the
+        packed buffer size the stream leader published on its rendezvous port (parallel/update_group.py
+        new_vllm_nccl_group), as vLLM's unique-id init (vllm_transfer.nccl_init_info). The POST answers once the
+        engine's workers and the leader have all joined the NCCL communicator."""
+        try:
+            unique_id, buffer_bytes = await asyncio.to_thread(
+                read_vllm_nccl_rendezvous, body["master_address"], int(body["master_port"]), body["group_name"],
+                timeout_s or 60.0,
+            )  # fmt: skip
+            info = nccl_init_info(unique_id, int(body["rank_offset"]), int(body["world_size"]), buffer_bytes)
+        except (KeyError, ValueError, RuntimeError) as err:  # torch's store raises RuntimeError (DistStoreError)
+            return 400, {"message": f"/init_weights_update_group (vLLM nccl): {type(err).__name__}: {err}"}
+        return await client.arequest("POST", url, "/init_weight_transfer_engine", {"init_info": info}, timeout_s)

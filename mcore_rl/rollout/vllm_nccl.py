@@ -139,13 +139,20 @@ class NcclSender:
 
 
 def connect(
-    unique_id: bytes, world_size: int, device: torch.device, init_engines: Callable[[], Any], lib: Any = None
+    unique_id: bytes,
+    world_size: int,
+    device: torch.device,
+    init_engines: Callable[[], Any],
+    lib: Any = None,
+    timeout_s: float | None = None,
 ) -> NcclSender:
     """Join as rank 0 while `init_engines()` posts /init_weight_transfer_engine to every engine (the workers block in
     ncclCommInitRank until the leader joins, and the leader until they do): the sender, or the first error. An
     engine that refuses its init never joins, and a blocking ncclCommInitRank cannot be cancelled: the leader's join
     runs in a daemon thread, so the engines' error is raised at once and the stuck join does not hold the process
-    (that group is dead; the controller builds a new one with a fresh id)."""
+    (that group is dead; the controller builds a new one with a fresh id). `timeout_s`: TimeoutError when the
+    workers have not all joined by then (the sync's leader posts nothing itself: the controller does, through the
+    vLLM dialect, so an engine that never joins shows here)."""
     result: dict[str, Any] = {}
 
     def join() -> None:
@@ -157,7 +164,12 @@ def connect(
     thread = threading.Thread(target=join, name="vllm-nccl-join", daemon=True)
     thread.start()
     init_engines()  # raises an engine's refusal; the join stays behind in its thread
-    thread.join()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(
+            f"vLLM's NCCL weight-transfer group: {world_size - 1} engine ranks did not all join "
+            f"within {timeout_s} s (an engine refused /init_weight_transfer_engine, or is not up)"
+        )
     if "error" in result:
         raise result["error"]
     return result["sender"]

@@ -1,14 +1,18 @@
-"""Four HTTP routes the project adds to a vLLM server (a `vllm.endpoint_plugins` plugin, loaded only when
+"""Five HTTP routes the project adds to a vLLM server (a `vllm.endpoint_plugins` plugin, loaded only when
 `VLLM_PLUGINS` names it, as `mcore_rl/rollout/vllm_launcher.py` does):
 
 - `POST /update_weights_from_distributed` {names, dtypes, shapes, group_name, ...}: the one data-plane call of the
   project's `distributed` sync transport, which the actor ranks send without knowing the engine family. It is vLLM's
   own `update_weights` (`engine_client.update_weights`, the same call as `/update_weights`) with SGLang's field
-  names (`dtypes` -> `dtype_names`); every other call of a push goes to vLLM's own routes (mcore_rl/rollout/
+  names (`dtypes` -> `dtype_names`; `group_name` only for the project's `mcore_gloo` backend: vLLM's own refuse an
+  update_info with it, "Invalid update_info"); every other call of a push goes to vLLM's own routes (mcore_rl/rollout/
   vllm_dialect.py).
 - `POST /finish_weight_update_with_version`: vLLM's `finish_weight_update` with the weight version the buckets
   carried (SGLang's buckets carry it; the fence's /end_weight_update does not), so the version moves with the
   weights, and only when they are applied.
+- `POST /abort_weight_update` (SGLang's name, which the fence calls on a failed push): close the session without
+  committing the version; vLLM's own backends (which load buckets as they arrive) get their layerwise reload
+  finished, and the answer says `partial` (the engine is dirty until a push succeeds).
 - `POST /abandon_weight_update`: drop an open update session (after a refused or interrupted push), so the next
   `/start_weight_update` opens a fresh one; vLLM 0.32 leaves a session open when `finish_weight_update` raises.
 - `GET /model_info`: the served model's `model_type`, `num_hidden_layers`, `vocab_size` (the weight sync checks
@@ -25,12 +29,31 @@ class WorkerExtension:
     `collective_rpc` can name its method (vLLM serialises no callables without VLLM_ALLOW_INSECURE_SERIALIZATION)."""
 
     def mcore_rl_abandon_weight_update(self) -> None:
-        """Close this worker's update session without applying anything."""
+        """Close this worker's update session without applying anything more and without a version. Our backend
+        drops what it staged (nothing was applied). vLLM's own backends applied the buckets that arrived and may
+        have left the model inside a layerwise reload (layers still waiting for tensors sit on the meta device):
+        that reload is finished, so each layer is either new or back to its old tensors and the engine can run; the
+        next push (the fence's retry) loads everything again. Without an open reload, finishing is a no-op."""
         engine = getattr(self, "weight_transfer_engine", None)
-        if engine is not None:
+        if engine is not None and type(engine).__module__.startswith("mcore_rl_vllm_plugin"):
             engine.start_weight_update()  # our engine: empties the staging area; nothing was applied
             engine.reset_weight_update_target()
+        elif engine is not None:
+            from vllm.config import set_current_vllm_config
+
+            with set_current_vllm_config(self.vllm_config):
+                engine.finish_weight_update()  # finalize_layerwise_reload
+                engine.reset_weight_update_target()
         self._weight_update_active = False
+
+    mcore_rl_abort_weight_update = mcore_rl_abandon_weight_update  #: /abort_weight_update (a failed push)
+
+
+def stages_updates(engine_client: Any) -> bool:
+    """Whether the engine's weight-transfer backend is the project's `mcore_gloo`, which stages a push and applies
+    it at finish; vLLM's own backends (nccl, ipc) load each bucket as it arrives."""
+    config = getattr(getattr(engine_client, "vllm_config", None), "weight_transfer_config", None)
+    return getattr(config, "backend", None) == "mcore_gloo"
 
 
 class SGLangSyncRoutes:
@@ -52,12 +75,12 @@ class SGLangSyncRoutes:
             missing = [k for k in ("names", "dtypes", "shapes") if k not in body]
             if missing:
                 return JSONResponse({"success": False, "message": f"missing fields {missing}"}, status_code=400)
-            info = {
-                "names": body["names"],
-                "dtype_names": body["dtypes"],
-                "shapes": body["shapes"],
-                "group_name": body.get("group_name", "default"),
-            }
+            info = {"names": body["names"], "dtype_names": body["dtypes"], "shapes": body["shapes"]}
+            if stages_updates(request.app.state.engine_client):  # our backend's field; vLLM's refuse it
+                info["group_name"] = body.get("group_name", "default")
+            for key in ("tensor_sizes", "ipc_handles_pickled"):  # vLLM's ipc backend (the colocated tensor transport)
+                if key in body:
+                    info[key] = body[key]
             try:
                 await request.app.state.engine_client.update_weights(WeightTransferUpdateRequest(update_info=info))
             except Exception as err:  # noqa: BLE001 (the sender needs the reason, not a bare 500)
@@ -82,6 +105,19 @@ class SGLangSyncRoutes:
             request.app.state.mcore_rl_version = None
             await request.app.state.engine_client.collective_rpc("mcore_rl_abandon_weight_update")
             return JSONResponse({"success": True})
+
+        @router.post("/abort_weight_update")
+        async def abort_weight_update(request: Request) -> JSONResponse:
+            """Close a push that failed without committing its version (SGLang's name: the fence calls it first).
+            `partial`: the engine loaded buckets as they arrived (vLLM's own backends), so its weights may be part
+            new, part old: the caller must push again before it serves (the fence marks it dirty)."""
+            request.app.state.mcore_rl_version = None
+            partial = not stages_updates(request.app.state.engine_client)
+            try:
+                await request.app.state.engine_client.collective_rpc("mcore_rl_abort_weight_update")
+            except Exception as err:  # noqa: BLE001 (the reason, not a bare 500)
+                return JSONResponse({"success": False, "message": str(err), "partial": partial}, status_code=400)
+            return JSONResponse({"success": True, "partial": partial})
 
         @router.get("/model_info")
         async def model_info(request: Request) -> JSONResponse:

@@ -1,0 +1,370 @@
+"""The weight push into vLLM's own `nccl` weight-transfer backend, wired into the sync (rollout.engine=vllm,
+trainer.runtime=cuda, trainer.placement=split), driven on CPU against vLLM's own code (tests/_vllm_nccl_side.py says
+exactly what is stood in there: the NCCL communicator by gloo, CUDA streams, the model, the engine core's version
+store). Here, as a run: a real actor rank's SyncSender as the stream leader (new_vllm_nccl_group: the id minted and
+published on the rendezvous port; the communicator is the gloo stand-in `GlooNccl`), the controller's WeightSync
+push with its fence and retry over the vLLM dialect (init mapped to vLLM's unique-id init), DistributedTransport's
+per-bucket update_info and broadcasts. What only CUDA runs is the `gpu` test at the end (skipped here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import struct
+import subprocess
+import threading
+import time
+import urllib.request
+from types import MethodType, SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from mcore_rl.controller.gpu_plan import transport_problem
+from mcore_rl.controller.weight_sync import SyncError, check_vllm_streams, push_pause_mode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIDE = os.path.join(ROOT, "tests", "_vllm_nccl_side.py")
+
+
+# ---------------------------------------------------------------- the stand-in communicator, leader side
+_LISTENERS: dict[int, Any] = {}
+MINTED: list[bytes] = []
+
+
+def gloo_mint_id() -> bytes:
+    """An id like ncclGetUniqueId's (128 bytes) whose first two bytes name the gloo stand-in's rendezvous port."""
+    from mcore_rl.parallel.update_group import reserve_port
+
+    listener = reserve_port("127.0.0.1")
+    port = listener.getsockname()[1]
+    _LISTENERS[port] = listener
+    MINTED.append(struct.pack("<H", port) + os.urandom(126))
+    return MINTED[-1]
+
+
+class GlooNccl:
+    """vllm_nccl.NcclSender's interface (broadcast, close) over a gloo group: rank 0 of the stand-in communicator."""
+
+    def __init__(self, unique_id: bytes, world_size: int, timeout_s: float) -> None:
+        from mcore_rl.parallel.update_group import new_update_group
+
+        (port,) = struct.unpack("<H", unique_id[:2])
+        self.update_group = new_update_group("gloo", "127.0.0.1", port, 0, world_size, "nccl", timeout_s,
+                                             _LISTENERS.pop(port))  # fmt: skip
+
+    def broadcast(self, tensors: list[torch.Tensor], options: Any = None) -> Any:
+        return self.update_group.group.broadcast(tensors, options)
+
+    def close(self) -> None:
+        self.update_group = None
+
+
+def gloo_connect(unique_id: bytes, world_size: int, device: Any, init_engines: Any, timeout_s: float) -> GlooNccl:
+    """vllm_nccl.connect's signature (the leader's join; the controller posts the engines' inits)."""
+    init_engines()
+    return GlooNccl(unique_id, world_size, timeout_s)
+
+
+# ---------------------------------------------------------------- the controller, as a run has it (without Ray)
+def connect_as_the_controller(ws: Any, sender: Any, urls: list[str]) -> None:
+    """WeightSync._connect_once without Ray: the leader's addresses, its join (a thread, as the Ray call), the
+    engines' /init_weights_update_group through the vLLM dialect, concurrently."""
+    from mcore_rl.controller.weight_sync import init_group_body
+
+    sender.drop_groups()
+    addresses = dict(sorted(sender.addresses().items())[:1])  # vllm_nccl: one group carries every stream
+    ((name, (host, port)),) = addresses.items()
+    world = 1 + len(urls) * ws.ranks_per_engine
+    errors: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            sender.join(name, host, port, world, ws.backend, ws.cfg.timeout_s)
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    thread = threading.Thread(target=join)
+    thread.start()
+    calls = [ws.pool.client.apost(url, "/init_weights_update_group",
+                                  init_group_body("vllm", host, port, 1 + i, world, name, ws.backend, 60.0), 60.0)
+             for i, url in enumerate(urls)]  # fmt: skip
+
+    async def _all() -> list[Any]:
+        return await asyncio.gather(*calls)
+
+    ws.pool.client.run(_all())
+    thread.join()
+    if errors:
+        raise errors[0]
+    ws._connected = list(urls)
+
+
+def wired_weight_sync(actor: Any, urls: list[str]) -> Any:
+    """The controller's WeightSync for rollout.engine=vllm on CUDA (its fence, pause mode, backend, push and retry
+    as written), with the actor group and the engine pool in this process."""
+    from mcore_rl.config import RolloutConfig, SyncConfig
+    from mcore_rl.controller.engine_fence import EngineFence
+    from mcore_rl.controller.weight_sync import WeightSync, update_group_backend
+    from mcore_rl.rollout.client import RolloutClient
+
+    cfg, rollout = SyncConfig(timeout_s=60.0), RolloutConfig(engine="vllm")
+    client = RolloutClient(urls[0], engine="vllm", timeout_s=60)
+    ws = object.__new__(WeightSync)
+    ws.actor = SimpleNamespace(call=lambda method, *args: [getattr(actor, method)(*args)])
+    ws.pool = SimpleNamespace(
+        client=client, live_urls=list(urls), pending=set(), api_key=None, weight_version=None, engines=[],
+        health=SimpleNamespace(quiet=lambda why: contextlib.nullcontext()), admit_pending=lambda: None,
+        wait_for_restarts=lambda: None, replace=lambda url, why: pytest.fail(f"{url} replaced: {why}"),
+    )  # fmt: skip
+    ws.cfg, ws.rollout, ws.run_dir, ws.model = cfg, rollout, "/nonexistent", {}
+    ws.fence = EngineFence(client, push_pause_mode(cfg, "vllm", "cuda"), ws.pool.replace, 60.0, 60.0)
+    ws.backend = update_group_backend("vllm", "cuda")
+    ws.ranks_per_engine, ws.colocation = 1, None
+    ws.version = ws.actor_version = ws.step = None
+    ws.dirty, ws.last_stats, ws._lock, ws._connected = set(), [], threading.RLock(), []
+    ws.summary = actor._sender().summary()
+    check_vllm_streams(ws.summary)
+    ws.connect = MethodType(lambda self, live: connect_as_the_controller(self, actor._sender(), live), ws)
+    return ws
+
+
+def _wired_rank(rank: int, world: int, hf: dict, bucket_bytes: int, urls: list[str], dump: str) -> dict[str, Any]:
+    from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
+    from mcore_rl.resharding.weight_map import export_hf_weights
+
+    actor = MegatronActor(rank, world, ModelConfig(hf_config=hf),
+                          ActorConfig(world_size=world, layout=LayoutConfig(), use_ref=False))  # fmt: skip
+    actor.initialize(("127.0.0.1", 0))
+    actor.sync_plan({"num_engines": len(urls)}, bucket_bytes, "full", False)
+    actor._sender().vllm_connect = {"connect": gloo_connect, "mint_id": gloo_mint_id}
+
+    def reference() -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in export_hf_weights(actor.chunks, actor.contexts, actor.weight_map,
+                                                           actor.pg.tp, actor.pg.expt_tp)}  # fmt: skip
+
+    def dump_engines(label: str) -> list[dict]:
+        out = []
+        for url in urls:
+            with urllib.request.urlopen(urllib.request.Request(url + "/test_dump", data=b"{}"), timeout=60) as r:
+                out.append(torch.load(json.load(r)["path"]))
+            with urllib.request.urlopen(url + "/weight_info", timeout=60) as r:
+                out[-1]["weight_info"] = json.load(r)
+        torch.save(out, os.path.join(dump, f"{label}.pt"))
+        return out
+
+    ws = wired_weight_sync(actor, urls)
+    ws.push(1)
+    first = reference()
+    dump_engines("push1")
+    with torch.no_grad():  # a training step's worth of change, so a half-applied engine shows
+        for chunk in actor.chunks:
+            for p in chunk.parameters():
+                p.add_(0.125)
+    ws.weights_changing(step=1)
+    dirty_seen: list[list[str]] = []
+    close = ws.fence.close
+    ws.fence.close = lambda urls_: (dirty_seen.append(sorted(ws.dirty)), close(urls_))[1]
+    client = ws.pool.client
+    for url in urls[1:]:  # the second engine refuses one tensor of the next push (once): a bucket refused mid-push
+        client.post(url, "/test_refuse_once", {"name": sorted(first)[len(first) // 2]}, 30)
+    ws.push(2)
+    dump_engines("push2")
+    return {"first": first, "second": reference(), "minted": [m.hex() for m in MINTED], "dirty_seen": dirty_seen,
+            "dirty_after": sorted(ws.dirty), "version": ws.version, "streams": ws.summary["stream_names"],
+            "largest_bucket": ws.summary["max_bucket_bytes"]}  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def wired(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two vLLM engines (tests/_vllm_nccl_side.py) and one actor rank: push 1, then push 2 with a bucket refused by
+    the second engine (the fence closes, the push is retried)."""
+    from tiny_models import tiny_qwen3_moe
+
+    from mcore_rl.parallel.harness import run_on_ranks
+    from mcore_rl.rollout.vllm_config import VLLMConfig
+    from mcore_rl.rollout.vllm_launcher import vllm_python, vllm_unavailable_reason
+
+    reason = vllm_unavailable_reason(VLLMConfig())
+    if reason is not None:
+        pytest.skip(reason)
+    tmp = tmp_path_factory.mktemp("vllm_nccl")
+    hf = tiny_qwen3_moe(vocab_size=70, initializer_range=0.5, max_position_embeddings=64, num_hidden_layers=2)
+    ports = [_free_port(), _free_port()]
+    (tmp / "side.json").write_text(json.dumps({"ports": ports, "dump": str(tmp)}))
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    log = open(tmp / "side.log", "w")  # noqa: SIM115 (the side server's log, read on failure)
+    side = subprocess.Popen([vllm_python(VLLMConfig()), SIDE, str(tmp / "side.json")], stdout=log, stderr=log,
+                            env=env)  # fmt: skip
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        _wait_up(urls, side, tmp / "side.log")
+        result = run_on_ranks(_wired_rank, 1, (hf, 1 << 15, urls, str(tmp)))[0]
+    except BaseException:
+        print((tmp / "side.log").read_text()[-5000:])
+        raise
+    finally:
+        side.terminate()
+        side.wait(30)
+        log.close()
+    result["push1"] = torch.load(tmp / "push1.pt")
+    result["push2"] = torch.load(tmp / "push2.pt")
+    return result
+
+
+def _wait_up(urls: list[str], side: subprocess.Popen, log: Any) -> None:
+    deadline = time.monotonic() + 300
+    for url in urls:
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/weight_info", timeout=5):
+                    break
+            except OSError as err:
+                if side.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the vLLM side server did not come up:\n{log.read_text()[-3000:]}") from err
+                time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_the_wired_push_lands_bit_exact_in_vllms_nccl_engine_with_its_version(wired) -> None:
+    """Push 1 through the whole wired path: every tensor bit exact on both engines, version 1 committed, the
+    engines joined with the id the leader minted (read from its store by the dialect), both of the tiny MoE's
+    streams (dense, experts) through the one group vLLM's worker holds."""
+    assert len(wired["streams"]) == 2
+    for engine in wired["push1"]:
+        assert engine["weight_info"] == {"weight_version": "1"}
+        assert sorted(engine["weights"]) == sorted(wired["first"])
+        for name, tensor in wired["first"].items():
+            assert engine["weights"][name].dtype == tensor.dtype and torch.equal(engine["weights"][name], tensor), name
+        assert engine["versions"][0] == ["1", sorted(wired["first"])]
+        assert engine["unique_id"] == wired["minted"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_bucket_refused_mid_push_leaves_no_engine_half_applied_under_the_new_version(wired) -> None:
+    """vLLM's own backend applies buckets as they arrive: when the second engine refuses one, the first has part of
+    the push. The fence closes it without committing version 2 (vLLM's layerwise reload finished, the engine
+    dirty), the push is retried and lands everywhere: version 2 is only ever committed with every tensor loaded."""
+    assert wired["dirty_seen"] and len(wired["dirty_seen"][0]) == 2  # both engines dirty once the push failed
+    assert wired["dirty_after"] == [] and wired["version"] == 2
+    names = sorted(wired["second"])
+    for engine in wired["push2"]:
+        assert engine["weight_info"] == {"weight_version": "2"}
+        for version, loaded in engine["versions"]:
+            assert loaded == names, f"version {version} committed with {len(loaded)} of {len(names)} tensors loaded"
+        for name, tensor in wired["second"].items():
+            assert torch.equal(engine["weights"][name], tensor), name
+    assert wired["minted"][1] != wired["minted"][0]  # the retry rebuilt the group with a fresh id
+
+
+# ---------------------------------------------------------------- refusals before anything starts
+def _cfg(**over: Any) -> Any:
+    """A run's config (defaults) with rollout.engine=vllm on CUDA, split, and `over` (dotted keys)."""
+    from mcore_rl.config import RLConfig
+
+    cfg = RLConfig()
+    given = {"trainer.runtime": "cuda", "rollout.engine": "vllm", "trainer.placement": "split", **over}
+    for key, value in given.items():
+        *path, leaf = key.split(".")
+        target = cfg
+        for part in path:
+            target = getattr(target, part)
+        setattr(target, leaf, value)
+    return cfg
+
+
+def test_vllm_on_cuda_is_no_longer_refused_where_its_push_is_wired() -> None:
+    assert transport_problem(_cfg()) is None  # split, distributed: vLLM's NCCL backend (this file)
+    # colocated, tensor: vLLM's IPC backend (tests/test_vllm_colocated_gpu.py)
+    assert transport_problem(_cfg(**{"trainer.placement": "colocated", "sync.transport": "tensor"})) is None
+
+
+@pytest.mark.parametrize(
+    "over, words",
+    [
+        ({"actor.layout.pp": 2}, ["actor.layout.pp=2", "one NCCL weight-transfer group", "expected actor.layout.pp=1"]),
+        ({"actor.layout.ep": 2}, ["actor.layout.ep=2", "expected actor.layout.pp=1 and actor.layout.ep=1"]),
+        ({"sync.transport": "disk"}, ["sync.transport='disk'", "expected sync.transport=distributed"]),
+        ({"sync.pause_mode": "none"}, ["sync.pause_mode='none'", "expected auto"]),
+        ({"sync.transport": "tensor"}, ["sync.transport='tensor'", "trainer.placement=split"]),  # as for SGLang
+        ({"trainer.placement": "colocated"}, ["sync.transport='distributed'", "colocated", "expected sync.transport"
+                                              "=tensor"]),  # as for SGLang
+    ],
+)  # fmt: skip
+def test_what_vllm_on_cuda_cannot_run_is_refused_naming_the_keys(over: dict, words: list[str]) -> None:
+    problem = transport_problem(_cfg(**over))
+    assert problem is not None
+    for word in words:
+        assert word in problem, problem
+
+
+def test_a_plan_whose_streams_have_two_leaders_is_refused_for_vllms_one_group() -> None:
+    check_vllm_streams({"stream_names": ["pp0-dense", "pp0-ep0"], "stream_leaders": [0, 0]})
+    with pytest.raises(SyncError, match=r"2 leaders.*one group with one sender"):
+        check_vllm_streams({"stream_names": ["pp0-dense", "pp0-ep0"], "stream_leaders": [1, 0]})
+
+
+def test_vllm_on_cuda_pauses_during_a_push_by_default() -> None:
+    """vLLM's NCCL backend loads buckets as they arrive: the engine must not step in between (auto = abort)."""
+    from mcore_rl.config import SyncConfig
+
+    assert push_pause_mode(SyncConfig(), "vllm", "cuda") == "abort"
+    assert push_pause_mode(SyncConfig(), "vllm", "cpu") == "none"  # the CPU plugin stages: unchanged
+    assert push_pause_mode(SyncConfig(), "sglang", "cuda") == "abort"
+
+
+# ---------------------------------------------------------------- what needs CUDA (skipped here)
+@pytest.mark.gpu
+@pytest.mark.vllm
+def test_the_leaders_vllm_nccl_group_meets_vllms_worker_on_two_gpus() -> None:
+    """new_vllm_nccl_group (GPU 0: the id minted by libnccl, published, ncclCommInitRank) and vLLM's
+    worker_init_process_group from the init the dialect maps (GPU 1, the vLLM venv a CUDA build), then one
+    broadcast through DistributedTransport's call, bit exact."""
+    from mcore_rl.parallel.update_group import new_vllm_nccl_group, read_vllm_nccl_rendezvous, reserve_port
+    from mcore_rl.resharding.sync.transports.distributed import _broadcast_unless_refused
+    from mcore_rl.rollout.vllm_config import VLLMConfig
+    from mcore_rl.rollout.vllm_launcher import vllm_python
+    from mcore_rl.rollout.vllm_transfer import nccl_init_info
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (NCCL refuses two ranks of one communicator on one GPU)")
+    listener = reserve_port("127.0.0.1")
+    port = listener.getsockname()[1]
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(group=new_vllm_nccl_group(
+        "127.0.0.1", port, 2, "pp0-dense", 16384, torch.device("cuda:0"), 120.0, listener)))  # fmt: skip
+    thread.start()
+    uid, buffer_bytes = read_vllm_nccl_rendezvous("127.0.0.1", port, "pp0-dense", 60.0)
+    info = nccl_init_info(uid, 1, 2, buffer_bytes)
+    script = (
+        "import json, sys, torch\n"
+        "from types import SimpleNamespace\n"
+        "from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo, "
+        "worker_init_process_group\n"
+        "torch.cuda.set_device(1)\n"
+        "info = NCCLWeightTransferInitInfo(**json.loads(sys.argv[1]))\n"
+        "c = worker_init_process_group(info, SimpleNamespace(data_parallel_index=0, world_size=1, rank=0))\n"
+        "t = torch.empty(16384, dtype=torch.uint8, device='cuda:1')\n"
+        "c.broadcast(t, src=0); torch.cuda.synchronize(1)\n"
+        "sys.exit(0 if torch.equal(t.view(torch.int32).cpu(), torch.arange(4096, dtype=torch.int32)) else 3)\n"
+    )
+    proc = subprocess.Popen([vllm_python(VLLMConfig()), "-c", script, json.dumps(info)])
+    thread.join(180)
+    bucket = torch.arange(4096, dtype=torch.int32, device="cuda:0").view(torch.uint8)
+    assert _broadcast_unless_refused(result["group"], bucket, [])
+    assert proc.wait(timeout=300) == 0
+    result["group"].group.close()
