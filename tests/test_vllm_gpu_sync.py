@@ -1,15 +1,15 @@
 """The weight push into vLLM's own `nccl` weight-transfer backend, wired into the sync (rollout.engine=vllm,
 trainer.runtime=cuda, trainer.placement=split), driven on CPU against vLLM's own code (tests/_vllm_nccl_side.py says
 exactly what is stood in there: the NCCL communicator by gloo, CUDA streams, the model, the engine core's version
-store). Here, as a run: a real actor rank's SyncSender as the stream leader (new_vllm_nccl_group: the id minted and
-published on the rendezvous port; the communicator is the gloo stand-in `GlooNccl`), the controller's WeightSync
-push with its fence and retry over the vLLM dialect (init mapped to vLLM's unique-id init), DistributedTransport's
-per-bucket update_info and broadcasts. What only CUDA runs is the `gpu` test at the end (skipped here).
+store). Here, as a run: a real actor rank's SyncSender as the stream leader (new_vllm_nccl_group: the id published
+on the rendezvous port), the controller's WeightSync (connect, fence, push, retry, as written) over the vLLM dialect
+(init mapped to vLLM's unique-id init), DistributedTransport's per-bucket update_info and broadcasts. Stood in on this
+side: ncclGetUniqueId and the leader's communicator (`gloo_mint_id`, `GlooNccl`: a gloo group whose port travels in
+the id), Ray (the actor's handle calls run in threads of the rank process, ray.get waits for them), the engine pool
+(its two URLs). What only CUDA runs is the `gpu` test at the end (skipped here).
 """
-
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from types import MethodType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -72,51 +72,45 @@ def gloo_connect(unique_id: bytes, world_size: int, device: Any, init_engines: A
 
 
 # ---------------------------------------------------------------- the controller, as a run has it (without Ray)
-def connect_as_the_controller(ws: Any, sender: Any, urls: list[str]) -> None:
-    """WeightSync._connect_once without Ray: the leader's addresses, its join (a thread, as the Ray call), the
-    engines' /init_weights_update_group through the vLLM dialect, concurrently."""
-    from mcore_rl.controller.weight_sync import init_group_body
+class _Remote:
+    """A Ray actor method's `.remote` in this process: the call runs in a thread (sync_join blocks until the
+    engines join, which the controller's init POSTs make them do), its Future stands for the ObjectRef."""
 
-    sender.drop_groups()
-    addresses = dict(sorted(sender.addresses().items())[:1])  # vllm_nccl: one group carries every stream
-    ((name, (host, port)),) = addresses.items()
-    world = 1 + len(urls) * ws.ranks_per_engine
-    errors: list[BaseException] = []
+    def __init__(self, pool: Any, method: Any) -> None:
+        self.pool, self.method = pool, method
 
-    def join() -> None:
-        try:
-            sender.join(name, host, port, world, ws.backend, ws.cfg.timeout_s)
-        except BaseException as err:  # noqa: BLE001
-            errors.append(err)
+    def remote(self, *args: Any) -> Any:
+        return self.pool.submit(self.method, *args)
 
-    thread = threading.Thread(target=join)
-    thread.start()
-    calls = [ws.pool.client.apost(url, "/init_weights_update_group",
-                                  init_group_body("vllm", host, port, 1 + i, world, name, ws.backend, 60.0), 60.0)
-             for i, url in enumerate(urls)]  # fmt: skip
 
-    async def _all() -> list[Any]:
-        return await asyncio.gather(*calls)
+class _Handle:
+    def __init__(self, actor: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
 
-    ws.pool.client.run(_all())
-    thread.join()
-    if errors:
-        raise errors[0]
-    ws._connected = list(urls)
+        self.actor, self.pool = actor, ThreadPoolExecutor(4)
+
+    def __getattr__(self, name: str) -> _Remote:
+        return _Remote(self.pool, getattr(self.actor, name))
+
+
+def _ray_get(refs: Any) -> Any:
+    return [r.result() for r in refs] if isinstance(refs, list) else refs.result()
 
 
 def wired_weight_sync(actor: Any, urls: list[str]) -> Any:
-    """The controller's WeightSync for rollout.engine=vllm on CUDA (its fence, pause mode, backend, push and retry
-    as written), with the actor group and the engine pool in this process."""
+    """The controller's WeightSync for rollout.engine=vllm on CUDA, all its methods as written (connect, fence,
+    pause mode, backend, push and retry), with the actor group (one rank, this process: Ray's handles and ray.get
+    stood in by threads) and the engine pool in this process."""
     from mcore_rl.config import RolloutConfig, SyncConfig
+    from mcore_rl.controller import weight_sync
     from mcore_rl.controller.engine_fence import EngineFence
-    from mcore_rl.controller.weight_sync import WeightSync, update_group_backend
     from mcore_rl.rollout.client import RolloutClient
 
+    weight_sync.ray = SimpleNamespace(get=_ray_get)  # this rank process only
     cfg, rollout = SyncConfig(timeout_s=60.0), RolloutConfig(engine="vllm")
     client = RolloutClient(urls[0], engine="vllm", timeout_s=60)
-    ws = object.__new__(WeightSync)
-    ws.actor = SimpleNamespace(call=lambda method, *args: [getattr(actor, method)(*args)])
+    ws = object.__new__(weight_sync.WeightSync)
+    ws.actor = SimpleNamespace(call=lambda method, *args: [getattr(actor, method)(*args)], handles=[_Handle(actor)])
     ws.pool = SimpleNamespace(
         client=client, live_urls=list(urls), pending=set(), api_key=None, weight_version=None, engines=[],
         health=SimpleNamespace(quiet=lambda why: contextlib.nullcontext()), admit_pending=lambda: None,
@@ -124,13 +118,12 @@ def wired_weight_sync(actor: Any, urls: list[str]) -> Any:
     )  # fmt: skip
     ws.cfg, ws.rollout, ws.run_dir, ws.model = cfg, rollout, "/nonexistent", {}
     ws.fence = EngineFence(client, push_pause_mode(cfg, "vllm", "cuda"), ws.pool.replace, 60.0, 60.0)
-    ws.backend = update_group_backend("vllm", "cuda")
+    ws.backend = weight_sync.update_group_backend("vllm", "cuda")
     ws.ranks_per_engine, ws.colocation = 1, None
     ws.version = ws.actor_version = ws.step = None
     ws.dirty, ws.last_stats, ws._lock, ws._connected = set(), [], threading.RLock(), []
-    ws.summary = actor._sender().summary()
+    ws.summary = actor.sync_summary()
     check_vllm_streams(ws.summary)
-    ws.connect = MethodType(lambda self, live: connect_as_the_controller(self, actor._sender(), live), ws)
     return ws
 
 
