@@ -8,6 +8,7 @@ side: ncclGetUniqueId and the leader's communicator (`gloo_mint_id`, `GlooNccl`:
 the id), Ray (the actor's handle calls run in threads of the rank process, ray.get waits for them), the engine pool
 (its two URLs). What only CUDA runs is the `gpu` test at the end (skipped here).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -303,6 +304,18 @@ def test_what_vllm_on_cuda_cannot_run_is_refused_naming_the_keys(over: dict, wor
     assert problem is not None
     for word in words:
         assert word in problem, problem
+
+
+def test_a_moe_over_several_actor_ranks_is_refused_before_anything_starts() -> None:
+    """The planner spreads a stage's dense and expert streams over two ranks (the test above: one rank, one leader);
+    vLLM's one group cannot take both, so the run is refused from its config (exit 2), not at the first push."""
+    moe = {"model_type": "qwen3_moe", "num_experts": 4}
+    problem = transport_problem(_cfg(**{"actor.world_size": 2, "model.hf_config": moe}))
+    assert problem is not None and "actor.world_size=2 with a MoE model" in problem and "expected" in problem
+    assert transport_problem(_cfg(**{"actor.world_size": 1, "model.hf_config": moe})) is None
+    assert transport_problem(_cfg(**{"actor.world_size": 2, "model.hf_config": {"model_type": "qwen3"}})) is None
+    colocated = {"actor.world_size": 2, "model.hf_config": moe, "trainer.placement": "colocated"}
+    assert transport_problem(_cfg(**colocated, **{"sync.transport": "tensor"})) is None  # IPC: no broadcast group
 
 
 def test_a_plan_whose_streams_have_two_leaders_is_refused_for_vllms_one_group() -> None:

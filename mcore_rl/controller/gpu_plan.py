@@ -245,6 +245,15 @@ def _vllm_problem(cfg: Any) -> str | None:
             "leader, but a vLLM worker holds one NCCL weight-transfer group, with one sender; expected "
             "actor.layout.pp=1 and actor.layout.ep=1 (or rollout.engine=sglang, which joins one group per stream)"
         )
+    if cfg.trainer.placement == "split" and transport == "distributed" and cfg.actor.world_size > 1 and _moe(cfg):
+        # the planner gives a stage's dense and expert streams to two ranks (its leaders spread, to send in
+        # parallel); they cannot both be rank 0 of vLLM's one group (controller/weight_sync.py check_vllm_streams)
+        return (
+            f"actor.world_size={cfg.actor.world_size} with a MoE model is invalid with rollout.engine=vllm and "
+            "trainer.placement=split on CUDA: the sync plan sends the dense and the expert tensors from two actor "
+            "ranks, but a vLLM worker holds one NCCL weight-transfer group, with one sender; expected "
+            "actor.world_size=1, a dense model, trainer.placement=colocated, or rollout.engine=sglang"
+        )
     if cfg.sync.pause_mode == "none":
         return (
             "sync.pause_mode='none' is invalid with rollout.engine=vllm on CUDA: vLLM's NCCL and IPC backends load "
@@ -252,6 +261,24 @@ def _vllm_problem(cfg: Any) -> str | None:
             "generate during a push; expected auto (abort), abort, retract or in_place"
         )
     return None
+
+
+def _moe(cfg: Any) -> bool:
+    """Whether the model has routed experts (its HF config: model.path's config.json, else model.hf_config; the keys
+    models/estimate.py reads). False where it cannot be read: the config's own validation names that."""
+    import json
+    import os
+
+    hf = cfg.model.hf_config or {}
+    if cfg.model.path:
+        try:
+            with open(os.path.join(cfg.model.path, "config.json")) as f:
+                hf = json.load(f)
+        except (OSError, ValueError):
+            return False
+    if not isinstance(hf, dict):
+        hf = dict(hf)
+    return bool(hf.get("n_routed_experts") or hf.get("num_experts") or hf.get("num_local_experts"))
 
 
 def check_transport(cfg: Any) -> None:

@@ -318,16 +318,17 @@ def push_pause_mode(cfg: SyncConfig, engine: str, runtime: str) -> str:
 
 def check_vllm_streams(summary: dict[str, Any]) -> None:
     """SyncError unless every stream of the plan has one leader: vLLM's NCCL worker holds one transfer group, whose
-    rank 0 (the sender of every broadcast) is that leader. Pipeline stages and EP ranks (actor pp > 1, ep > 1) are
-    refused before anything starts (gpu_plan.transport_problem); this catches a plan that spread a MoE's dense and
-    expert streams over two ranks of one stage."""
+    rank 0 (the sender of every broadcast) is that leader. gpu_plan.transport_problem refuses the layouts that give
+    several leaders before anything starts (actor pp > 1, ep > 1; a MoE over several actor ranks, whose dense and
+    expert streams the planner spreads); this is the guard for any plan that still has them."""
     leaders = sorted(set(summary.get("stream_leaders") or [0]))
     if len(leaders) > 1:
         streams = dict(zip(summary["stream_names"], summary["stream_leaders"]))
         raise SyncError(
             f"rollout.engine=vllm on CUDA: the sync plan's streams {streams} (stream -> actor rank) have "
             f"{len(leaders)} leaders, but vLLM's NCCL weight-transfer worker holds one group with one sender; "
-            "expected one leader (actor.layout.pp=1 and ep=1, and a dense model or actor.world_size=1)"
+            "expected one leader (actor.layout.pp=1 and ep=1, and a dense model or actor.world_size=1; "
+            "gpu_plan.transport_problem refuses the others before anything starts)"
         )
 
 
