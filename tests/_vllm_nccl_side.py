@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from fastapi import Request  # at module level: FastAPI resolves the routes' (string) annotations in these globals
 
+DESTROYED: list[str] = []  #: the unique ids of the communicators destroyed (PyNcclCommunicator.destroy)
+
 
 def install_stand_ins() -> None:
     """Replace the CUDA-only parts (see the module docstring)."""
@@ -66,6 +68,7 @@ def install_stand_ins() -> None:
 
         def destroy(self) -> None:
             self.group = None
+            DESTROYED.append(self.unique_id.hex())
 
     nccl_common.uid_init_process_group = lambda uid, rank, world_size, device: GlooCommunicator(uid, rank, world_size)
     reload.initialize_layerwise_reload = lambda model: model.reloads.append("initialize")
@@ -101,6 +104,7 @@ def make_worker(model: Model) -> Any:
     class StandInWorker(WorkerExtension):
         _check_weight_transfer_engine = Worker._check_weight_transfer_engine
         init_weight_transfer_engine = Worker.init_weight_transfer_engine
+        shutdown_weight_transfer_engine = Worker.shutdown_weight_transfer_engine
         start_weight_update = Worker.start_weight_update
         _start_weight_update = Worker._start_weight_update
         update_weights = Worker.update_weights
@@ -136,6 +140,7 @@ def make_client(worker: Any, model: Model, versions: list[Any]) -> Any:
 
     class StandInClient:
         init_weight_transfer_engine = AsyncLLM.init_weight_transfer_engine
+        shutdown_weight_transfer_engine = AsyncLLM.shutdown_weight_transfer_engine
         start_weight_update = AsyncLLM.start_weight_update
         update_weights = AsyncLLM.update_weights
         finish_weight_update = AsyncLLM.finish_weight_update
@@ -184,7 +189,8 @@ def make_app(index: int, cfg: dict[str, Any]) -> Any:
         group = worker.weight_transfer_engine.model_update_group
         path = os.path.join(cfg["dump"], f"engine{index}.pt")
         torch.save({"weights": model.weights, "versions": versions, "reloads": model.reloads,
-                    "unique_id": None if group is None else group.unique_id.hex()}, path)  # fmt: skip
+                    "unique_id": None if group is None else group.unique_id.hex(), "destroyed": DESTROYED},
+                   path)  # fmt: skip
         return {"path": path}
 
     return app

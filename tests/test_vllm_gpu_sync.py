@@ -265,6 +265,18 @@ def test_a_bucket_refused_mid_push_leaves_no_engine_half_applied_under_the_new_v
     assert wired["minted"][1] != wired["minted"][0]  # the retry rebuilt the group with a fresh id
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_rebuilding_the_group_destroys_the_engines_old_communicator(wired) -> None:
+    """vLLM's init replaces its worker's communicator without destroying it (no __del__): the retry's rebuild would
+    leave one NCCL communicator, with its GPU buffers, behind on every engine at every rebuild."""
+    first_group, second_group = wired["minted"][:2]
+    for engine in wired["push2"]:
+        assert engine["unique_id"] == wired["minted"][-1]
+        assert engine["destroyed"].count(first_group) == 2  # one per engine (one process hosts both)
+        assert second_group not in engine["destroyed"]  # the live one stays
+
+
 # ---------------------------------------------------------------- refusals before anything starts
 def _cfg(**over: Any) -> Any:
     """A run's config (defaults) with rollout.engine=vllm on CUDA, split, and `over` (dotted keys)."""

@@ -11,7 +11,9 @@ POST /generate {input_ids, sampling_params, return_logprob}      -> POST /infere
 /pause_generation {mode: in_place | retract | abort}             -> /pause?mode=keep | abort | abort
 /continue_generation                                             -> /resume
 /init_weights_update_group {master_address, ..., group_name}     -> /init_weight_transfer_engine {init_info}
-                                  backend vllm_nccl (CUDA)            {init_info: nccl_init_info(the unique id and
+                                  backend vllm_nccl (CUDA)         -> /shutdown_weight_transfer_engine (the old
+                                                                    communicator), /init_weight_transfer_engine
+                                                                    {init_info: nccl_init_info(the unique id and
                                                                     largest bucket read from the leader's store)}
 /begin_weight_update                                             -> /abandon_weight_update, /start_weight_update
 /end_weight_update                                               -> /finish_weight_update_with_version
@@ -233,4 +235,10 @@ class VLLMDialect:
             info = nccl_init_info(unique_id, int(body["rank_offset"]), int(body["world_size"]), buffer_bytes)
         except (KeyError, ValueError, RuntimeError) as err:  # torch's store raises RuntimeError (DistStoreError)
             return 400, {"message": f"/init_weights_update_group (vLLM nccl): {type(err).__name__}: {err}"}
+        # vLLM's init replaces the worker's communicator without destroying it (PyNcclCommunicator has no __del__):
+        # each rebuild of the groups (a failed push, a replaced engine) would leave one behind, with its GPU buffers.
+        # A fresh engine has none; an engine inside a push refuses (the fence closed every session before this).
+        status, payload = await client.arequest("POST", url, "/shutdown_weight_transfer_engine", {}, timeout_s)
+        if status != 200:
+            return status, payload
         return await client.arequest("POST", url, "/init_weight_transfer_engine", {"init_info": info}, timeout_s)
