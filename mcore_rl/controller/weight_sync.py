@@ -3,7 +3,8 @@
 ```
 setup    every actor rank computes the plan (resharding/sync/plan.py); the digests must agree
 connect  (distributed) per stream: its leader hosts a broadcast group, every engine rank joins it
-         (/init_weights_update_group); again after an engine is replaced
+         (/init_weights_update_group); again after an engine is replaced. vLLM on CUDA: one group, vLLM's own NCCL
+         weight-transfer one (backend vllm_nccl: parallel/update_group.py new_vllm_nccl_group), for every stream
 push(v)  no /health probes -> [pause engines] -> /begin_weight_update on every engine -> actor ranks stream their
          buckets (gather -> HF layout -> transport) -> [/update_weights_from_disk] -> /end_weight_update (the engine
          commits v) -> /flush_cache (its radix cache holds KV of the old weights) -> [continue]
