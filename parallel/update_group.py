@@ -10,6 +10,9 @@ training groups.
 
     group = new_update_group("gloo", "127.0.0.1", 29600, rank=0, world_size=3, group_name="pp0")
     broadcast(group, flat_bucket, src=0)
+
+vLLM engines on GPU join their own NCCL weight-transfer group from a unique id instead: `new_vllm_nccl_group` (the
+leader) publishes it on its rendezvous port, `read_vllm_nccl_rendezvous` (the vLLM dialect) reads it there.
 """
 
 from __future__ import annotations

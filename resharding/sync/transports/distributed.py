@@ -6,7 +6,9 @@ leader (rank 0 of group "<stream name>")        engine ranks 1..N (joined with /
   broadcast(bucket)                      ====>  ... stage it; the POST answers once the bytes are in
 ```
 The POSTs go out first and the broadcast follows (the engines join it from their request handlers), as in slime.
-One group per stream, so pipeline stages and EP ranks stream to the engines in parallel. NCCL on GPU, gloo on CPU.
+One group per stream, so pipeline stages and EP ranks stream to the engines in parallel. NCCL on GPU, gloo on CPU;
+vLLM engines on GPU: one group for every stream, vLLM's own NCCL weight-transfer communicator, whose rank 0 is
+rollout/vllm_nccl.py's NcclSender (the same `broadcast([bucket], options)` and completion polling).
 """
 
 from __future__ import annotations
