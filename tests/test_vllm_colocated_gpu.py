@@ -166,6 +166,23 @@ def test_cuda_vllm_engines_start_on_the_placements_bundles(monkeypatch) -> None:
     assert options == {"num_cpus": 1, "num_gpus": 0, "max_restarts": 0} and args[3] == "cpu"
 
 
+def test_the_dry_run_counts_what_the_launcher_asks_vllm_to_free() -> None:
+    """Colocated vLLM engines on CUDA are started in sleep mode, whose release (sleep level 1) takes their whole
+    gpu_memory_utilization share off the GPU: the dry run's training phase leaves it out, as it does for SGLang
+    (before: "engines kept", the share counted on top of training)."""
+    from test_submit import run_submit
+
+    overrides = ["trainer.runtime=cuda", "rollout.engine=vllm", "trainer.placement=colocated", "sync.transport=tensor",
+                 "actor.world_size=8", "rollout.num_engines=4", "rollout.vllm.tp=2"]  # fmt: skip
+    done = run_submit("--nodes", "1", "--gpus-per-node", "8", "--partition", "gpu", "--time", "1:00:00",
+                      "--job-name", "t", "--dry-run", "--gpu-memory-gb", "80", "--", *overrides)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "colocated engine:    56.0 GiB" in done.stdout and "released while training" in done.stdout
+    training = next(line for line in done.stdout.splitlines() if line.strip().startswith("training ("))
+    assert "engines released" in training and float(training.split(":")[1].split()[0]) < 56.0
+    assert "--enable-sleep-mode" in _argv(VLLMConfig(tp=2), "cuda", "colocated")
+
+
 # ---------------------------------------------------------------- the tensor transport's IPC push
 def test_vllm_ipc_needs_the_colocation_map_and_one_gpu_per_rank() -> None:
     with pytest.raises(ValueError, match="colocation map"):
