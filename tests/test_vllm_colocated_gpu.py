@@ -43,7 +43,8 @@ IPC_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 
 def run_side(tmp: str, checks: list[str], **inputs: Any) -> dict[str, Any]:
-    """tests/_vllm_colocated_side.py in .venv-vllm for `checks`; skip where vLLM is not installed."""
+    """tests/_vllm_colocated_side.py in .venv-vllm for `checks` (its callers hold the `vllm_venv` fixture, which
+    builds it); skip where vLLM is not installed."""
     reason = vllm_unavailable_reason(VLLMConfig())
     if reason is not None:
         pytest.skip(reason)
@@ -289,8 +290,9 @@ def _check_push(run: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_engine(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The one-rank push and the launcher's command lines, in one vLLM process (vLLM imports in ~10 s)."""
+def one_engine(vllm_venv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The one-rank push and the launcher's command lines, in one vLLM process (vLLM imports in ~10 s);
+    `vllm_venv` (conftest): .venv-vllm built once by `make vllm-setup`, or a skip naming why it cannot be."""
     return _push(tmp_path_factory.mktemp("one_engine"), 1, ("ipc", "argv"))
 
 
@@ -303,7 +305,7 @@ def test_real_buckets_go_through_vllms_ipc_engine_bit_exact(one_engine) -> None:
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_a_two_gpu_engine_gets_each_gpus_own_handle(tmp_path) -> None:
+def test_a_two_gpu_engine_gets_each_gpus_own_handle(vllm_venv, tmp_path) -> None:
     """Two actor ranks beside an engine of two GPUs: each bucket's handle dict has both GPUs' copies (made by the
     rank on each), and each of vLLM's workers opens its own."""
     _check_push(_push(tmp_path, 2))
