@@ -283,9 +283,14 @@ def compare(est: Any, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     the CPU rank process's allowance against what the ranks' processes hold besides tensors."""
     from mcore_rl.models.estimate import CPU_PROCESS_IMAGE_MIB, CPU_RUNTIME_GROWTH_MIB
 
-    estimate = {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer + est.optimizer_host,
-                "reference": est.reference + est.reference_host, "buffers": est.buffers,
-                "activations": est.activations}  # fmt: skip
+    estimate = {
+        "weights": est.weights,
+        "grads": est.grads,
+        "optimizer": est.optimizer + est.optimizer_host,
+        "reference": est.reference + est.reference_host,
+        "buffers": est.buffers,
+        "activations": est.working,
+    }  # fmt: skip  (activations, or gloo's grad-reduce copy if larger)
     fullest = max(ranks, key=lambda r: sum(r[t] for t in TERMS))
     rows = {t: {"estimate": estimate[t], "measured": fullest[t],
                 "ratio": estimate[t] / fullest[t] if fullest[t] and estimate[t] else None} for t in TERMS}  # fmt: skip

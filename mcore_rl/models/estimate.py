@@ -180,6 +180,7 @@ class MemoryEstimate:
     engine: EngineShare | None = None
     reference_host: float = 0.0  #: ref_placement=host: the reference's weights + the parked policy's, host memory
     buffers: float = 0.0  #: Megatron's attention scores buffer (local spec on CUDA), kept between passes
+    grad_reduce_copy: float = 0.0  #: gloo's copy of a gradient bucket in the reduce-scatter (CPU runtime)
     runtime: str = "cuda"  #: which runtime's allowance `overhead` is (cuda: context + NCCL; cpu: the rank's process)
 
     @property
@@ -196,7 +197,13 @@ class MemoryEstimate:
     def training(self) -> float:
         """Peak while training: resident + activations (+ the engine's pool if it does not release it)."""
         engine = self.engine.static if self.engine is not None and not self.engine.releases else 0.0
-        return self.resident + self.activations + engine
+        return self.resident + self.working + engine
+
+    @property
+    def working(self) -> float:
+        """An update's working set: its activations, or the gradient reduce's copy where that is larger (it runs
+        after the backward has freed them)."""
+        return max(self.activations, self.grad_reduce_copy)
 
     @property
     def generating(self) -> float:
@@ -232,6 +239,14 @@ class MemoryEstimate:
             *(
                 [f"  attention buffer:    {g(self.buffers)} (local spec: b x heads x s^2 scores)"]
                 if self.buffers
+                else []
+            ),
+            *(
+                [
+                    f"  grad reduce copy:    {g(self.grad_reduce_copy)} (gloo's reduce-scatter clones the bucket, "
+                    "after the backward: the larger of it and the activations counts)"
+                ]
+                if self.grad_reduce_copy
                 else []
             ),
             self._overhead_line(g),
@@ -448,6 +463,29 @@ def attention_buffer_bytes(
     return float(micro_batch * int(hf["num_attention_heads"]) / tp * seq_len * seq_len * dtype_bytes)
 
 
+def grad_reduce_copy_bytes(
+    plan: OptimizerPlan, grads: tuple[float, float], dps: tuple[int, int], runtime: str
+) -> float:
+    """The gradient reduce's working copy on the CPU runtime: with the distributed optimizer Megatron reduce-scatters
+    each gradient bucket, and gloo (torch 2.13's reduce_scatter_tensor_coalesced) clones its input first: a bucket's
+    fp32 grads, the whole buffer without `overlap_grad_reduce` (one bucket), else Megatron's bucket of
+    max(40 M, 1 M x dp) parameters; dense and expert buffers one after the other, so the larger counts. `grads`:
+    their grad bytes, `dps`: the groups they reduce over. Measured on the wide preset, bf16 + distributed optimizer:
+    a 192 MiB clone of the expert grads (over an expert-dp group of one rank), the update's peak (the profiler's
+    largest live allocation; tools/bench_memory_estimate.py --preset wide -- model.dtype=bfloat16
+    actor.optim.distributed=true). NCCL reduces in place: 0 on CUDA; the replicated optimizer all-reduces in place."""
+    if runtime != "cpu" or not getattr(plan, "distributed", False):
+        return 0.0
+    copies = []
+    for grad_bytes, dp in zip(grads, dps):
+        if not grad_bytes:  # a group of one rank still runs the collective (Megatron 0.16.1 does not skip it)
+            continue
+        if getattr(plan, "overlap_grad_reduce", False):
+            grad_bytes = min(grad_bytes, max(40_000_000, 1_000_000 * dp) * 4.0)  # fp32 main grads
+        copies.append(grad_bytes)
+    return max(copies, default=0.0)
+
+
 def unfused_layer_elements(hf: Mapping[str, Any], layer: int) -> float:
     """Elements per token that decoder layer `layer` saves for its backward on Megatron's local spec, at tp=1 (the
     s^2 probabilities aside). Attribution of what tools/bench_memory_estimate.py counts on the default job's
@@ -555,6 +593,7 @@ def estimate_memory(
             fused_attention=fused_attention,
         ),
         buffers=attention_buffer_bytes(hf, tp, buffer_batch, seq_len, dtype_bytes, fused_attention, runtime),
+        grad_reduce_copy=grad_reduce_copy_bytes(plan, (dense.grads, expert.grads), (dp * cp, edp), runtime),
         overhead=overhead,
         dp=dp,
         expert_dp=edp,

@@ -53,7 +53,7 @@ def measure(actor: Any, batch: Any, hf: dict[str, Any], seq_len: int, dry: bool)
         measured["activations"] = peak - before
     # on the device only: the offloaded optimizer share and a host-placed reference are host memory
     estimate = {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer, "reference": est.reference,
-                "buffers": est.buffers, "activations": est.activations}  # fmt: skip
+                "buffers": est.buffers, "activations": est.working}  # fmt: skip
     terms = {t: {"estimate": estimate[t], "measured": measured[t],
                  "ratio": round(estimate[t] / measured[t], 3) if measured[t] else None} for t in TERMS}  # fmt: skip
     total = sum(estimate.values())
