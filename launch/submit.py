@@ -191,7 +191,10 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
             f"memory per rank (estimate, host memory; micro_batch={_micro_batch(cfg, cfg.actor)}, "
             f"seq={cfg.model.max_sequence_length}, the local spec's attention):"
         )
-        report.lines.append(actor_estimate(cfg).describe())
+        try:
+            report.lines.append(actor_estimate(cfg).describe())
+        except ValueError as err:  # the model's config.json refused by its family (UnsupportedModel, LayoutError)
+            raise SubmitError(f"model error: {err}") from None
         return report
     if gpus == 0:
         raise SubmitError(f"trainer.runtime=cuda needs GPUs, but --nodes {nodes} x --gpus-per-node 0 gives none")

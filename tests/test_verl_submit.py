@@ -52,13 +52,23 @@ def dry_run(
 SGLANG = "actor_rollout_ref.rollout.name=sglang"
 
 
-def test_a_vllm_script_is_refused_on_gpus_until_the_vllm_push_exists(world) -> None:
-    """verl's scripts name vLLM; its GPU weight push is not written, so the dry run says so instead of passing a run
-    that would fail at its first push."""
+def test_verls_vllm_quickstart_passes_the_dry_run_with_vllms_ipc_push(world) -> None:
+    """verl's quickstart names vLLM on one GPU (its hybrid engine: colocated): the dry run passes with vLLM engines,
+    their push by CUDA IPC (vLLM's ipc backend, the tensor transport) and their memory released while the actor
+    trains (vLLM's sleep mode). Was refused while the GPU push into vLLM was not wired."""
     res = dry_run("ppo_quickstart", world)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "actor_rollout_ref.rollout.name='vllm' -> rollout.engine='vllm'" in res.stdout
+    assert "placement=colocated" in res.stdout and "transport=tensor" in res.stdout
+    assert "released while training" in res.stdout and "fits:" in res.stdout
+
+
+def test_verls_vllm_quickstart_is_refused_where_vllms_push_cannot_go(world) -> None:
+    """vLLM's weight-transfer API has no file path: the quickstart with sync.transport=disk is refused before
+    anything starts, naming the key and what vLLM takes."""
+    res = dry_run("ppo_quickstart", world, "sync.transport=disk")
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert "rollout.engine=vllm is invalid with trainer.runtime=cuda" in res.stderr
-    assert "actor_rollout_ref.rollout.name=sglang" in res.stderr
+    assert "sync.transport='disk' is invalid with rollout.engine=vllm on CUDA" in res.stderr
 
 
 def test_the_ppo_quickstart_passes_the_dry_run_on_one_gpu(world) -> None:
@@ -74,9 +84,8 @@ def test_the_ppo_quickstart_passes_the_dry_run_on_one_gpu(world) -> None:
 def test_the_qwen3_30b_megatron_script_passes_with_sglang_engines(world) -> None:
     """verl's Qwen3-30B-A3B script (run_qwen3moe-30b_megatron_96gb.sh: EP 8, dynamic batches of 10240 tokens,
     optimizer state on the host) on 1 x 8 GPUs of 96 GB as its name says, with SGLang engines: its token budget caps a
-    micro-batch at one 10240-token sample, and the engines release their memory while the actor trains (with its vLLM
-    engines it is refused: their GPU push is not written). At 80 GB it does not fit (no recompute: about 50 GiB of
-    activations at 10240 tokens), which the test also checks."""
+    micro-batch at one 10240-token sample, and the engines release their memory while the actor trains. At 80 GB it
+    does not fit (no recompute: about 50 GiB of activations at 10240 tokens), which the test also checks."""
     res = dry_run("grpo_qwen3moe_30b_megatron", world, SGLANG, gpu_memory_gb=96)
     assert res.returncode == 0, res.stderr[-3000:]
     out = res.stdout + res.stderr
@@ -98,7 +107,7 @@ def test_a_command_naming_its_model_is_checked_over_the_schema_defaults(tmp_path
     refused a dense model: 'ep=2 but the model has no experts'), as it does not leak into the run itself."""
     config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 128, "max_position_embeddings": 512}  # fmt: skip
+              "vocab_size": 128, "max_position_embeddings": 512, "rope_theta": 10000.0}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(config))
     res = subprocess.run(
         [sys.executable, SUBMIT, "--nodes", "1", "--gpus-per-node", "0", *SLURM, "--dry-run", "--",
@@ -108,6 +117,22 @@ def test_a_command_naming_its_model_is_checked_over_the_schema_defaults(tmp_path
     assert res.returncode == 0, res.stderr[-3000:]
     assert "composed over mcore_rl/config/'s defaults" in res.stdout
     assert "ep=1" in res.stdout
+
+
+def test_a_cpu_dry_run_of_a_model_its_family_refuses_exits_2_naming_the_field(tmp_path) -> None:
+    """The CPU dry run estimates each rank's memory from the model's Megatron config: a config.json its family refuses
+    (here: no rope_theta) is a user error (exit 2, the field named), not a traceback."""
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 128, "max_position_embeddings": 512}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    res = subprocess.run(
+        [sys.executable, SUBMIT, "--nodes", "1", "--gpus-per-node", "0", *SLURM, "--dry-run", "--",
+         f"model.path={tmp_path}", "trainer.runtime=cpu", "actor.world_size=1"],
+        capture_output=True, text=True, env=default_env(), cwd=REPO, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "rope_theta is missing" in res.stderr
 
 
 def test_a_verl_command_with_an_unknown_key_is_refused_by_the_dry_run_naming_all(world) -> None:
