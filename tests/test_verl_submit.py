@@ -102,18 +102,26 @@ def test_the_dapo_script_is_refused_for_its_context_parallelism(world) -> None:
     assert "actor.layout.cp=8 is not supported" in res.stderr and "expected actor.layout.cp=1" in res.stderr
 
 
-def test_a_command_naming_its_model_is_checked_over_the_schema_defaults(tmp_path) -> None:
-    """A dense model named by model.path: configs/default.yaml's tiny job (EP 2) does not leak into the dry run (it
-    refused a dense model: 'ep=2 but the model has no experts'), as it does not leak into the run itself."""
-    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 128, "max_position_embeddings": 512, "rope_theta": 10000.0}  # fmt: skip
+#: a tiny dense Qwen2 config.json
+TINY_QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+              "max_position_embeddings": 512, "rope_theta": 10000.0}  # fmt: skip
+
+
+def cpu_dry_run_of(tmp_path, config: dict) -> subprocess.CompletedProcess:
+    """`launch/submit.py --dry-run -- model.path=<config> trainer.runtime=cpu actor.world_size=1`."""
     (tmp_path / "config.json").write_text(json.dumps(config))
-    res = subprocess.run(
+    return subprocess.run(
         [sys.executable, SUBMIT, "--nodes", "1", "--gpus-per-node", "0", *SLURM, "--dry-run", "--",
          f"model.path={tmp_path}", "trainer.runtime=cpu", "actor.world_size=1"],
         capture_output=True, text=True, env=default_env(), cwd=REPO, timeout=300,
     )  # fmt: skip
+
+
+def test_a_command_naming_its_model_is_checked_over_the_schema_defaults(tmp_path) -> None:
+    """A dense model named by model.path: configs/default.yaml's tiny job (EP 2) does not leak into the dry run (it
+    refused a dense model: 'ep=2 but the model has no experts'), as it does not leak into the run itself."""
+    res = cpu_dry_run_of(tmp_path, TINY_QWEN2)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "composed over mcore_rl/config/'s defaults" in res.stdout
     assert "ep=1" in res.stdout
@@ -122,15 +130,7 @@ def test_a_command_naming_its_model_is_checked_over_the_schema_defaults(tmp_path
 def test_a_cpu_dry_run_of_a_model_its_family_refuses_exits_2_naming_the_field(tmp_path) -> None:
     """The CPU dry run estimates each rank's memory from the model's Megatron config: a config.json its family refuses
     (here: no rope_theta) is a user error (exit 2, the field named), not a traceback."""
-    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64,
-              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "vocab_size": 128, "max_position_embeddings": 512}  # fmt: skip
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    res = subprocess.run(
-        [sys.executable, SUBMIT, "--nodes", "1", "--gpus-per-node", "0", *SLURM, "--dry-run", "--",
-         f"model.path={tmp_path}", "trainer.runtime=cpu", "actor.world_size=1"],
-        capture_output=True, text=True, env=default_env(), cwd=REPO, timeout=300,
-    )  # fmt: skip
+    res = cpu_dry_run_of(tmp_path, {k: v for k, v in TINY_QWEN2.items() if k != "rope_theta"})
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert "rope_theta is missing" in res.stderr
 
