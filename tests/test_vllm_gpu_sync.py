@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from mcore_rl.controller.gpu_plan import transport_problem
-from mcore_rl.controller.weight_sync import SyncError, check_vllm_streams, push_pause_mode
+from mcore_rl.controller.weight_sync import SyncError, check_vllm_streams, one_sync_leader, push_pause_mode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIDE = os.path.join(ROOT, "tests", "_vllm_nccl_side.py")
@@ -136,7 +136,9 @@ def _wired_rank(rank: int, world: int, hf: dict, bucket_bytes: int, urls: list[s
     actor = MegatronActor(rank, world, ModelConfig(hf_config=hf),
                           ActorConfig(world_size=world, layout=LayoutConfig(), use_ref=False))  # fmt: skip
     actor.initialize(("127.0.0.1", 0))
-    actor.sync_plan({"num_engines": len(urls)}, bucket_bytes, "full", False)
+    # the plan as WeightSync asks for it on CUDA (one leader: vLLM's one group)
+    actor.sync_plan({"num_engines": len(urls)}, bucket_bytes, "full", False, one_sync_leader("vllm", "cuda",
+                                                                                            "distributed"))  # fmt: skip
     actor._sender().vllm_connect = {"connect": gloo_connect, "mint_id": gloo_mint_id}
 
     def reference() -> dict[str, torch.Tensor]:
@@ -314,16 +316,17 @@ def test_what_vllm_on_cuda_cannot_run_is_refused_naming_the_keys(over: dict, wor
         assert word in problem, problem
 
 
-def test_a_moe_over_several_actor_ranks_is_refused_before_anything_starts() -> None:
-    """The planner spreads a stage's dense and expert streams over two ranks (the test above: one rank, one leader);
-    vLLM's one group cannot take both, so the run is refused from its config (exit 2), not at the first push."""
+def test_a_moe_over_several_actor_ranks_is_no_longer_refused() -> None:
+    """The plan puts a stage's dense and expert streams on one leader for vLLM's one group (issue 29:
+    tests/test_vllm_one_leader.py checks the plan, the dry run and the ranks); it was refused from its config.
+    Pipeline stages and EP ranks still cannot share a sender."""
     moe = {"model_type": "qwen3_moe", "num_experts": 4}
-    problem = transport_problem(_cfg(**{"actor.world_size": 2, "model.hf_config": moe}))
-    assert problem is not None and "actor.world_size=2 with a MoE model" in problem and "expected" in problem
-    assert transport_problem(_cfg(**{"actor.world_size": 1, "model.hf_config": moe})) is None
-    assert transport_problem(_cfg(**{"actor.world_size": 2, "model.hf_config": {"model_type": "qwen3"}})) is None
-    colocated = {"actor.world_size": 2, "model.hf_config": moe, "trainer.placement": "colocated"}
-    assert transport_problem(_cfg(**colocated, **{"sync.transport": "tensor"})) is None  # IPC: no broadcast group
+    for world, tp in [(2, 1), (2, 2), (8, 4)]:
+        over = {"actor.world_size": world, "actor.layout.tp": tp, "model.hf_config": moe}
+        assert transport_problem(_cfg(**over)) is None
+    for key in ("actor.layout.pp", "actor.layout.ep"):
+        problem = transport_problem(_cfg(**{"actor.world_size": 2, key: 2, "model.hf_config": moe}))
+        assert problem is not None and f"{key}=2" in problem
 
 
 def test_a_plan_whose_streams_have_two_leaders_is_refused_for_vllms_one_group() -> None:

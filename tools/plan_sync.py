@@ -3,11 +3,15 @@
     python tools/plan_sync.py --recipe qwen3_235b_a22b_32n --actor-nodes 8 --engine-nodes 8 --engine-tp 8 --engine-ep 8
     python tools/plan_sync.py --recipe deepseek_v3_671b_32n --engine-tp 32 --engine-ep 32 --dp-attention 4
     python tools/plan_sync.py --recipe ... --mode shard_aware --bandwidths sweep.json   # from nccl_diag.py sweep --json
+    python tools/plan_sync.py --recipe ... --engine-nodes 1 --one-leader    # every stream from one rank (vLLM)
 
 The real plan (resharding/sync/plan.py) is built from the recipe's model on the meta device (no weights, no ranks)
 for the recipe's actor layout (`--actor-nodes` x `--gpus-per-node` ranks; `actor.layout` and `actor.world_size`
 may be overridden with `--set key=value` as on the train command line) and the engine layout. Engines sit on
-`--engine-nodes` separate nodes (split placement) or, with 0, on the actor's GPUs (colocated).
+`--engine-nodes` separate nodes (split placement) or, with 0, on the actor's GPUs (colocated). Stream leaders
+are spread over the actor ranks, or all on one rank where the run puts them there (rollout.engine=vllm,
+trainer.runtime=cuda, sync.transport=distributed: vLLM's one NCCL weight-transfer group; controller/weight_sync.py
+one_sync_leader), or as `--one-leader` / `--no-one-leader` say.
 
 Checked: coverage (every byte each engine rank needs arrives exactly once; nothing else arrives; tensors an engine must
 receive together share a bucket). Printed, per mode:
@@ -63,12 +67,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=2048)
     parser.add_argument("--bandwidths", default=None, help="a tools/nccl_diag.py sweep --json file")
     parser.add_argument("--set", action="append", default=[], help="config override, e.g. actor.layout.pp=2")
+    parser.add_argument(
+        "--one-leader", action=argparse.BooleanOptionalAction, default=None,
+        help="every stream from one actor rank (default: as the run; on for vLLM's NCCL backend)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         cfg = compose(args.recipe, args.set)
     except Exception as err:  # noqa: BLE001 (Hydra and config errors are all bad input here)
         parser.error(f"--recipe {args.recipe}: {err}")
+    from mcore_rl.controller.weight_sync import one_sync_leader
     from mcore_rl.resharding.sync.plan import EngineLayout, PlanError, build_plan
+
+    one_leader = args.one_leader
+    if one_leader is None:  # as the run's ranks plan it
+        one_leader = one_sync_leader(cfg.rollout.engine, cfg.trainer.runtime, cfg.sync.transport)
 
     layout = cfg.actor.layout.to_layout()
     actor_world = cfg.actor.world_size if args.actor_nodes is None else args.actor_nodes * args.gpus_per_node
@@ -101,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 rules=family.engine_shards, receive_together=family.engine_receive_together,
                 bucket_bytes=args.bucket_mb << 20, mode=mode,
                 num_experts=shape.num_experts, num_kv_heads=shape.num_query_groups,
-                num_heads=shape.num_attention_heads,
+                num_heads=shape.num_attention_heads, one_leader=one_leader,
             )  # fmt: skip
         except PlanError as err:
             print(f"error: {err}", file=sys.stderr)
@@ -113,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         per_gpu, sender = max(loads["received"].values()) / 1e9, max(loads["sent"].values()) / 1e9
         nvlink, ib = loads["by_class"]["nvlink"] / 1e9, loads["by_class"]["ib"] / 1e9
         print(
-            f"[{mode}] {len(plan.streams)} streams, {len(plan.buckets)} buckets, model {gb:.1f} GB; per engine GPU "
+            f"[{mode}] {len(plan.streams)} streams from {len({s.leader for s in plan.streams})} leader rank(s), "
+            f"{len(plan.buckets)} buckets, model {gb:.1f} GB; per engine GPU "
             f"{per_gpu:.1f} GB; busiest sender {sender:.1f} GB; links: NVLink {nvlink:.0f} GB, IB {ib:.0f} GB in all; "
             f"phases: gather {p['gather_s']:.2f} s, send {p['send_s']:.2f} s, receive {p['receive_s']:.2f} s; "
             f"planned in {time.perf_counter() - t0:.1f} s"

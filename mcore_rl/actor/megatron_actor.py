@@ -447,9 +447,11 @@ class MegatronActor:
             self._sync = SyncSender(self)
         return self._sync
 
-    def sync_plan(self, engines: dict[str, int], bucket_bytes: int, mode: str, fp8: bool = False) -> str:
+    def sync_plan(
+        self, engines: dict[str, int], bucket_bytes: int, mode: str, fp8: bool = False, one_leader: bool = False
+    ) -> str:
         """Compute the weight-sync plan (collective); returns its digest (see actor/sync_sender.py)."""
-        return self._sender().plan(engines, bucket_bytes, mode, fp8)
+        return self._sender().plan(engines, bucket_bytes, mode, fp8, one_leader)
 
     def sync_summary(self) -> dict[str, Any]:
         return self._sender().summary()

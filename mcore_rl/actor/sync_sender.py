@@ -39,8 +39,11 @@ class SyncSender:
         #: `connect` / `mint_id` for new_vllm_nccl_group: vLLM's NCCL (empty); a test's stand-in communicator
         self.vllm_connect: dict[str, Any] = {}
 
-    def plan(self, engines: dict[str, int], bucket_bytes: int, mode: str, fp8: bool = False) -> str:
-        """Compute the plan (collective over the actor's world); returns its digest."""
+    def plan(
+        self, engines: dict[str, int], bucket_bytes: int, mode: str, fp8: bool = False, one_leader: bool = False
+    ) -> str:
+        """Compute the plan (collective over the actor's world); returns its digest. `one_leader`: every stream from
+        one rank (controller/weight_sync.py one_sync_leader: vLLM's one NCCL group)."""
         a = self.actor
         coords = a.layout.coords(a.rank, a.world_size)
         mine = local_sources(a.chunks, a.contexts, a.weight_map, coords.pp_rank, a.pg.tp.size(), a.pg.expt_tp.size())
@@ -60,6 +63,7 @@ class SyncSender:
             num_kv_heads=a.spec.family.shape(hf).num_query_groups,
             num_heads=a.spec.family.shape(hf).num_attention_heads,
             fp8_targets=a.spec.family.fp8_targets if fp8 else None,
+            one_leader=one_leader,
         )
         groups = {
             "tp": a.pg.tp if a.pg.tp.size() > 1 else None,

@@ -227,8 +227,9 @@ def transport_problem(cfg: Any) -> str | None:
 def _vllm_problem(cfg: Any) -> str | None:
     """What of rollout.engine=vllm on CUDA cannot run (docs/vllm.md, On GPUs), or None; the placement rules below
     apply as for any engine. Split engines take vLLM's own `nccl` backend: the stream leader is rank 0 of the one
-    transfer group each vLLM worker holds, so the plan must have one leader (one pipeline stage, one EP rank;
-    controller/weight_sync.py check_vllm_streams). Colocated engines take its `ipc` backend (the tensor transport).
+    transfer group each vLLM worker holds, so the plan puts every stream on one leader (controller/weight_sync.py
+    one_sync_leader), which needs one pipeline stage and one EP rank (every rank then holds a shard of every stream,
+    a MoE's dense and expert ones too). Colocated engines take its `ipc` backend (the tensor transport).
     Both load each bucket as it arrives, so the engine must be paused during a push."""
     transport = cfg.sync.transport
     if transport == "disk":
@@ -245,15 +246,6 @@ def _vllm_problem(cfg: Any) -> str | None:
             "leader, but a vLLM worker holds one NCCL weight-transfer group, with one sender; expected "
             "actor.layout.pp=1 and actor.layout.ep=1 (or rollout.engine=sglang, which joins one group per stream)"
         )
-    if cfg.trainer.placement == "split" and transport == "distributed" and cfg.actor.world_size > 1 and _moe(cfg):
-        # the planner gives a stage's dense and expert streams to two ranks (its leaders spread, to send in
-        # parallel); they cannot both be rank 0 of vLLM's one group (controller/weight_sync.py check_vllm_streams)
-        return (
-            f"actor.world_size={cfg.actor.world_size} with a MoE model is invalid with rollout.engine=vllm and "
-            "trainer.placement=split on CUDA: the sync plan sends the dense and the expert tensors from two actor "
-            "ranks, but a vLLM worker holds one NCCL weight-transfer group, with one sender; expected "
-            "actor.world_size=1, a dense model, trainer.placement=colocated, or rollout.engine=sglang"
-        )
     if cfg.sync.pause_mode == "none":
         return (
             "sync.pause_mode='none' is invalid with rollout.engine=vllm on CUDA: vLLM's NCCL and IPC backends load "
@@ -261,24 +253,6 @@ def _vllm_problem(cfg: Any) -> str | None:
             "generate during a push; expected auto (abort), abort, retract or in_place"
         )
     return None
-
-
-def _moe(cfg: Any) -> bool:
-    """Whether the model has routed experts (its HF config: model.path's config.json, else model.hf_config; the keys
-    models/estimate.py reads). False where it cannot be read: the config's own validation names that."""
-    import json
-    import os
-
-    hf = cfg.model.hf_config or {}
-    if cfg.model.path:
-        try:
-            with open(os.path.join(cfg.model.path, "config.json")) as f:
-                hf = json.load(f)
-        except (OSError, ValueError):
-            return False
-    if not isinstance(hf, dict):
-        hf = dict(hf)
-    return bool(hf.get("n_routed_experts") or hf.get("num_experts") or hf.get("num_local_experts"))
 
 
 def check_transport(cfg: Any) -> None:

@@ -91,7 +91,9 @@ def build_run_plan(
     cfg: Any, hf: dict, engines: EngineLayout | None = None, inventory: tuple | None = None, **overrides: Any
 ) -> Any:
     """The sync plan the run's actor ranks will compute (SyncSender.plan), from the meta model (or `inventory`, a
-    meta_inventory result to reuse); `overrides` replace build_plan's arguments (another bucket size, mode, ...)."""
+    meta_inventory result to reuse); `overrides` replace build_plan's arguments (another bucket size, mode, ...).
+    One leader for every stream where the run's WeightSync asks the ranks for it (weight_sync.one_sync_leader)."""
+    from mcore_rl.controller.weight_sync import one_sync_leader
     from mcore_rl.resharding.sync.plan import build_plan
 
     layout = cfg.actor.layout.to_layout()
@@ -110,13 +112,14 @@ def build_run_plan(
         num_kv_heads=shape.num_query_groups,
         num_heads=shape.num_attention_heads,
         fp8_targets=family.fp8_targets if cfg.sync.fp8 else None,
+        one_leader=one_sync_leader(cfg.rollout.engine, cfg.trainer.runtime, cfg.sync.transport),
     )
     return build_plan(sources, **{**args, **overrides})
 
 
 def check_sync(cfg: Any, hf: dict, gpus_per_node: int, bandwidths: dict[str, float] | None = None) -> SyncCheck:
     """The run's sync plan, checked (module docstring); RecipeError naming the key when it would fail at run time."""
-    from mcore_rl.controller.weight_sync import SyncError, update_groups_per_engine_gpu
+    from mcore_rl.controller.weight_sync import SyncError, one_sync_leader, update_groups_per_engine_gpu
     from mcore_rl.models.base import get_family
     from mcore_rl.resharding.sync.forecast import DEFAULT_BW, link_loads, predict
     from mcore_rl.resharding.sync.plan import PlanError
@@ -148,8 +151,12 @@ def check_sync(cfg: Any, hf: dict, gpus_per_node: int, bandwidths: dict[str, flo
     p = predict(plan, loads, bw, engine_nodes, max(1, gpus_per_node))
     oversized = [b for b in plan.buckets if b.nbytes > plan.bucket_bytes]
     extra = 2 * plan.max_bucket_bytes + plan.largest_tensor_bytes
+    leaders = len({s.leader for s in plan.streams})
+    one_leader = one_sync_leader(cfg.rollout.engine, cfg.trainer.runtime, cfg.sync.transport)
+    one = " (all on one: vLLM's one NCCL weight-transfer group)" if one_leader else ""
     lines = (
-        f"sync plan: {len(plan.streams)} streams, {len(plan.buckets)} buckets, {plan.nbytes / 1e9:.1f} GB per push "
+        f"sync plan: {len(plan.streams)} streams from {leaders} leader rank(s){one}, {len(plan.buckets)} buckets, "
+        f"{plan.nbytes / 1e9:.1f} GB per push "
         f"(mode={plan.mode}, transport={cfg.sync.transport}, engines {engines.num_engines} x tp{engines.tp} "
         f"ep{engines.ep} dp-attn{engines.dp_attention}); coverage ok",
         f"  buckets: sync.bucket_bytes={plan.bucket_bytes / GIB:.2f} GiB; largest {plan.max_bucket_bytes / GIB:.2f} GiB"

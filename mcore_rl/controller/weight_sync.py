@@ -86,7 +86,8 @@ class WeightSync:
         self.step: int | None = None  #: the training step whose weights are pushed next (weights_changing)
         self.last_stats: list[dict[str, Any]] = []
         self._lock = threading.RLock()
-        digests = set(actor.call("sync_plan", asdict(self.layout), cfg.bucket_bytes, cfg.mode, cfg.fp8))
+        one_leader = one_sync_leader(rollout.engine, runtime, cfg.transport)  # as the dry run's plan
+        digests = set(actor.call("sync_plan", asdict(self.layout), cfg.bucket_bytes, cfg.mode, cfg.fp8, one_leader))
         if len(digests) != 1:
             raise SyncError(f"actor ranks computed different sync plans (digests {sorted(digests)})")
         self.digest = digests.pop()
@@ -317,18 +318,25 @@ def push_pause_mode(cfg: SyncConfig, engine: str, runtime: str) -> str:
     return mode
 
 
+def one_sync_leader(engine: str, runtime: str, transport: str) -> bool:
+    """Whether every stream of the sync plan must leave from one actor rank (build_plan's `one_leader`): vLLM's NCCL
+    weight-transfer backend (split vLLM on CUDA, the distributed transport), whose worker holds one group with one
+    sender. The ranks' plan (WeightSync) and the dry run's (recipe_check.build_run_plan) both ask this: they agree."""
+    return update_group_backend(engine, runtime) == "vllm_nccl" and transport == "distributed"
+
+
 def check_vllm_streams(summary: dict[str, Any]) -> None:
     """SyncError unless every stream of the plan has one leader: vLLM's NCCL worker holds one transfer group, whose
-    rank 0 (the sender of every broadcast) is that leader. gpu_plan.transport_problem refuses the layouts that give
-    several leaders before anything starts (actor pp > 1, ep > 1; a MoE over several actor ranks, whose dense and
-    expert streams the planner spreads); this is the guard for any plan that still has them."""
+    rank 0 (the sender of every broadcast) is that leader. The plan is built with one leader there (`one_sync_leader`)
+    and gpu_plan.transport_problem refuses the layouts that cannot have one (actor pp > 1, ep > 1) before anything
+    starts; this is the guard for any plan that still has several."""
     leaders = sorted(set(summary.get("stream_leaders") or [0]))
     if len(leaders) > 1:
         streams = dict(zip(summary["stream_names"], summary["stream_leaders"]))
         raise SyncError(
             f"rollout.engine=vllm on CUDA: the sync plan's streams {streams} (stream -> actor rank) have "
             f"{len(leaders)} leaders, but vLLM's NCCL weight-transfer worker holds one group with one sender; "
-            "expected one leader (actor.layout.pp=1 and ep=1, and a dense model or actor.world_size=1; "
+            "expected one leader (a plan built with one_leader, at actor.layout.pp=1 and ep=1; "
             "gpu_plan.transport_problem refuses the others before anything starts)"
         )
 

@@ -5,7 +5,8 @@ sources (inventory.py) -> streams: one per (pipeline stage, dense | EP rank); it
                                    gathers (dense: the tp ranks of one dp/cp replica; experts: the etp ranks of one
                                    edp replica of the owning EP rank)
                        -> leaders: spread over the ranks that hold each stream (any replica, any rank of the
-                                   group), largest stream first, each to the rank that sends the fewest bytes so far
+                                   group), largest stream first, each to the rank that sends the fewest bytes so far;
+                                   one_leader (vLLM's one NCCL group on CUDA): all on the lowest rank holding them all
                        -> buckets: each stream's HF tensors packed back to back (4-byte dtypes first, so every offset
                                    is aligned: SGLang's receiving FlattenedTensorBucket requires it) up to bucket_bytes;
                                    tensors an engine must receive together (the family's ReceiveTogether groups) are
@@ -312,12 +313,15 @@ def build_plan(
     num_heads: int = 0,
     fp8_targets: re.Pattern | None = None,
     receive_together: tuple[ReceiveTogether, ...] = (),
+    one_leader: bool = False,
 ) -> SyncPlan:
     """The plan (see the module docstring). PlanError when the engine layout does not divide the model, a
     receive-together group spans two streams, `bucket_bytes` is not positive or a mode is unknown. With
     `fp8_targets`, the HF tensors it matches (2-D) travel as 128x128-blockwise e4m3 plus a float32
     `<name>_scale_inv` (the family's FP8 release layout). `receive_together`: the family's groups of HF tensors an
-    engine must receive in one bucket (ModelFamily.engine_receive_together)."""
+    engine must receive in one bucket (ModelFamily.engine_receive_together). `one_leader`: every stream leaves from
+    one rank (vLLM's NCCL weight-transfer group has one sender; `_place_streams`), PlanError when no rank holds them
+    all (actor pp > 1 or ep > 1); buckets and bytes are the same as without."""
     if mode not in MODES:
         raise PlanError(f"sync mode {mode!r} is invalid: expected one of {MODES}")
     if bucket_bytes < 1:
@@ -327,7 +331,7 @@ def build_plan(
     for s in sources:
         key = (s.pp_rank, s.ep_rank)
         stream_bytes[key] = stream_bytes.get(key, 0) + s.hf_bytes
-    streams = _place_streams(list(stream_bytes), stream_bytes, actor_layout, world_size)
+    streams = _place_streams(list(stream_bytes), stream_bytes, actor_layout, world_size, one_leader)
     buckets: list[Bucket] = []
     for key, stream in streams.items():
         members = [(i, s) for i, s in enumerate(sources) if (s.pp_rank, s.ep_rank) == key]
@@ -409,18 +413,20 @@ def _place_streams(
     stream_bytes: dict[tuple[int, int | None], int],
     layout,  # noqa: ANN001
     world_size: int,
+    one_leader: bool = False,
 ) -> dict[tuple[int, int | None], Stream]:
     """A group and a leader for every (pp stage, EP rank | None) stream. Candidates: the TP group of every dp/cp
     replica of the stage (dense), the ETP group of every edp replica of the EP owner (experts); they all hold the same
     weights. Largest stream first, the leader is the candidate rank with the fewest bytes to send so far (ties: the
-    lowest rank), so leaders spread and their sends run in parallel."""
+    lowest rank), so leaders spread and their sends run in parallel. `one_leader`: the lowest rank that is a
+    candidate of every stream leads them all (with pp=1 and ep=1 every rank holds a shard of every stream), each
+    stream's group the one that rank is in; PlanError naming the streams when no rank is."""
     coords = [layout.coords(r, world_size) for r in range(world_size)]
     by_stage: dict[int, list[Any]] = {}
     for c in coords:
         by_stage.setdefault(c.pp_rank, []).append(c)
-    load = [0] * world_size
-    chosen: dict[tuple[int, int | None], tuple[int, tuple[int, ...]]] = {}
-    for _, _, key in sorted((-stream_bytes[k], i, k) for i, k in enumerate(keys)):  # i is unique: k never compared
+    candidates: dict[tuple[int, int | None], list[tuple[int, ...]]] = {}  # each stream's gather groups
+    for key in keys:
         pp_rank, ep_rank = key
         replicas: dict[tuple[int, ...], list[int]] = {}
         for c in by_stage[pp_rank]:
@@ -429,7 +435,27 @@ def _place_streams(
             elif c.ep_rank == ep_rank:
                 replicas.setdefault((c.edp_rank,), []).append(c.rank)
         axis = "tp_rank" if ep_rank is None else "etp_rank"
-        groups = [tuple(sorted(g, key=lambda r: getattr(coords[r], axis))) for _, g in sorted(replicas.items())]
+        candidates[key] = [
+            tuple(sorted(g, key=lambda r: getattr(coords[r], axis))) for _, g in sorted(replicas.items())
+        ]
+    chosen: dict[tuple[int, int | None], tuple[int, tuple[int, ...]]] = {}
+    if one_leader:
+        common = set(range(world_size))
+        for groups in candidates.values():
+            common &= {r for g in groups for r in g}
+        if not common:
+            names = [_stream_name(k) for k in keys]
+            raise PlanError(
+                f"one sync leader asked for (vLLM's one NCCL weight-transfer group), but no actor rank holds every "
+                f"stream of {names} (pipeline stages and EP ranks hold different weights): expected actor.layout.pp=1 "
+                f"and actor.layout.ep=1"
+            )
+        leader = min(common)
+        chosen = {key: (leader, next(g for g in groups if leader in g)) for key, groups in candidates.items()}
+    load = [0] * world_size
+    for _, _, key in [] if one_leader else sorted((-stream_bytes[k], i, k) for i, k in enumerate(keys)):
+        # i is unique: k is never compared
+        groups = candidates[key]
         leader, group = min(((r, g) for g in groups for r in g), key=lambda rg: (load[rg[0]], rg[0]))
         load[leader] += stream_bytes[key]
         chosen[key] = (leader, group)
@@ -437,9 +463,14 @@ def _place_streams(
     for index, key in enumerate(keys):
         pp_rank, ep_rank = key
         leader, group = chosen[key]
-        name = f"pp{pp_rank}-dense" if ep_rank is None else f"pp{pp_rank}-ep{ep_rank}"
-        streams[key] = Stream(index, pp_rank, ep_rank, leader, group, name)
+        streams[key] = Stream(index, pp_rank, ep_rank, leader, group, _stream_name(key))
     return streams
+
+
+def _stream_name(key: tuple[int, int | None]) -> str:
+    """The broadcast group's name of stream (pp stage, EP rank | None)."""
+    pp_rank, ep_rank = key
+    return f"pp{pp_rank}-dense" if ep_rank is None else f"pp{pp_rank}-ep{ep_rank}"
 
 
 def _bucket(
