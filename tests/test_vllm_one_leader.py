@@ -16,6 +16,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from tiny_models import tiny_qwen3_moe
 
 from mcore_rl.controller.weight_sync import one_sync_leader
@@ -137,6 +138,8 @@ def _weight_sync_rank(rank: int, world: int, over: dict) -> dict[str, Any]:
     runs here, collectively with the other rank's) and the engine pool (one engine answering /model_info)."""
     from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.controller import weight_sync
+    from mcore_rl.resharding.sync.transports import InProcessTransport
+    from mcore_rl.resharding.weight_map import export_hf_weights
 
     cfg = vllm_cfg(**over)
     actor = MegatronActor(rank, world, cfg.model, cfg.actor)
@@ -151,15 +154,29 @@ def _weight_sync_rank(rank: int, world: int, over: dict) -> dict[str, Any]:
         urls=["http://engine"], replace=lambda url, why: None,
     )  # fmt: skip
     ws = weight_sync.WeightSync(group, pool, cfg.sync, cfg.rollout, cfg.trainer.runtime, "/nonexistent", model=MOE)
-    plan = actor._sender().plan_
-    return {"digest": ws.digest, "leaders": ws.summary["stream_leaders"], "plan": plan}
+    sender = actor._sender()
+    delivered: dict[str, torch.Tensor] = {}
+
+    def receive(stream: Any, bucket: Any, buffer: torch.Tensor) -> None:
+        for e in bucket.entries:
+            assert e.name not in delivered, f"{e.name} arrived twice"
+            delivered[e.name] = (
+                buffer[e.offset : e.offset + e.nbytes].view(getattr(torch, e.dtype)).view(e.shape).clone()
+            )
+
+    stats = sender.executor.run(InProcessTransport(receive))  # each rank's part: gather, and the leader packs
+    reference = export_hf_weights(actor.chunks, actor.contexts, actor.weight_map, actor.pg.tp, actor.pg.expt_tp)
+    return {"digest": ws.digest, "leaders": ws.summary["stream_leaders"], "plan": sender.plan_, "delivered": delivered,
+            "reference": {n: t.clone() for n, t in reference}, "peak": stats.peak_extra_bytes}  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_the_ranks_plan_for_vllm_has_one_leader_and_is_the_dry_runs(plans, layout: str) -> None:
     """WeightSync asks the real ranks for their plan with one leader (before: two leaders, and its own guard,
-    check_vllm_streams, refused the run at start); the ranks' plan is the dry run's, byte for byte (same digest)."""
+    check_vllm_streams, refused the run at start); the ranks' plan is the dry run's, byte for byte (same digest); run
+    through the in-process transport, rank 0 sends every tensor bit exact (at tp=2 gathered from both ranks) within
+    the sender's memory the dry run prints, and rank 1 sends none."""
     ranks = run_on_ranks(_weight_sync_rank, 2, (LAYOUTS[layout],))
     assert ranks[0]["digest"] == ranks[1]["digest"]
     assert ranks[0]["leaders"] == [0, 0]
@@ -169,6 +186,11 @@ def test_the_ranks_plan_for_vllm_has_one_leader_and_is_the_dry_runs(plans, layou
     ]
     assert ranks[0]["plan"].buckets == dry.buckets
     assert ranks[0]["digest"] == dry.digest()
+    reference = ranks[0]["reference"]
+    assert ranks[1]["delivered"] == {} and sorted(ranks[0]["delivered"]) == sorted(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(ranks[0]["delivered"][name], tensor), name
+    assert ranks[0]["peak"] <= 2 * dry.max_bucket_bytes + dry.largest_tensor_bytes
 
 
 def test_plan_sync_puts_the_streams_on_one_leader_as_the_run_would() -> None:
