@@ -61,7 +61,7 @@ setup(
         # The tested set is constraints-gpu.txt (pip install -c constraints-gpu.txt -e '.[gpu]'): SGLang 0.5.23 pins
         # torch, transformers and tokenizers exactly; megatron-core 0.16.1 bounds Transformer Engine to <2.12.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "sglang==0.5.23"],
-        # pytest-xdist: `make test` runs the suite on two workers (tests/conftest.py keeps files and shared state whole).
+        # pytest-xdist: `make test` runs the suite on two workers (tests/conftest.py keeps files, shared state whole).
         # msgspec: SGLang's api_types.py (fetched by `make setup`, see tools/fetch_sglang_contract.py) needs it.
         # triton: tests run the Triton kernels on CPU under TRITON_INTERPRET=1. It depends on nothing (torch stays as
         # the Makefile pinned it); a CUDA torch already pins its own triton, which satisfies this. Wheels: Linux only.

@@ -80,7 +80,7 @@ def test_real_torch_dist_metadata_still_reads(tmp_path: Path) -> None:
 
 
 def test_megatron_load_is_preceded_by_the_metadata_check(tmp_path: Path) -> None:
-    """Megatron's loader (torch's FileSystemReader) unpickles .metadata freely: the actor's load path checks it first."""
+    """Megatron's loader (torch's FileSystemReader) unpickles .metadata freely: the actor's load checks it first."""
     from mcore_rl.resharding.dist_ckpt import load_model_chunks
 
     marker = tmp_path / "ran"

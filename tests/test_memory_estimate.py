@@ -18,19 +18,21 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+#: configs/default.yaml's model
 MODEL = dict(
     model_type="qwen3_moe", vocab_size=63, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
     num_experts_per_tok=2, norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=512,
     tie_word_embeddings=False,
-)  # fmt: skip  (configs/default.yaml's model)
+)  # fmt: skip
+#: tools/gpu_smoke's --dry-cpu DeepSeek-V3 shape
 DSV3 = dict(
     model_type="deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
     num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
     num_experts_per_tok=2, n_group=1, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
     max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
-)  # fmt: skip  (tools/gpu_smoke's --dry-cpu DeepSeek-V3 shape)
+)  # fmt: skip
 
 
 def _rank(rank: int, world_size: int, hf: dict, dtype: str, distributed: bool, micro_batch: int, seq_len: int) -> dict:

@@ -485,7 +485,7 @@ class MegatronActor:
         return self._sender().send(
             version, transport, engine_urls, api_key, disk_dir, ranks_per_engine, timeout_s, keep_buffers, colocation,
             engine,
-        )
+        )  # fmt: skip
 
     def offload(self) -> dict[str, int]:
         """Colocated placement: training state to host memory while the engines generate (actor/offload.py)."""
