@@ -84,8 +84,9 @@ def new_update_group(
     return UpdateGroup(group_name, rank, world_size, backend, group, store)
 
 
-#: the store keys a vLLM-NCCL leader publishes for the vLLM dialect (under "mcore_rl_vllm/{group_name}/")
-VLLM_NCCL_KEYS = ("unique_id", "packed_buffer_size_bytes")
+def _vllm_nccl_key(group_name: str, key: str) -> str:
+    """A store key a vLLM-NCCL leader publishes for the vLLM dialect: unique_id | packed_buffer_size_bytes."""
+    return f"mcore_rl_vllm/{group_name}/{key}"
 
 
 def new_vllm_nccl_group(
@@ -122,8 +123,8 @@ def new_vllm_nccl_group(
     # no workers wait on this store: the dialect's reads are its only clients
     store = dist.TCPStore(master_address, master_port, None, True, timeout=timeout, wait_for_workers=False, **fd)
     unique_id = mint_id()
-    store.set(f"mcore_rl_vllm/{group_name}/unique_id", unique_id)
-    store.set(f"mcore_rl_vllm/{group_name}/packed_buffer_size_bytes", str(int(buffer_bytes)))
+    store.set(_vllm_nccl_key(group_name, "unique_id"), unique_id)
+    store.set(_vllm_nccl_key(group_name, "packed_buffer_size_bytes"), str(int(buffer_bytes)))
     sender = connect(unique_id, world_size, device, lambda: None, timeout_s=timeout_s)
     return UpdateGroup(group_name, 0, world_size, "vllm_nccl", sender, store)
 
@@ -134,9 +135,8 @@ def read_vllm_nccl_rendezvous(
     """(unique id, packed_buffer_size_bytes) that the leader of `group_name` published (`new_vllm_nccl_group`);
     waits for them up to `timeout_s` (the leader publishes them as soon as its join starts)."""
     store = dist.TCPStore(master_address, master_port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
-    prefix = f"mcore_rl_vllm/{group_name}/"
-    unique_id = bytes(store.get(prefix + "unique_id"))
-    return unique_id, int(store.get(prefix + "packed_buffer_size_bytes").decode())
+    unique_id = bytes(store.get(_vllm_nccl_key(group_name, "unique_id")))
+    return unique_id, int(store.get(_vllm_nccl_key(group_name, "packed_buffer_size_bytes")).decode())
 
 
 def reserve_port(host: str) -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_vllm_transfer import finish_side, start_side
 
 from mcore_rl.resharding.sync.transports.base import TransportError
 from mcore_rl.resharding.sync.transports.tensor import TensorTransport
@@ -33,8 +34,6 @@ from mcore_rl.rollout.vllm_launcher import (
     pool_placement,
     server_env,
     transfer_backend,
-    vllm_python,
-    vllm_unavailable_reason,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,23 +42,9 @@ IPC_ENV = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 
 
 def run_side(tmp: str, checks: list[str], **inputs: Any) -> dict[str, Any]:
-    """tests/_vllm_colocated_side.py in .venv-vllm for `checks` (its callers hold the `vllm_venv` fixture, which
-    builds it); skip where vLLM is not installed."""
-    reason = vllm_unavailable_reason(VLLMConfig())
-    if reason is not None:
-        pytest.skip(reason)
-    src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
-    with open(src, "w") as f:
-        json.dump(dict(inputs, checks=checks), f)
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", IPC_ENV)}
-    done = subprocess.run([vllm_python(VLLMConfig()), SIDE, src, dst], capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    with open(dst) as f:
-        out = json.load(f)
-    for name in checks:
-        assert "error" not in out[name], f"{name} failed in vLLM's venv:\n{out[name].get('error')}"
-    return out
+    """tests/_vllm_colocated_side.py in .venv-vllm for `checks`, without the IPC serialization switch in its
+    environment (the side sets it itself where a check needs it); its callers hold the `vllm_venv` fixture."""
+    return finish_side(*start_side(tmp, checks, side=SIDE, drop_env=(IPC_ENV,), **inputs), checks)
 
 
 def _argv(cfg: VLLMConfig, device: str, placement: str) -> list[str]:
@@ -244,9 +229,6 @@ def _push(tmp_path, world: int, checks: tuple[str, ...] = ("ipc",)) -> dict[str,
 
     from mcore_rl.parallel.harness import run_on_ranks
 
-    reason = vllm_unavailable_reason(VLLMConfig())
-    if reason is not None:
-        pytest.skip(reason)
     hf = tiny_qwen3_moe(vocab_size=70, initializer_range=0.5, max_position_embeddings=64, num_hidden_layers=2)
     results = run_on_ranks(_ipc_rank, world, (hf, 1 << 15))
     # each stream's leader posts its buckets (with several ranks, the plan spreads the leaders)

@@ -278,17 +278,12 @@ def test_rebuilding_the_group_destroys_the_engines_old_communicator(wired) -> No
 # ---------------------------------------------------------------- refusals before anything starts
 def _cfg(**over: Any) -> Any:
     """A run's config (defaults) with rollout.engine=vllm on CUDA, split, and `over` (dotted keys)."""
+    from _config_keys import set_keys
+
     from mcore_rl.config import RLConfig
 
-    cfg = RLConfig()
     given = {"trainer.runtime": "cuda", "rollout.engine": "vllm", "trainer.placement": "split", **over}
-    for key, value in given.items():
-        *path, leaf = key.split(".")
-        target = cfg
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, leaf, value)
-    return cfg
+    return set_keys(RLConfig(), given)
 
 
 def test_vllm_on_cuda_is_no_longer_refused_where_its_push_is_wired() -> None:

@@ -35,21 +35,16 @@ LAYOUTS = {
 def vllm_cfg(**over: Any) -> Any:
     """A run's config: the tiny MoE over 2 actor ranks, rollout.engine=vllm on CUDA, split, distributed, and `over`
     (dotted keys)."""
+    from _config_keys import set_keys
+
     from mcore_rl.config import RLConfig
 
-    cfg = RLConfig()
     given = {
         "trainer.runtime": "cuda", "rollout.engine": "vllm", "trainer.placement": "split",
         "sync.transport": "distributed", "sync.bucket_bytes": BUCKET, "model.hf_config": MOE,
         "actor.world_size": 2, "actor.use_ref": False, "rollout.num_engines": 1, **over,
     }  # fmt: skip
-    for key, value in given.items():
-        *path, leaf = key.split(".")
-        target = cfg
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, leaf, value)
-    return cfg
+    return set_keys(RLConfig(), given)
 
 
 def _dry_run_plans(rank: int, world: int) -> dict[str, Any]:

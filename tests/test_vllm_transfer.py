@@ -39,14 +39,17 @@ SIDE = os.path.join(ROOT, "tests", "_vllm_transfer_side.py")
 UID = bytes(range(128))
 
 
-def start_side(tmp: str, checks: list[str], **inputs: Any) -> tuple[subprocess.Popen, str]:
-    """Start tests/_vllm_transfer_side.py in .venv-vllm for `checks`: (process, its output file). Its callers hold the
-    `vllm_venv` fixture (tests/conftest.py: vLLM installed, or the test skipped with the reason)."""
+def start_side(
+    tmp: str, checks: list[str], side: str = SIDE, drop_env: tuple[str, ...] = (), **inputs: Any
+) -> tuple[subprocess.Popen, str]:
+    """Start a vLLM side script (`side`: tests/_vllm_transfer_side.py, or _vllm_colocated_side.py) in .venv-vllm for
+    `checks`, without VIRTUAL_ENV and `drop_env`: (process, its output file). Its callers hold the `vllm_venv`
+    fixture (tests/conftest.py: vLLM installed, or the test skipped with the reason)."""
     src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
     with open(src, "w") as f:
         json.dump(dict(inputs, checks=checks), f)
-    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
-    proc = subprocess.Popen([vllm_python(VLLMConfig()), SIDE, src, dst], stderr=subprocess.PIPE, text=True, env=env)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", *drop_env)}
+    proc = subprocess.Popen([vllm_python(VLLMConfig()), side, src, dst], stderr=subprocess.PIPE, text=True, env=env)
     return proc, dst
 
 
