@@ -30,7 +30,9 @@ from mcore_rl.parallel.harness import run_on_ranks
 pytestmark = pytest.mark.slow
 
 MOE = tiny_qwen3_moe(vocab_size=70, initializer_range=0.5, max_position_embeddings=64, num_hidden_layers=3)
-TIMEOUT_S = 30  # a rendezvous that cannot meet fails in this time instead of SGLang's 30 min default
+#: a rendezvous that cannot meet fails in this time, not SGLang's 30 min; 30 s was too short for gloo ranks connecting
+#: under CI load (two workers and a vLLM engine on 2 cores: "Gloo connectFullMesh ... Connect timeout")
+TIMEOUT_S = 120
 
 
 def _sync_rank(rank: int, world: int, urls: list[str], transport: str, layout: dict, version: int):
