@@ -6,6 +6,7 @@ Also the CLI's answers to bad input: each names what is wrong and exits non-zero
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,7 +97,11 @@ def test_default_job_prints_only_its_own_lines(short_default_job):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     own = ("step=", "summary: ", "weights v1 pushed in ", "rollout engines at ", "weight sync: ")
-    assert [line for line in lines if not line.startswith(own)] == []
+    # Ray's raylet says when the disk under its session directory is over 95% full: a true report about the machine
+    # (object spilling would fail), which the user must see, not noise from the job. It is the one foreign line let
+    # through; it decided a CI run on a machine whose disk had filled.
+    machine = re.compile(r"^(\x1b\[\d+m)?\(raylet\)(\x1b\[0m)? .*file_system_monitor\.cc:\d+: \S+ is over \d+% full")
+    assert [line for line in lines if not line.startswith(own) and not machine.match(line)] == []
     assert sum(line.startswith("step=") for line in lines) == 4  # validation at step 0, then 3 steps
 
 
