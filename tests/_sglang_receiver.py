@@ -34,9 +34,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
+import socket
 import sys
-import tempfile
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -66,10 +65,11 @@ class Receiver:
         self.arrivals: dict[str, int] = {}
         self.lock = threading.Lock()
         # SGLang asserts torch.distributed.is_initialized() before joining a group: its ranks have a default group
-        fd, path = tempfile.mkstemp(prefix="sglang-receiver-default-")
-        os.close(fd)
-        os.unlink(path)
-        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+        # (a TCP store: a file store's file outlives a receiver that is killed, as the tests kill them)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
     def init_weights_update_group(self, body: dict) -> dict:
         rank = body["rank_offset"] + self.tp_rank  # WeightUpdater.init_weights_update_group

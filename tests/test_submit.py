@@ -5,8 +5,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,7 @@ def default_env() -> dict[str, str]:
     global _FAKE_BIN
     if _FAKE_BIN is None:
         _FAKE_BIN = tempfile.mkdtemp(prefix="fake_sinfo_")
+        atexit.register(shutil.rmtree, _FAKE_BIN, True)
         path = os.path.join(_FAKE_BIN, "sinfo")
         with open(path, "w") as f:
             f.write("#!/bin/sh\nprintf 'gpu*\\nlocal\\np\\n'\n")

@@ -28,6 +28,7 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -258,6 +259,7 @@ def _run(size_gb: float, bucket_bytes: int, repeats: int, quick: bool, url: str 
         client.close()
         if server is not None:
             server.stop()
+        shutil.rmtree(work, ignore_errors=True)
     return info
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from typing import Any
 
 from mcore_rl.parallel.groups import free_port
@@ -76,7 +78,9 @@ class Router:
         self.host = host
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="mcore_rl_router_")
+        # Without one, a temporary directory that start() creates and stop() removes unless the router logged there.
+        self._own_log_dir = log_dir is None
+        self.log_dir = log_dir or os.path.join(tempfile.gettempdir(), f"mcore_rl_router_{uuid.uuid4().hex[:12]}")
         self.log_path = os.path.join(self.log_dir, f"router-{self.port}.log")
         self.request_timeout_s = request_timeout_s
         self._proc: subprocess.Popen | None = None
@@ -166,7 +170,15 @@ class Router:
             return "(no log)"
 
     def stop(self) -> None:
-        """Terminate the router (its whole process group), then kill it if it lingers."""
+        """Terminate the router (its whole process group), then kill it if it lingers; a temporary log directory goes
+        with it unless the router wrote something there."""
+        try:
+            self._terminate()
+        finally:
+            if self._own_log_dir and not any(os.path.getsize(p) for p in _files(self.log_dir)):
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def _terminate(self) -> None:
         if self._proc is None or self._proc.poll() is not None:
             return
         try:
@@ -177,3 +189,8 @@ class Router:
             self._proc.wait(timeout=10)
         except ProcessLookupError:
             pass
+
+
+def _files(directory: str) -> list[str]:
+    """Every file under `directory` (none when it is gone)."""
+    return [os.path.join(root, name) for root, _, names in os.walk(directory) for name in names]

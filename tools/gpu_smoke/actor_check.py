@@ -108,7 +108,8 @@ def run(rec: Any, dry: bool, family: str) -> None:
     runtime, device = ("cpu", "cpu") if dry else ("cuda", "cuda")
     config = _hf_config("dsv3" if family == "dsv3" else family, dry)
     batch_size, prompt, response = (2, 8, 8) if dry else (8, 64, 192)
-    tmp = tempfile.mkdtemp(prefix="gpu_smoke_")
+    workdir = tempfile.TemporaryDirectory(prefix="gpu_smoke_")  # removed when this check returns or raises
+    tmp = workdir.name
     has_hf = _write_checkpoint(config, tmp)
     rec["spec"] = "transformer_engine" if te_in_use(runtime) else "local"
     model_cfg = ModelConfig(path=tmp if has_hf else None, hf_config={} if has_hf else config, dtype="bfloat16")
