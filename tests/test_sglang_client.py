@@ -86,3 +86,30 @@ def test_versions_of_a_sample_continued_after_an_abort(sglang) -> None:
     assert sample.finish_reason == "length" and len(sample.response_ids) == 5
     assert sample.weight_versions == [(1, 0, 2), (2, 2, 5)]
     assert sample.weight_version == 2
+
+
+def test_retry_back_off_doubles_up_to_its_cap(monkeypatch) -> None:
+    # An engine that is down (nothing listens on the port): every retry waits; the waits double from backoff_s and
+    # stop growing at max_backoff_s. The waits are recorded, not timed.
+    import asyncio
+
+    from mcore_rl.parallel.groups import free_port
+    from mcore_rl.rollout.client import RolloutRequestError
+
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(seconds: float) -> None:
+        waits.append(seconds)
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", recording_sleep)
+    client = RolloutClient(f"http://127.0.0.1:{free_port()}", max_retries=7, backoff_s=0.5, max_backoff_s=4.0)
+    try:
+        with pytest.raises(RolloutRequestError, match="failed after 7 retries"):
+            client.run(client.agenerate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}))
+    finally:
+        client.close()
+    assert [client.retry_delay_s(k) for k in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0]
+    assert len(waits) == 7
+    assert all(base <= wait <= base * 1.1 for wait, base in zip(waits, [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 4.0]))

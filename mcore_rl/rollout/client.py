@@ -6,12 +6,12 @@ controller --generate_samples--> client --POST /generate (per prompt, or batched
 controller --post(url, "/begin_weight_update") ...--> each engine directly (the router proxies no control calls)
 ```
 Requests run concurrently on the client's own event loop thread (aiohttp), bounded by `max_in_flight`. A failed
-/generate (connection refused or reset, timeout, 5xx or 429) is retried with exponential backoff after calling
-`on_failure` (the engine pool uses it to find a dead engine and take it out of the router), up to `max_retries`
-times; a 4xx answer is the request's fault and raises `RolloutRequestError` at once. A sample the engine aborted
-(`finish_reason.type == "abort"`, e.g. a pause in abort mode) is continued: prompt + its tokens so far go out again
-with the remaining token budget, and the pieces are joined (a partial rollout; its weight-version spans say which
-tokens came from which version).
+/generate (connection refused or reset, timeout, 5xx or 429) is retried with exponential backoff (at most
+`max_backoff_s`) after calling `on_failure` (the engine pool uses it to find a dead engine and take it out of the
+router), up to `max_retries` times; a 4xx answer is the request's fault and raises `RolloutRequestError` at once.
+A sample the engine aborted (`finish_reason.type == "abort"`, e.g. a pause in abort mode) is continued: prompt + its
+tokens so far go out again with the remaining token budget, and the pieces are joined (a partial rollout; its
+weight-version spans say which tokens came from which version).
 
 What differs between engine families sits in one small seam, `EngineDialect` (`DIALECTS`, chosen by
 `rollout.engine`): how the n samples of a seeded request are asked for, and where a sample's weight versions come
@@ -151,11 +151,14 @@ class RolloutClient:
         timeout_s: float = 600.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
         max_in_flight: int = 512,
         on_failure: Callable[[], Awaitable[None] | None] | None = None,
         engine: str = "hf",
     ) -> None:
-        """`engine`: the engine family behind `url` (`DIALECTS`)."""
+        """`engine`: the engine family behind `url` (`DIALECTS`). The k-th retry waits backoff_s * 2^(k-1), at most
+        `max_backoff_s` (plus up to 10% jitter): a replacement engine is usually up within seconds, and an uncapped
+        doubling made a run with many retries wait minutes after it was."""
         if engine not in DIALECTS:
             raise ValueError(f"engine {engine!r} is invalid: expected one of {sorted(DIALECTS)}")
         self.dialect = DIALECTS[engine]
@@ -164,6 +167,7 @@ class RolloutClient:
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
         self.max_in_flight = max_in_flight
         self.on_failure = on_failure
         self.stats = {"retries": 0, "continued_after_abort": 0}
@@ -226,6 +230,10 @@ class RolloutClient:
             return False
 
     # ------------------------------------------------------------------ generation
+    def retry_delay_s(self, attempt: int) -> float:
+        """The wait before retry number `attempt` (1-based), before jitter."""
+        return min(self.backoff_s * 2 ** (attempt - 1), self.max_backoff_s)
+
     async def agenerate(self, body: dict[str, Any], url: str | None = None) -> Any:
         """POST /generate with retries (see the module docstring); the decoded answer."""
         await self._get_session()
@@ -238,7 +246,7 @@ class RolloutClient:
                     maybe = self.on_failure()
                     if asyncio.iscoroutine(maybe):
                         await maybe
-                await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1) * (1 + random.random() * 0.1))
+                await asyncio.sleep(self.retry_delay_s(attempt) * (1 + random.random() * 0.1))
             try:
                 async with self._limit:
                     status, payload = await self.dialect.generate(self, url or self.url, body)
