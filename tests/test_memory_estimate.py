@@ -163,3 +163,26 @@ def test_the_local_spec_attention_buffer_counts_where_cuda_commits_it() -> None:
     assert est(runtime="cuda").grad_reduce_copy == 0
     cpu = est(runtime="cpu")
     assert 0 < cpu.grad_reduce_copy <= cpu.grads and cpu.working == max(cpu.activations, cpu.grad_reduce_copy)
+
+
+def test_the_cpu_runtime_counts_the_allocator_s_slack_and_cuda_does_not() -> None:
+    """On the CPU runtime the training peak adds what glibc keeps of an update's freed tensors (a fraction of the
+    working set, models/estimate.py's CPU_ALLOCATOR_SLACK; without it the default job's peak RSS was 0.76 of the
+    estimate): printed on its own line; CUDA's caching allocator is inside its context allowance, and an explicit
+    overhead_gib replaces the runtime's allowances."""
+    from mcore_rl.actor.optimizer import optimizer_plan
+    from mcore_rl.config import OptimConfig
+    from mcore_rl.models.estimate import CPU_ALLOCATOR_SLACK, estimate_memory
+
+    def est(runtime: str, **kw):
+        plan = optimizer_plan(OptimConfig(distributed=True), "bfloat16", runtime)
+        return estimate_memory(MODEL, 1, tp=1, pp=1, micro_batch=8, seq_len=512, plan=plan, runtime=runtime, **kw)
+
+    cpu = est("cpu", fused_attention=False)
+    assert cpu.allocator_slack == pytest.approx(CPU_ALLOCATOR_SLACK * cpu.working) and cpu.allocator_slack > 0
+    assert cpu.training == pytest.approx(cpu.resident + cpu.working + cpu.allocator_slack)
+    assert "allocator slack:" in cpu.describe()
+    cuda = est("cuda")
+    assert cuda.allocator_slack == 0 and cuda.training == pytest.approx(cuda.resident + cuda.working)
+    assert "allocator slack" not in cuda.describe()
+    assert est("cpu", fused_attention=False, overhead_gib=0.0).allocator_slack == 0

@@ -25,14 +25,15 @@ GPU figures, as the offloaded optimizer share is), an activation allowance
 (`activation_bytes`, from the run's `actor.recompute`, the setting the ranks pass to Megatron), Megatron's attention
 scores buffer where the local spec runs on CUDA (`attention_buffer_bytes`), a fixed allowance for the runtime (CUDA:
 the context and NCCL buffers; the CPU runtime: the rank's process image and what building and running it add besides
-tensors, `CPU_PROCESS_IMAGE_MIB` / `CPU_RUNTIME_GROWTH_MIB`), and a colocated rollout engine's share (`EngineShare`:
+tensors, `CPU_PROCESS_IMAGE_MIB` / `CPU_RUNTIME_GROWTH_MIB`, and the freed tensors glibc keeps at the peak,
+`CPU_ALLOCATOR_SLACK`), and a colocated rollout engine's share (`EngineShare`:
 its weights and KV cache, `rollout.sglang.mem_fraction_static` of the GPU).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from mcore_rl.parallel.layout import ParallelLayout
@@ -49,10 +50,16 @@ CPU_PROCESS_IMAGE_MIB = 237
 #: - what building the model, a logprob pass and the first update add, beyond the tensors held and the bytes glibc
 #:   holds free: 64 MiB (default job) and 70 MiB (wide), of it 35 MiB file-backed (library code and data first
 #:   touched: torch's CPU kernels, oneDNN, gloo) and the rest anonymous (the modules' Python objects, the process
-#:   groups, the stacks of 54 gloo threads). Not modelled: the bytes glibc holds free at the peak (freed tensors it
-#:   keeps in its arenas: 286 MiB on the default job, 144 MiB on the wide one), the allocator's behaviour rather than
-#:   the model's; `--mmap-threshold` shows them gone (docs/gpu.md, "Memory estimate").
+#:   groups, the stacks of 54 gloo threads).
 CPU_RUNTIME_GROWTH_MIB = 67
+#: - what glibc keeps of an update's freed tensors at the RSS peak, as a fraction of the update's working set: a
+#:   pass frees activations below glibc's mmap threshold (which its first large free raises to 32 MiB) into its
+#:   arenas, and the next allocations of other sizes do not fill them. Measured by the bench's "allocator free bytes
+#:   at the peak" row against the estimated working set: 287/752 MiB on the default job (fp32), 255/698 MiB in
+#:   bf16 with the distributed optimizer. (The wide preset holds 159 MiB free at the peak from building, where the
+#:   weights' terms dominate; not modelled.) `--mmap-threshold 1048576` returns it (11 MiB free at the peak) but made
+#:   the update 10-30% slower here, so the ranks keep glibc's default and the estimate counts it.
+CPU_ALLOCATOR_SLACK = 0.37
 #: the CUDA context + NCCL buffers (not measured here: no GPU)
 CUDA_OVERHEAD_GIB = 4.0
 #: bytes of an activation element: activations are in the model's dtype (model.dtype)
@@ -181,6 +188,7 @@ class MemoryEstimate:
     reference_host: float = 0.0  #: ref_placement=host: the reference's weights + the parked policy's, host memory
     buffers: float = 0.0  #: Megatron's attention scores buffer (local spec on CUDA), kept between passes
     grad_reduce_copy: float = 0.0  #: gloo's copy of a gradient bucket in the reduce-scatter (CPU runtime)
+    allocator_slack: float = 0.0  #: CPU runtime: freed tensors glibc keeps at the peak (CPU_ALLOCATOR_SLACK x working)
     runtime: str = "cuda"  #: which runtime's allowance `overhead` is (cuda: context + NCCL; cpu: the rank's process)
 
     @property
@@ -195,9 +203,10 @@ class MemoryEstimate:
 
     @property
     def training(self) -> float:
-        """Peak while training: resident + activations (+ the engine's pool if it does not release it)."""
+        """Peak while training: resident + activations + (CPU) the allocator's slack (+ the engine's pool if it does
+        not release it)."""
         engine = self.engine.static if self.engine is not None and not self.engine.releases else 0.0
-        return self.resident + self.working + engine
+        return self.resident + self.working + self.allocator_slack + engine
 
     @property
     def working(self) -> float:
@@ -250,6 +259,14 @@ class MemoryEstimate:
                 else []
             ),
             self._overhead_line(g),
+            *(
+                [
+                    f"  allocator slack:     {g(self.allocator_slack)} (host memory: freed tensors glibc keeps, "
+                    f"{CPU_ALLOCATOR_SLACK:.2f} x the working set)"
+                ]
+                if self.allocator_slack
+                else []
+            ),
             f"  training peak:       {g(self.training)}",
         ]
         if self.engine is not None:
@@ -548,7 +565,8 @@ def estimate_memory(
     being num_layers / layers on the largest stage). `fused_attention`: the ranks run Transformer Engine's flash
     attention (no s^2 scores kept); False for Megatron's local spec (the CPU runtime, a GPU without TE). `runtime`
     (the run's trainer.runtime) picks the fixed allowance, unless `overhead_gib` gives one: CUDA_OVERHEAD_GIB for the
-    CUDA context and NCCL, or the CPU rank's process (CPU_PROCESS_IMAGE_MIB + CPU_RUNTIME_GROWTH_MIB).
+    CUDA context and NCCL, or the CPU rank's process (CPU_PROCESS_IMAGE_MIB + CPU_RUNTIME_GROWTH_MIB) and its
+    allocator's slack (CPU_ALLOCATOR_SLACK).
     `logprob_micro_batch`: samples per micro-batch of the logprob passes (actor.logprob_micro_batch_size; None: as the
     update's), which size the attention buffer when larger."""
     if runtime not in ("cuda", "cpu"):
@@ -569,7 +587,7 @@ def estimate_memory(
     dense, expert = plan.rank_bytes(params.dense, dp * cp), plan.rank_bytes(params.expert, edp)
     dtype_bytes = ACTIVATION_BYTES.get(plan.dtype, 2)
     buffer_batch = max(micro_batch, logprob_micro_batch or micro_batch)
-    return MemoryEstimate(
+    est = MemoryEstimate(
         dense_params_per_rank=params.dense,
         expert_params_per_rank=params.expert,
         weights=dense.weights + expert.weights,
@@ -601,3 +619,6 @@ def estimate_memory(
         engine=engine,
         runtime=runtime,
     )
+    if runtime == "cpu" and overhead_gib is None:  # an explicit overhead_gib replaces the runtime's allowances
+        est = replace(est, allocator_slack=CPU_ALLOCATOR_SLACK * est.working)
+    return est
