@@ -26,11 +26,8 @@ SHARED_STATE = {
 }
 _GROUP_OF = {name: group for group, names in SHARED_STATE.items() for name in names}
 # Run alone after the parallel pass (marked `serial`): the Slurm jobs' time limits; bench_sync's quick run (four
-# ranks, every transport: its shared-memory transport's manager timed out once with the other worker busy); the
-# SGLang receivers' sync (its two-engine EP2 rendezvous, two gloo groups joined at once through threaded receivers,
-# failed in two of six clean-clone CIs with the other worker busy, every rank refused by the listeners it read for
-# the others until the timeout; it has not failed alone; the cause is not found).
-SERIAL = ("slurm", "test_bench_sync.py", "test_sglang_receiver_sync.py")
+# ranks, every transport: its shared-memory transport's manager timed out once with the other worker busy).
+SERIAL = ("slurm", "test_bench_sync.py")
 
 
 def _group(filename: str) -> str:
