@@ -302,7 +302,7 @@ def expected_hf_tensors(hf: dict[str, Any], divisible_by: int) -> tuple[dict[str
 def checkpoint_problems(path: str, divisible_by: int, mtp: str = "auto") -> tuple[list[str], str | None]:
     """What is wrong with the HF checkpoint at `path` (unreadable headers, missing tensors, wrong shapes), and the
     family's note on what it builds from it."""
-    from mcore_rl.models.base import checkpoint_config
+    from mcore_rl.models.registry import checkpoint_config
     from mcore_rl.resharding.hf_io import CheckpointError, HFCheckpointReader
 
     try:

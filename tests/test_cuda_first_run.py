@@ -8,7 +8,8 @@ import pytest
 import torch
 from _parity import DEEPSEEK_TINY
 
-from mcore_rl.models.base import HFConfig, get_family
+from mcore_rl.models.base import HFConfig
+from mcore_rl.models.registry import get_family
 from mcore_rl.parallel.layout import ParallelLayout
 
 QWEN3_MOE_TINY = dict(

@@ -16,7 +16,8 @@ import pytest
 import torch
 from _parity import assert_bit_exact, collect, hf_state, parity_rank
 
-from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family
+from mcore_rl.models.base import HFConfig, UnsupportedModel
+from mcore_rl.models.registry import get_family
 from mcore_rl.parallel.harness import run_on_ranks
 from mcore_rl.parallel.layout import ParallelLayout
 

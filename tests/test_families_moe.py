@@ -21,7 +21,8 @@ import torch
 from _parity import DEEPSEEK_TINY, _randomise_routing, check_layouts, tiny_deepseek_v3
 from tiny_models import tiny_qwen3_moe_transformers
 
-from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family
+from mcore_rl.models.base import HFConfig, UnsupportedModel
+from mcore_rl.models.registry import get_family
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.resharding.weight_map import WeightMapError
 
@@ -160,7 +161,8 @@ def test_deepseek_v3_release_config_translates() -> None:
 def test_qwen3_moe_refuses_attention_bias_it_cannot_represent():
     from tiny_models import tiny_qwen3_moe
 
-    from mcore_rl.models.base import HFConfig, UnsupportedModel, get_family
+    from mcore_rl.models.base import HFConfig, UnsupportedModel
+    from mcore_rl.models.registry import get_family
 
     with pytest.raises(UnsupportedModel, match="attention_bias=True is not supported"):
         get_family("qwen3_moe").transformer_config(

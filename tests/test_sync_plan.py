@@ -50,8 +50,9 @@ WORLD = 8
 
 def _inventories(rank: int, world: int, cases: dict) -> dict:
     """(family, layout) -> (sources, hf names of the whole model, shape facts), built on the meta device."""
-    from mcore_rl.models.base import HFConfig, get_family
+    from mcore_rl.models.base import HFConfig
     from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
+    from mcore_rl.models.registry import get_family
     from mcore_rl.parallel.groups import initialize_model_parallel
     from mcore_rl.resharding.sync.inventory import meta_sources
 

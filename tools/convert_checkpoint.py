@@ -49,14 +49,8 @@ from typing import Any
 
 import torch
 
-from mcore_rl.models.base import (
-    FP8_TARGETS,
-    HFConfig,
-    UnsupportedModel,
-    get_family,
-    padded_vocab_size,
-    supported_model_types,
-)
+from mcore_rl.models.base import FP8_TARGETS, HFConfig, UnsupportedModel, padded_vocab_size
+from mcore_rl.models.registry import get_family, supported_model_types
 from mcore_rl.parallel.cpu_runtime import mode_suspended
 from mcore_rl.parallel.harness import RankFailed, run_on_ranks
 from mcore_rl.parallel.layout import LayoutError, ParallelLayout

@@ -45,7 +45,7 @@ def hf_config_dict(model_cfg: ModelConfig, announce: bool = False) -> tuple[dict
     (it clones them) and returns a loss instead of logits when given labels, so a logprob forward cannot run with MTP
     built; its tensors are left unread, and the engines keep the MTP weights they loaded (SGLang's speculative draft).
     """
-    from mcore_rl.models.base import checkpoint_config, get_family
+    from mcore_rl.models.registry import checkpoint_config, get_family
 
     if model_cfg.path:
         config, note, unread = checkpoint_config(model_cfg.path, "off")

@@ -145,7 +145,8 @@ def check_model(cfg: RLConfig) -> None:
     import json
     import os
 
-    from mcore_rl.models.base import HFConfig, get_family
+    from mcore_rl.models.base import HFConfig
+    from mcore_rl.models.registry import get_family
 
     if cfg.model.path:
         config_path = os.path.join(cfg.model.path, "config.json")

@@ -120,7 +120,7 @@ def build_run_plan(
 def check_sync(cfg: Any, hf: dict, gpus_per_node: int, bandwidths: dict[str, float] | None = None) -> SyncCheck:
     """The run's sync plan, checked (module docstring); RecipeError naming the key when it would fail at run time."""
     from mcore_rl.controller.weight_sync import SyncError, one_sync_leader, update_groups_per_engine_gpu
-    from mcore_rl.models.base import get_family
+    from mcore_rl.models.registry import get_family
     from mcore_rl.resharding.sync.forecast import DEFAULT_BW, link_loads, predict
     from mcore_rl.resharding.sync.plan import PlanError
 

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mcore_rl.models.base import HFConfig, ModelFamily, get_family, padded_vocab_size
+from mcore_rl.models.base import HFConfig, ModelFamily, padded_vocab_size
+from mcore_rl.models.registry import get_family
 from mcore_rl.models.spec import decoder_block_spec, mtp_block_spec
 from mcore_rl.parallel.layout import ParallelLayout
 from mcore_rl.resharding.weight_map import ShardContext, WeightMap

@@ -53,7 +53,7 @@ from mcore_rl.models.base import (
     moe_backend_fields,
     register,
 )
-from mcore_rl.models.qwen3_moe import dense_mlp_rules, embedding_rules, expert_rules
+from mcore_rl.models.rules import dense_mlp_rules, embedding_rules, expert_rules
 from mcore_rl.models.spec import te_in_use
 from mcore_rl.parallel.layout import LayoutError, ModelShape, ParallelLayout
 from mcore_rl.resharding.sync.plan import ReceiveTogether, ShardRule

@@ -15,46 +15,10 @@ from typing import Any
 
 import torch
 
-from mcore_rl.models.base import HFConfig, ModelFamily, UnsupportedModel, gqa_transformer_config, register
-from mcore_rl.models.qwen3_moe import attention_rules, dense_mlp_rules, embedding_rules, qk_norm_rules
+from mcore_rl.models.base import HFConfig, ModelFamily, gqa_transformer_config, register
+from mcore_rl.models.rules import dense_shape, dense_weight_map
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
 from mcore_rl.resharding.weight_map import WeightMap
-
-#: HF names that are derived state, never weights (older checkpoints saved the rotary cache)
-IGNORE_HF = (r".*rotary_emb\.inv_freq$",)
-
-
-def refuse_sliding_window(hf: HFConfig) -> None:
-    """Qwen2/Qwen3 configs may enable sliding-window attention on some layers; Megatron's local spec has no window."""
-    hf.refuse_unless("use_sliding_window", False, "sliding-window attention has no Megatron equivalent here")
-    kinds = set(hf.get("layer_types", ["full_attention"]))
-    if kinds - {"full_attention"}:
-        raise UnsupportedModel(
-            f"{hf.model_type} config.json: layer_types contains {sorted(kinds - {'full_attention'})}; only "
-            "full_attention layers are supported"
-        )
-
-
-def dense_shape(hf: HFConfig) -> ModelShape:
-    """Sizes a layout must divide, for a dense GQA model."""
-    heads = hf.req("num_attention_heads")
-    return ModelShape(
-        num_layers=hf.req("num_hidden_layers"),
-        num_attention_heads=heads,
-        num_query_groups=hf.get("num_key_value_heads", heads),
-        vocab_size=hf.req("vocab_size"),
-        ffn_hidden_size=hf.req("intermediate_size"),
-    )
-
-
-def dense_weight_map(hf: HFConfig, padded_vocab: int, *, qkv_bias: bool = False, qk_norm: bool = False) -> WeightMap:
-    """Embedding/output + GQA attention (optional q/k/v biases and per-head q/k norms) + SwiGLU MLP rules."""
-    # attention_rules adds the bias rule when the config says attention_bias; Qwen2 has q/k/v biases without it.
-    attention_hf = HFConfig({**hf.raw, "attention_bias": qkv_bias})
-    rules = embedding_rules(hf, padded_vocab) + attention_rules(attention_hf) + dense_mlp_rules()
-    if qk_norm:
-        rules += qk_norm_rules()
-    return WeightMap(rules, ignore_hf=IGNORE_HF)
 
 
 @register

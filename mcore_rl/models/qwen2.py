@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from mcore_rl.models.base import HFConfig, ModelFamily, gqa_transformer_config, register
-from mcore_rl.models.llama import dense_shape, dense_weight_map, refuse_sliding_window
+from mcore_rl.models.rules import dense_shape, dense_weight_map, refuse_sliding_window
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
 from mcore_rl.resharding.weight_map import WeightMap
 

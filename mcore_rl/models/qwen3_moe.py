@@ -16,12 +16,10 @@ from typing import Any
 import torch
 
 from mcore_rl.models.base import HFConfig, ModelFamily, gqa_transformer_config, moe_backend_fields, register
+from mcore_rl.models.rules import H, L, attention_rules, dense_mlp_rules, embedding_rules, expert_rules, qk_norm_rules
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
-from mcore_rl.resharding.transforms import QKV, FusedColumns, Replicated, Split, VocabSplit
+from mcore_rl.resharding.transforms import Replicated
 from mcore_rl.resharding.weight_map import Rule, WeightMap
-
-L = "decoder.layers.{layer}."
-H = "model.layers.{layer}."
 
 
 def moe_layer_pattern(hf: HFConfig) -> list[int]:
@@ -31,67 +29,6 @@ def moe_layer_pattern(hf: HFConfig) -> list[int]:
     step = hf.get("decoder_sparse_step", 1)
     dense = set(hf.get("mlp_only_layers", []))
     return [int(i not in dense and experts > 0 and (i + 1) % step == 0) for i in range(num_layers)]
-
-
-def attention_rules(hf: HFConfig, te_fused_norm: bool = True) -> list[Rule]:
-    """Rules shared by Qwen-style GQA attention with optional qk norm (also used by dense Qwen3)."""
-    heads = hf.req("num_attention_heads")
-    groups = hf.get("num_key_value_heads", heads)
-    head_dim = hf.get("head_dim", hf.req("hidden_size") // heads)
-    qkv = QKV(num_heads=heads, num_query_groups=groups, head_dim=head_dim)
-    names = tuple(H + f"self_attn.{p}_proj.weight" for p in "qkv")
-    rules = [
-        Rule(L + "self_attention.linear_qkv.weight", names, qkv),
-        Rule(L + "self_attention.linear_proj.weight", H + "self_attn.o_proj.weight", Split(dim=1)),
-        Rule(L + "input_layernorm.weight", H + "input_layernorm.weight", Replicated()),
-        # Transformer Engine's spec fuses the input norm into linear_qkv.
-        Rule(L + "self_attention.linear_qkv.layer_norm_weight", H + "input_layernorm.weight", Replicated()),
-    ]
-    if hf.get("attention_bias", False):
-        bias_names = tuple(H + f"self_attn.{p}_proj.bias" for p in "qkv")
-        rules.append(Rule(L + "self_attention.linear_qkv.bias", bias_names, qkv))
-    return rules
-
-
-def qk_norm_rules() -> list[Rule]:
-    return [
-        Rule(L + "self_attention.q_layernorm.weight", H + "self_attn.q_norm.weight", Replicated()),
-        Rule(L + "self_attention.k_layernorm.weight", H + "self_attn.k_norm.weight", Replicated()),
-    ]
-
-
-def dense_mlp_rules() -> list[Rule]:
-    """SwiGLU MLP: Megatron's linear_fc1 holds [gate; up] per TP shard."""
-    gate_up = (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight")
-    return [
-        Rule(L + "mlp.linear_fc1.weight", gate_up, FusedColumns(num_hf=2)),
-        Rule(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight", Split(dim=1)),
-        Rule(L + "pre_mlp_layernorm.weight", H + "post_attention_layernorm.weight", Replicated()),
-        Rule(L + "mlp.linear_fc1.layer_norm_weight", H + "post_attention_layernorm.weight", Replicated()),
-    ]
-
-
-def expert_rules(hf_expert: str = H + "mlp.experts.{expert}.") -> list[Rule]:
-    """Routed experts under EP x ETP, for both the local spec (SequentialMLP) and TE's grouped GEMM."""
-    gate_up = (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight")
-    fc1, fc2 = FusedColumns(num_hf=2, axis="etp"), Split(dim=1, axis="etp")
-    return [
-        Rule(L + "mlp.experts.local_experts.{expert}.linear_fc1.weight", gate_up, fc1),
-        Rule(L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", hf_expert + "down_proj.weight", fc2),
-        Rule(L + "mlp.experts.linear_fc1.weight{expert}", gate_up, fc1),
-        Rule(L + "mlp.experts.linear_fc2.weight{expert}", hf_expert + "down_proj.weight", fc2),
-    ]
-
-
-def embedding_rules(hf: HFConfig, padded_vocab: int) -> list[Rule]:
-    vocab = VocabSplit(vocab_size=hf.req("vocab_size"), padded_vocab=padded_vocab)
-    tied = bool(hf.get("tie_word_embeddings", False))
-    return [
-        Rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", vocab),
-        Rule("decoder.final_layernorm.weight", "model.norm.weight", Replicated()),
-        # Tied: the last stage's output layer is loaded from the embedding and not exported a second time.
-        Rule("output_layer.weight", "model.embed_tokens.weight" if tied else "lm_head.weight", vocab, export=not tied),
-    ]
 
 
 @register
