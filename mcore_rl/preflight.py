@@ -233,11 +233,19 @@ def check_tokenizer(cfg: RLConfig) -> None:
     if not isinstance(vocab_size, int) or isinstance(vocab_size, bool):
         return
     largest = max(tokenizer.get_vocab().values(), default=-1)
+    source = f"{cfg.model.path}/config.json" if cfg.model.path else "model.hf_config"
     if largest >= vocab_size:
-        source = f"{cfg.model.path}/config.json" if cfg.model.path else "model.hf_config"
         raise ConfigError(
             f"{where} has token ids up to {largest} ({len(tokenizer)} tokens), but the model's vocab_size is "
             f"{vocab_size} ({source}): expected the model's own tokenizer, whose ids are all below vocab_size"
+        )
+    if cfg.model.path and len(tokenizer) * 2 < vocab_size:
+        # A pretrained checkpoint pads its vocabulary by a few percent at most (Qwen2.5: 151,665 tokens in 152,064
+        # rows); a tokenizer covering less than half of it is another model's, whose ids would mean other words.
+        raise ConfigError(
+            f"{where} has {len(tokenizer)} tokens, but the model's vocab_size is {vocab_size} ({source}): it is not "
+            f"this checkpoint's tokenizer; expected model.tokenizer=<the model's tokenizer directory> (or the "
+            "tokenizer files inside model.path)"
         )
 
 

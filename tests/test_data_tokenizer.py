@@ -80,3 +80,56 @@ def test_saved_tokenizer_reloads_with_autotokenizer(tokenizer, tmp_path):
     text = "repeat: 5\n#### 12"
     assert reloaded.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
     assert (reloaded.pad_token_id, reloaded.eos_token_id, len(reloaded)) == (0, 2, 63)
+
+
+# --- model.path brings its tokenizer; another model's tokenizer is refused -------------------------------------------
+
+
+def _model_dir(path, vocab_size: int, with_tokenizer: bool):
+    """A checkpoint directory as far as the config sees it: the default job's tiny Qwen3-MoE config.json with
+    `vocab_size`, and (optionally) the tool-use tiny tokenizer (76 tokens) saved beside it."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from mcore_rl.data.tokenizer import TOOL_TOKENS
+
+    hf = dict(OmegaConf.to_container(OmegaConf.load("configs/default.yaml"))["model"]["hf_config"])
+    hf["vocab_size"] = vocab_size
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(hf))
+    if with_tokenizer:
+        assert len(build_tiny_tokenizer(str(path), tools=True)) == len(VOCAB_TOKENS) + len(TOOL_TOKENS)
+    return str(path)
+
+
+def _config(model_path: str):
+    from mcore_rl.config import RLConfig
+    from mcore_rl.config.model import ModelConfig
+
+    cfg = RLConfig(model=ModelConfig(path=model_path))
+    cfg.validate()
+    return cfg
+
+
+def test_model_path_with_a_tokenizer_brings_its_tokenizer(tmp_path):
+    """model.path holding tokenizer files and model.tokenizer unset: the run uses the checkpoint's tokenizer (as
+    verl's model.path does), not the tiny built-in one, and the tokenizer check accepts it."""
+    from mcore_rl.preflight import check_tokenizer
+
+    path = _model_dir(tmp_path / "model", vocab_size=76, with_tokenizer=True)
+    cfg = _config(path)
+    assert cfg.model.tokenizer == path
+    check_tokenizer(cfg)
+
+
+def test_a_tokenizer_much_smaller_than_the_models_vocabulary_is_refused(tmp_path):
+    """A real checkpoint without tokenizer files: the tiny tokenizer's 63 ids all fit below 49152, but they are not
+    the model's; refused, naming both sizes (exit 2 in a run: a ConfigError)."""
+    from mcore_rl.config.checks import ConfigError
+    from mcore_rl.preflight import check_tokenizer
+
+    cfg = _config(_model_dir(tmp_path / "model", vocab_size=49152, with_tokenizer=False))
+    assert cfg.model.tokenizer is None
+    with pytest.raises(ConfigError, match=r"63 tokens, but the model's vocab_size is 49152"):
+        check_tokenizer(cfg)

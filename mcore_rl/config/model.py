@@ -3,6 +3,7 @@ PPO critic beside it."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +50,9 @@ class ModelConfig:
 
     path: str | None = None  #: HF checkpoint dir (config.json + safetensors); null = random init from hf_config
     hf_config: dict[str, Any] = field(default_factory=dict)  #: HF config used when path is null
-    tokenizer: str | None = None  #: tokenizer dir; null = the tiny offline tokenizer, written into the run dir
+    #: tokenizer dir; null = model.path's own tokenizer when that directory holds one (as verl's model.path), else
+    #: the tiny offline tokenizer, written into the run dir (a random-init model.hf_config's)
+    tokenizer: str | None = None
     dtype: str = "float32"  #: parameter dtype: float32 | bfloat16
     make_vocab_size_divisible_by: int = 64  #: Megatron pads the vocab to a multiple of this x tp
     max_sequence_length: int = 512  #: longest prompt + response
@@ -66,6 +69,19 @@ class ModelConfig:
         _positive("model.max_sequence_length", self.max_sequence_length)
         _positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
         _check(self.mtp in ("on", "off", "auto"), "model.mtp", self.mtp, "on, off or auto")
+        if self.tokenizer is None and self.path and has_tokenizer(self.path):
+            # A checkpoint brings its tokenizer: the tiny tokenizer's ids fed to a real model are all < its vocab_size,
+            # so nothing else would notice, and the reward would stay 0.
+            self.tokenizer = self.path
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any one of these in a directory makes it an HF tokenizer directory (fast, config, sentencepiece, BPE vocab)."""
+
+
+def has_tokenizer(path: str) -> bool:
+    """Whether the directory `path` holds an HF tokenizer (one of TOKENIZER_FILES)."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
 
 
 @dataclass
