@@ -262,12 +262,18 @@ class RewardManager:
                         finished[row] = True
                         timed_out.append(row)
                         del started[row]
-                if errors:
-                    raise errors[min(errors)]
-                if timed_out and self.timeout_score is None:
-                    # Fail at the first hang: a function that hangs on one row usually hangs on all of them, and
-                    # going on would cost one timeout and one abandoned thread per remaining row.
-                    break
+                failing = [*errors, *(timed_out if self.timeout_score is None else [])]
+                if failing:
+                    # Report the first failing row in row order, not the first call to fail: wait for the calls on
+                    # earlier rows (each within its own timeout), start no more, then pick the lowest row.
+                    first = min(failing)
+                    next_row = n
+                    if not any(row < first for row in started):
+                        if first in errors:
+                            raise errors[first]
+                        # Fail at the first hang: a function that hangs on one row usually hangs on all of them,
+                        # and going on would cost one timeout and one abandoned thread per remaining row.
+                        return results, [first]
         return results, sorted(timed_out)
 
     def _validate(self, result: Any, row: int, data_source: str) -> tuple[float, dict[str, Any]]:
