@@ -100,6 +100,27 @@ def check_dpo(cfg: RLConfig) -> None:
         "reward reward.path/reward.name)",
     )
     _check(cfg.actor.use_ref, "actor.use_ref", cfg.actor.use_ref, "true for DPO (the frozen reference)")
+    # Keys the DPO loop cannot honour are refused, never ignored: it trains on stored pairs, so there is no rollout
+    # to overlap (async) and no engine memory to hand back between phases (colocated), and no critic to train.
+    _check(
+        cfg.trainer.placement == "split",
+        "trainer.placement",
+        cfg.trainer.placement,
+        "'split' for trainer.mode=dpo (the DPO loop keeps its engines beside the actor's ranks)",
+    )
+    _check(
+        not cfg.trainer.async_rollout,
+        "trainer.async_rollout",
+        cfg.trainer.async_rollout,
+        "false for trainer.mode=dpo (it trains on stored pairs: no rollout to overlap)",
+    )
+    _check(not cfg.critic.enable, "critic.enable", cfg.critic.enable, "false for trainer.mode=dpo (no critic)")
+    if cfg.trainer.validates and not cfg.data.val_files and cfg.dpo.train_files:
+        raise ConfigError(
+            f"trainer.val_every={cfg.trainer.val_every} / trainer.val_before_train={cfg.trainer.val_before_train} "
+            "with dpo.train_files need data.val_files (prompts in verl's schema; only the synthetic pairs get a "
+            "held-out synthetic set by default)"
+        )
     _check(cfg.actor.micro_batch_size % 2 == 0, "actor.micro_batch_size", cfg.actor.micro_batch_size, "even")
     dp = cfg.actor.layout.to_layout().dp(cfg.actor.world_size)
     _check(

@@ -64,12 +64,22 @@ def setup_pairs(cfg: RLConfig) -> tuple[Any, Any, str]:
 
 
 def run_dpo(cfg: RLConfig) -> dict[str, float]:
-    """Run the whole DPO job; returns the summary figures."""
+    """Run the whole DPO job; returns the summary figures. The run's keys mean what they mean in the RL loop
+    (train.py): pre-flight before anything starts, trainer.loggers, trainer.save_every / keep_last / resume (model,
+    optimizer, RNG, data position and weight version restored exactly), validation through the engines
+    (trainer.val_every, val_before_train). The keys it cannot honour are refused by config/validate.py's check_dpo."""
+    from mcore_rl.preflight import check
+
+    check(cfg)  # run dir, loggers, tokenizer, checkpoints, Ray CPUs: refused before anything starts
+
     from mcore_rl._quiet import quiet_process
+    from mcore_rl.checkpoint.manager import Checkpointer
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.engine_pool import EnginePool
     from mcore_rl.controller.placement import init_ray
     from mcore_rl.controller.samples import reduce_rank_metrics
+    from mcore_rl.controller.state import LoopState
+    from mcore_rl.controller.validation import Validator
     from mcore_rl.controller.weight_sync import WeightSync
     from mcore_rl.metrics.logger import MetricsLogger
     from mcore_rl.reward.loader import build_reward_fn
@@ -97,35 +107,56 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
             log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
         )
         sync = WeightSync(actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, hf_config)
-        version = 1
-        sync.push(version)
+        ckpt = Checkpointer(cfg)
+        state = ckpt.resume(actor, loader, LoopState())
+        sync.push(state.weight_version)  # the engines start from the actor's (restored) weights
         log = MetricsLogger(
-            os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), max_nonfinite_steps=cfg.trainer.max_nonfinite_steps
+            os.path.join(cfg.trainer.run_dir, "metrics.jsonl"),
+            history=state.rewards,
+            loggers=cfg.trainer.loggers,
+            total_steps=cfg.trainer.steps,
+            first_step=state.step + 1,
+            wandb=_wandb_settings(cfg),
+            max_nonfinite_steps=cfg.trainer.max_nonfinite_steps,
         )
         eos = [tokenizer.eos_token_id]
-        start = time.time()
-        for step in range(1, cfg.trainer.steps + 1):
+        producer = RolloutProducer(cfg, None, engines, reward, tokenizer)
+        validator = Validator.from_config(cfg, tokenizer, engines, producer.score, reward)
+        if validator is not None and cfg.trainer.val_before_train and state.step == 0:
+            log.write(0, validator.run(seed=0))
+        start = time.time() - state.seconds
+        for step in range(state.step + 1, cfg.trainer.steps + 1):
             timer = log.timer()
             pairs = next(loader)
             batch = pairs_to_batch(pairs)
             batch.tensors["ref_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch, use_ref=True))
             timer.lap("ref_log_prob")
-            sync.weights_changing()
+            sync.weights_changing(step)
             update = reduce_rank_metrics(
                 ActorGroup.gather_dp(actor.call("dpo_update", batch, cfg.dpo.beta, cfg.dpo.loss_type))
             )
             timer.lap("update_actor")
-            version += 1
+            state.weight_version += 1
             engines.wait_for_restarts()
-            sync.push(version)
+            sync.push(state.weight_version)
             timer.lap("update_weights")
             metrics: dict[str, float] = dict(update)
             if all(p["data_source"] is not None and p["ground_truth"] is not None for p in pairs):
-                metrics.update(_score_policy(cfg, engines, reward, tokenizer, pairs, step, eos))
+                metrics.update(_score_policy(cfg, engines, producer, pairs, step, eos))
                 timer.lap("gen")
+            if validator is not None and validator.due(step, cfg.trainer.steps):
+                metrics.update(validator.run(seed=step))
+                timer.lap("testing")
             log.write(
-                step, {**metrics, "weight_version": version, **{f"timing_s/{k}": v for k, v in timer.laps.items()}}
+                step,
+                {
+                    **metrics,
+                    "weight_version": state.weight_version,
+                    **{f"timing_s/{k}": v for k, v in timer.laps.items()},
+                },
             )
+            state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
+            ckpt.after_step(actor, state)  # every trainer.save_every steps and after the last
         return log.summary(seconds=time.time() - start)
     finally:  # also on errors: no engine, router or rank outlives the run
         actor.shutdown()
@@ -134,14 +165,21 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
 
 
 def _score_policy(  # the RL loop's scoring (controller/producer.py), so both report the same figure
-    cfg: RLConfig, engines: Any, reward: Any, tokenizer: Any, pairs: list[dict[str, Any]], step: int, eos: list[int]
+    cfg: RLConfig, engines: Any, producer: RolloutProducer, pairs: list[dict[str, Any]], step: int, eos: list[int]
 ) -> dict[str, float]:
     """Sample the just-synced policy on this step's prompts and score the answers with the rule reward."""
     n = cfg.rollout.n
     seed = cfg.rollout.seed * 1_000_003 + step * len(pairs) * n
     samples = engines.generate([p["prompt_token_ids"] for p in pairs], n, seed, eos)
-    scores = RolloutProducer(cfg, None, engines, reward, tokenizer).score(pairs, samples, n)
+    scores = producer.score(pairs, samples, n)
     return {SCORE: float(scores.mean())}
+
+
+def _wandb_settings(cfg: RLConfig) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    t = cfg.trainer
+    return {"project": t.project_name, "name": t.experiment_name, "mode": t.wandb_mode, "config": asdict(cfg)}
 
 
 def _hf_config(cfg: RLConfig) -> dict[str, Any]:
