@@ -1,6 +1,6 @@
-"""The client against answers shaped as real SGLang 0.5.23 gives them (no `weight_versions` spans, one
-`weight_version` per answer; `sampling_seed` shared by the n samples of a request), from a small HTTP double that
-records what it was sent.
+"""The client against answers shaped as real SGLang 0.5.23 gives them (`weight_version`, and for a request that
+lived across a weight update `weight_versions` spans; `sampling_seed` shared by the n samples of a request), from a
+small HTTP double that records what it was sent.
 
 Run: `.venv/bin/pytest tests/test_sglang_client.py`
 """
@@ -15,7 +15,8 @@ from mcore_rl.rollout.client import RolloutClient
 
 
 class SGLangGenerate:
-    """/generate as SGLang answers it: `n` answers per prompt, `meta_info.weight_version` only. The first answer of
+    """/generate as SGLang answers it: `n` answers per prompt, `meta_info.weight_version` (and `weight_versions`
+    when `spans` is set: the answer a test gives). The first answer of
     the first request ends as an abort after 2 tokens at version "1" when `abort_first` is set; every later answer
     runs at version "2" then (a pause in abort mode, then a weight update, then the client's continuation)."""
 
@@ -23,6 +24,7 @@ class SGLangGenerate:
         self.bodies: list[dict] = []
         self.version = "1"
         self.abort_first = False
+        self.spans: list[dict] | None = None
 
     async def generate(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -42,6 +44,8 @@ class SGLangGenerate:
                     "output_token_logprobs": [[-0.5, t, None] for t in tokens],
                     "weight_version": self.version,
                 }
+                if self.spans is not None:
+                    meta["weight_versions"] = self.spans
                 answers.append({"output_ids": tokens, "meta_info": meta})
                 if abort:
                     self.version = "2"
@@ -86,6 +90,55 @@ def test_versions_of_a_sample_continued_after_an_abort(sglang) -> None:
     assert sample.finish_reason == "length" and len(sample.response_ids) == 5
     assert sample.weight_versions == [(1, 0, 2), (2, 2, 5)]
     assert sample.weight_version == 2
+
+
+#: SGLang 0.5.23's meta_info for a request that sampled 3 tokens under version "1", lived through a push to "2"
+#: (retracted or paused in place: `record_weight_version_change` recorded the event, managers/scheduler.py:5636-5655)
+#: and sampled 2 more: written by its own `compute_weight_version_spans` and `add_weight_versions_to_meta_info`
+#: (utils/weight_versions.py:62-107), run on the wheel's file
+SPANS_ACROSS_A_PUSH = [{"version": "1", "start": 0, "end": 3}, {"version": "2", "start": 3, "end": 5}]
+
+
+def test_a_sample_that_lived_across_a_push_is_labelled_per_token(sglang) -> None:
+    """Before: the SGLang dialect ignored the spans, so the 3 tokens sampled under version 1 were labelled 2 and the
+    staleness check saw a fresh sample."""
+    double, client = sglang
+    double.version, double.spans = "2", SPANS_ACROSS_A_PUSH
+    (sample,) = client.generate_samples([[1, 2]], 1, {"max_new_tokens": 5}, seed=None)
+    assert sample.weight_versions == [(1, 0, 3), (2, 3, 5)] and sample.weight_version == 2
+
+
+def test_an_empty_span_is_no_token() -> None:
+    """SGLang writes a span [0, 0) for a request that ended before its first token (utils/weight_versions.py:96,
+    `span.start == 0` is kept): it labels no token."""
+    from mcore_rl.rollout.client import DIALECTS, sample_from_response
+
+    answer = {"meta_info": {"output_token_logprobs": [], "finish_reason": {"type": "abort"}, "weight_version": "2",
+                            "weight_versions": [{"version": "2", "start": 0, "end": 0}]}}  # fmt: skip
+    sample = sample_from_response([1], answer, dialect=DIALECTS["sglang"])
+    assert sample.weight_versions == [] and sample.weight_version == 2
+
+
+def test_staleness_reads_the_spans_of_an_sglang_sample(sglang) -> None:
+    """The async producer's check: a sample with tokens of version 1 is stale once the engines serve version 2."""
+    import torch
+
+    from mcore_rl.controller.async_producer import AsyncProducer
+    from mcore_rl.controller.producer import Rollouts
+    from mcore_rl.controller.samples import samples_to_batch
+    from mcore_rl.controller.state import LoopState
+
+    double, client = sglang
+    double.version, double.spans = "2", SPANS_ACROSS_A_PUSH
+    samples = client.generate_samples([[1, 2]], 1, {"max_new_tokens": 5}, seed=None)
+    producer = AsyncProducer(None, LoopState(weight_version=2), max_staleness=1, last_step=1)
+    rollouts = Rollouts([{}], samples, torch.zeros(1), *samples_to_batch(samples, 1))
+    try:
+        producer.tag(rollouts)
+    finally:
+        producer.close()
+    assert rollouts.batch.tensors["stale"].tolist() == [1.0]
+    assert rollouts.metrics["async/two_version_frac"] == 1.0 and rollouts.metrics["async/staleness_max"] == 1.0
 
 
 def test_retry_back_off_doubles_up_to_its_cap(monkeypatch) -> None:

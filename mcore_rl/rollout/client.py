@@ -14,8 +14,8 @@ tokens so far go out again with the remaining token budget, and the pieces are j
 weight-version spans say which tokens came from which version).
 
 What differs between engine families sits in one small seam, `EngineDialect` (`DIALECTS`, chosen by
-`rollout.engine`): how the n samples of a seeded request are asked for, and where a sample's weight versions come
-from. Everything else (routes, retries, continuation, the control calls) is SGLang's API and shared.
+`rollout.engine`): how the n samples of a seeded request are asked for, and how a request goes out (vLLM's own
+generate route). Everything else (routes, retries, continuation, the control calls) is SGLang's API and shared.
 """
 
 from __future__ import annotations
@@ -50,15 +50,12 @@ def parse_version(version: Any) -> int | str:
 
 
 class EngineDialect:
-    """Our embedded server: SGLang's API plus two things real SGLang lacks, which the client may rely on here."""
+    """Our embedded server: SGLang's API plus what real SGLang lacks that the client may rely on here (seeds)."""
 
     name = "hf"
     #: one request with `n` > 1 and `sampling_seed` s gives its samples seeds s, s+1, ... (the embedded server's
     #: rule); where false, a seeded request for n samples goes out as n requests with n=1, one seed each
     seeds_each_of_n = True
-    #: `meta_info.weight_versions`, the [version, start, end) spans of a sample's tokens, is read when present (our
-    #: server tags tokens when a commit lands mid-request); where false only `weight_version` is read
-    reads_version_spans = True
 
     async def generate(self, client: RolloutClient, url: str, body: dict[str, Any]) -> tuple[int, Any]:
         """POST one /generate: (status, payload). A dialect for another API translates here (vllm_dialect.py)."""
@@ -73,13 +70,15 @@ class EngineDialect:
 
 class SGLangDialect(EngineDialect):
     """Real SGLang 0.5.23. It uses `sampling_seed` only with deterministic inference on, and then gives all n samples
-    of a request the same seed: identical samples (so one seed is never sent for n samples). Its answers carry one
-    `weight_version` (the version when the request finished), no spans: each piece of a sample continued after an
-    abort gets one span of its own version, which is what the async staleness check reads."""
+    of a request the same seed: identical samples (so one seed is never sent for n samples). A finished request's
+    answer carries `weight_versions`, the [version, start, end) spans of its tokens: the scheduler records, at each
+    version change, how many tokens every live request had (managers/scheduler.py:5636-5655, running, retracted and
+    waiting requests alike), and the spans are cut from those events (utils/weight_versions.py:62-107); so a request
+    paused in place or retracted across a push is labelled per token. A piece continued after an abort carries its
+    own spans, offset by the client."""
 
     name = "sglang"
     seeds_each_of_n = False
-    reads_version_spans = False
 
 
 DIALECTS: dict[str, Any] = {"hf": EngineDialect(), "sglang": SGLangDialect(), "vllm": VLLMDialect()}
@@ -91,7 +90,8 @@ def sample_from_response(
 ) -> Sample:
     """One /generate answer -> Sample. Tokens come from `output_token_logprobs` (as slime reads them) when present,
     else from `output_ids`; `routed_experts` (base64 int32) is reshaped to [tokens, layers, top_k] (with
-    `num_layers`) or [tokens, layers * top_k]. The weight-version spans are the answer's own (`dialect` permitting)
+    `num_layers`) or [tokens, layers * top_k]. The weight-version spans are the answer's own
+    (`meta_info.weight_versions`: our server, SGLang and vLLM's dialect tag tokens when a commit lands mid-request)
     or one span of its `weight_version` over all its tokens."""
     meta = obj.get("meta_info") or {}
     entries = meta.get("output_token_logprobs")
@@ -102,9 +102,10 @@ def sample_from_response(
         tokens, logprobs = list(obj.get("output_ids") or []), []
     finish = (meta.get("finish_reason") or {}).get("type", "abort")
     version = parse_version(meta.get("weight_version"))
-    listed = meta.get("weight_versions") if dialect.reads_version_spans else None
+    listed = meta.get("weight_versions")  # every engine's answer may carry them (our server, SGLang, vLLM's dialect)
     if listed:
-        spans = [(parse_version(s["version"]), s["start"], s["end"]) for s in listed]
+        # SGLang keeps an empty span [0, 0) for a request that ended before its first token: it labels no token
+        spans = [(parse_version(s["version"]), s["start"], s["end"]) for s in listed if s["end"] > s["start"]]
     else:
         spans = [(version, 0, len(tokens))] if tokens and version is not None else []
     routed = None

@@ -144,7 +144,6 @@ class VLLMDialect:
 
     name = "vllm"
     seeds_each_of_n = True  #: vLLM's parallel sampling seeds child j with seed + j
-    reads_version_spans = True  #: each choice carries weight_versions spans
 
     async def generate(self, client: Any, url: str, body: dict[str, Any]) -> tuple[int, Any]:
         """One SGLang /generate (one prompt or a batch) as one /inference/v1/generate per prompt: (status, answers)
