@@ -65,11 +65,19 @@ def check_resume(cfg: RLConfig) -> Path | None:
     root = store.checkpoints_root(cfg.trainer.run_dir)
     trainer = cfg.trainer
     if trainer.resume is None:
-        if trainer.save_every and store.latest(root) is not None:
+        earlier = store.latest(root)
+        if trainer.save_every and earlier is not None:
             raise store.CheckpointError(
-                f"{root / store.LATEST}: {root} holds checkpoints of an earlier run, which this new run "
+                f"{earlier}: {root} holds checkpoints of an earlier run, which this new run "
                 f"(trainer.resume=null, trainer.save_every={trainer.save_every}) would overwrite: set "
                 f"trainer.resume=auto to continue that run, or choose another trainer.run_dir"
+            )
+        metrics = Path(trainer.run_dir) / "metrics.jsonl"
+        if earlier is not None and metrics.is_file() and metrics.stat().st_size:
+            raise store.CheckpointError(
+                f"{metrics}: holds the metrics of an earlier run whose checkpoints are in {root} (newest: "
+                f"{earlier.name}); this new run (trainer.resume=null) would overwrite them: set trainer.resume=auto "
+                f"to continue that run, or choose another trainer.run_dir"
             )
         return None
     path = store.resolve(trainer.resume, root)
@@ -108,6 +116,11 @@ class Checkpointer:
         for tmp in store.half_written(self.root):
             print(f"checkpoint: ignoring {tmp} (a save that did not finish; removed by the next save)", flush=True)
         path = check_resume(self.cfg)
+        if path is not None and self.cfg.trainer.resume == "auto":
+            named = (self.root / store.LATEST).read_text().strip() if (self.root / store.LATEST).is_file() else None
+            if named != path.name:  # a save killed after its rename, before `latest` moved (store.latest)
+                note = f"checkpoint: {path.name} is complete and newer than `latest` names ({named}); using it"
+                print(note, flush=True)
         if path is None:
             if self.cfg.trainer.resume == "auto":
                 print(f"checkpoint: none in {self.root}; starting a new run", flush=True)

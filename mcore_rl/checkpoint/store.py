@@ -15,7 +15,9 @@ before anything starts.
         .tmp-step_00000042-<id>/      a save in progress; renamed to step_00000042/ when complete
 
 A crash at any point leaves either the old `latest` and a `.tmp-` directory (ignored, with a message, and removed by
-the next successful save) or the new checkpoint published; never a half-written `step_*` directory.
+the next successful save) or the new checkpoint published; never a half-written `step_*` directory. A kill between
+the rename and the move of `latest` leaves a complete `step_*` newer than `latest` names (or no `latest` at all, on
+the first save): `latest()` finds the newest complete directory either way.
 """
 
 from __future__ import annotations
@@ -59,17 +61,31 @@ def half_written(root: Path) -> list[Path]:
     return sorted(p for p in root.glob(TMP_PREFIX + "*") if p.is_dir()) if root.is_dir() else []
 
 
+def newest_complete(root: Path) -> Path | None:
+    """The published `step_<n>` directory of the highest step (one holding meta.json, which a save writes last,
+    before the rename), or None."""
+    if not root.is_dir():
+        return None
+    complete = [p for p in root.iterdir() if step_of(p) is not None and (p / META).is_file()]
+    return max(complete, key=step_of, default=None)
+
+
 def latest(root: Path) -> Path | None:
-    """The checkpoint `root/latest` names, or None when there is no `latest` (no checkpoint published yet)."""
+    """The newest complete checkpoint of `root`: the one `root/latest` names, or a complete `step_<n>` directory of a
+    later step, which a save killed after its rename and before `latest` moved leaves (on the first save, with no
+    `latest` at all); None when there is neither."""
+    newest = newest_complete(root)
     pointer = root / LATEST
     if not pointer.is_file():
-        return None
+        return newest
     name = pointer.read_text().strip()
     if step_of(Path(name)) is None:
         raise CheckpointError(f"{pointer}: expected a checkpoint name such as step_00000040, found {name!r}")
     target = root / name
     if not target.is_dir():
         raise CheckpointError(f"{pointer}: names {name}, which does not exist in {root}")
+    if newest is not None and step_of(newest) > step_of(target):
+        return newest
     return target
 
 
@@ -86,8 +102,8 @@ def resolve(resume: str, root: Path) -> Path | None:
         )
     if not path.is_dir():
         raise CheckpointError(f"trainer.resume={resume!r}: no such directory")
-    if not (path / META).is_file() and (path / LATEST).is_file():
-        return latest(path)
+    if not (path / META).is_file() and ((path / LATEST).is_file() or newest_complete(path) is not None):
+        return latest(path)  # a checkpoints root
     return path
 
 
