@@ -66,6 +66,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -612,6 +613,72 @@ def run_local(args: argparse.Namespace, overrides: list[str]) -> int:
 SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|unlimited|infinite", re.ASCII)
 
 
+#: Slurm partition and account names (sbatch -p takes a comma-separated list of partitions)
+SLURM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}", re.ASCII)
+SLURM_NAMES = re.compile(rf"{SLURM_NAME.pattern}(,{SLURM_NAME.pattern})*", re.ASCII)
+#: NCCL/Gloo interface and HCA lists: names, '^' (exclude), '=' (exact match), ':' (port), ',' separated
+COMM_VALUE = re.compile(r"[A-Za-z0-9_.:,^=@/+-]{1,256}", re.ASCII)
+
+
+def line_break(value: str) -> str | None:
+    """The first character of `value` that ends or breaks a line for some reader (bash: \n; Slurm, editors and
+    Python's splitlines: \r, \x0b, \x0c, \x1c-\x1e, \x85, U+2028, U+2029) or is another control character
+    (NUL ends the value in C), as its repr; None when there is none."""
+    for char in value:
+        if unicodedata.category(char) in ("Cc", "Zl", "Zp"):
+            return repr(char)
+    return None
+
+
+def check_script_values(args: argparse.Namespace, overrides: list[str], run_dir: str) -> None:
+    """Every value the sbatch script holds stays on its own line: SubmitError (exit 2) naming the flag otherwise.
+
+    Slurm reads `#SBATCH` lines up to the first line that is not one, so a line break in a value would add a directive
+    (`--uid=0`) or a shell command, and drop the directives after it (--time, --output, --chdir)."""
+    if not SLURM_NAMES.fullmatch(args.partition):
+        raise SubmitError(
+            f"--partition {args.partition!r} is not a Slurm partition name; expected letters, digits, '_', '.' or "
+            "'-' (a comma-separated list for several)"
+        )
+    if args.account is not None and not SLURM_NAME.fullmatch(args.account):
+        raise SubmitError(
+            f"--account {args.account!r} is not a Slurm account name; expected letters, digits, '_', '.' or '-'"
+        )
+    for flag, value in (
+        ("--nccl-socket-ifname", args.nccl_socket_ifname),
+        ("--gloo-socket-ifname", args.gloo_socket_ifname),
+        ("--nccl-ib-hca", args.nccl_ib_hca),
+        ("--nccl-net-gdr-level", args.nccl_net_gdr_level),
+    ):
+        if value is not None and not COMM_VALUE.fullmatch(value):
+            raise SubmitError(
+                f"{flag} {value!r} is not an interface, HCA list or level; expected letters, digits and "
+                "'_.:,^=@/+-' (e.g. ib0, ^docker,lo, mlx5_0:1,mlx5_1:1, PHB)"
+            )
+    for item in args.env:
+        bad = line_break(item)
+        if bad:
+            raise SubmitError(f"--env {item!r} holds {bad}: a value of the script must stay on one line")
+    # the run dir is the #SBATCH --output directive's value: Slurm ends it at whitespace and expands '%' patterns
+    bad = line_break(run_dir) or next((repr(c) for c in run_dir if c.isspace() or c == "%"), None)
+    if bad:
+        flag = "--run-dir" if args.run_dir else "trainer.run_dir"
+        raise SubmitError(
+            f"{flag} {run_dir!r} holds {bad}: the run dir goes into #SBATCH --output; expected a path without "
+            "whitespace, control characters or '%'"
+        )
+    bad = line_break(REPO) or next((repr(c) for c in REPO if c.isspace() or c == "%"), None)
+    if bad:
+        raise SubmitError(f"the checkout's path {REPO!r} holds {bad}: it goes into #SBATCH --chdir; move it")
+    for override in overrides:
+        bad = line_break(override)
+        if bad:
+            raise SubmitError(
+                f"the training override {override!r} holds {bad}: the script runs it on one line; expected a value "
+                "without control characters (put a multi-line value in a config file under configs/)"
+            )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="launch/submit.py",
@@ -640,37 +707,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Parse, check, then print (--dry-run), run (--local) or submit; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def script_run_dir(args: argparse.Namespace, config_run_dir: str) -> str:
+    """The absolute directory of the script and the Slurm log: --run-dir, else the config's trainer.run_dir (a relative
+    one under the checkout)."""
+    run_dir = args.run_dir or config_run_dir
+    return run_dir if os.path.isabs(run_dir) else os.path.abspath(os.path.join(REPO, run_dir))
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The flags and the training overrides (after `--`), every flag's value checked; SubmitError (exit 2) naming the
+    flag otherwise (argparse's own usage errors exit 2 too)."""
     overrides: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, overrides = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
+    if args.nodes < 1:
+        raise SubmitError(f"--nodes must be a positive integer, got {args.nodes}")
+    if args.gpus_per_node < 0:
+        raise SubmitError(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}")
+    for flag in ("cpus_per_node", "ray_num_cpus"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise SubmitError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
+    if not SLURM_TIME.fullmatch(args.time):
+        raise SubmitError(
+            f"--time {args.time!r} is not a Slurm time limit; expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
+            "D-HH:MM:SS or UNLIMITED (e.g. 24:00:00)"
+        )
+    # a newline in the name wrote lines into the sbatch script; a '../' put the script outside the run dir
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", args.job_name, re.ASCII):
+        raise SubmitError(
+            f"--job-name {args.job_name!r} is not a job name; expected up to 128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (it names <run_dir>/<job-name>.sbatch and its #SBATCH --job-name)"
+        )
+    if args.dry_run and args.local:
+        raise SubmitError("--dry-run and --local exclude each other")
+    comm_env(args)  # refuse a malformed --env early
+    if not args.local:  # what goes into the script, before the (slower) config check; the run dir once it is known
+        check_script_values(args, overrides, script_run_dir(args, "runs/latest"))
+    return args, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, check, then print (--dry-run), run (--local) or submit; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if args.nodes < 1:
-            raise SubmitError(f"--nodes must be a positive integer, got {args.nodes}")
-        if args.gpus_per_node < 0:
-            raise SubmitError(f"--gpus-per-node must be >= 0, got {args.gpus_per_node}")
-        for flag in ("cpus_per_node", "ray_num_cpus"):
-            value = getattr(args, flag)
-            if value is not None and value < 1:
-                raise SubmitError(f"--{flag.replace('_', '-')} must be a positive integer, got {value}")
-        if not SLURM_TIME.fullmatch(args.time):
-            raise SubmitError(
-                f"--time {args.time!r} is not a Slurm time limit; expected minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, "
-                "D-HH:MM:SS or UNLIMITED (e.g. 24:00:00)"
-            )
-        # a newline in the name wrote lines into the sbatch script; a '../' put the script outside the run dir
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", args.job_name, re.ASCII):
-            raise SubmitError(
-                f"--job-name {args.job_name!r} is not a job name; expected up to 128 letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit (it names <run_dir>/<job-name>.sbatch and its #SBATCH --job-name)"
-            )
-        if args.dry_run and args.local:
-            raise SubmitError("--dry-run and --local exclude each other")
-        comm_env(args)  # refuse a malformed --env early
+        args, overrides = parse(argv)
         from mcore_rl._quiet import quiet_process
 
         quiet_process()  # the check builds a meta model: Megatron's known CPU warnings stay off the screen, as in a run
@@ -680,8 +763,8 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         if args.local:
             return run_local(args, overrides)
-        run_dir = args.run_dir or report.run_dir
-        run_dir = run_dir if os.path.isabs(run_dir) else os.path.abspath(os.path.join(REPO, run_dir))
+        run_dir = script_run_dir(args, report.run_dir)
+        check_script_values(args, overrides, run_dir)
         check_partition(args.partition, dry_run=args.dry_run)
         text = render_script(args, overrides, run_dir)
         if args.dry_run:
