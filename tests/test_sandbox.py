@@ -388,7 +388,8 @@ def test_hostile_responses_score_zero_and_training_goes_on(sandbox, no_escape) -
         "huge output": "while True:\n    print('x' * 10000)",
         "kill parent": "import os\nos.kill(os.getppid(), 9)\nos.kill(0, 9)",
     }
-    reward = CodeReward(sandbox, max_workers=2, timeout_s=1.5)
+    # 5 s, not less: under load, filling 256 MiB took 0.9 s of wall clock for 0.25 s of CPU here
+    reward = CodeReward(sandbox, max_workers=2, timeout_s=5.0)
     manager = RewardManager(reward)
     rows = [f"```python\n{code}\n```" for code in hostile.values()] + [ADD]
     cases = json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]})

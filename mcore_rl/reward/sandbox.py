@@ -21,8 +21,14 @@ network, read-only root and environment from inside a probe program before a run
   launcher's process group;
 - stdout and stderr each capped at `max_output_bytes` (the sandbox is killed when one goes over).
 
-Memory is bounded per process (RLIMIT_AS), so one sandbox can use up to (max_processes + 1) * memory_mb; a
-cgroup would bound the total, but this module does not create cgroups.
+- no kernel keyring: a fresh anonymous session keyring, and a seccomp filter that refuses every keyring syscall
+  (and memfds, SysV shared memory and message queues, ptrace, namespaces and mounts, bpf, io_uring, ...: the list
+  and its reasons are in sandbox_launcher.py).
+
+Memory is bounded per process (RLIMIT_AS), so one sandbox can use up to (max_processes + 1) * memory_mb, plus
+tmpfs_mb of files in /tmp, plus pipe buffers (at most max_open_files of them). Memory that no address space counts
+(memfds, SysV shared memory and message queues) is refused by the filter. A cgroup would bound the total, but this
+module does not create cgroups.
 
 A machine that cannot provide the isolation (no user namespaces, e.g. under Docker's default seccomp profile)
 gets `SandboxUnavailable` from `Sandbox.check()` naming the step that failed, and `run` answers status "refused":
@@ -58,6 +64,8 @@ PROGRAM_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME"
 # Processes of the sandbox's own uid that are not the program's: the launcher and init (plus one spare for the
 # kernel's count, which includes the forking process). Measured: with RLIMIT_NPROC = n the program can fork n - 3.
 _LAUNCHER_PROCESSES = 3
+MAX_MEMORY_MB = 1 << 20  #: 1 TiB per process: more is no bound at all (RLIMIT_AS as good as off)
+MAX_TIMEOUT_S = 86400.0  #: one day: a longer wall clock is no bound (and its CPU limit would overflow)
 _DRAIN_S = 2.0  # after a kill: how long to wait for the namespace to die and the pipes to close
 
 
@@ -101,6 +109,12 @@ class SandboxConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("timeout_s", "setup_timeout_s"):
+            if not getattr(self, name) <= MAX_TIMEOUT_S:  # also catches inf
+                raise ValueError(f"SandboxConfig.{name} must be finite, at most {MAX_TIMEOUT_S:g} s, "
+                                 f"got {getattr(self, name)!r}")  # fmt: skip
+        if self.memory_mb > MAX_MEMORY_MB:
+            raise ValueError(f"SandboxConfig.memory_mb must be at most {MAX_MEMORY_MB}, got {self.memory_mb!r}")
         if self.cpu_s is not None and self.cpu_s < 1:
             raise ValueError(f"SandboxConfig.cpu_s must be >= 1 or None, got {self.cpu_s!r}")
         if self.max_processes < 0:
@@ -159,8 +173,12 @@ try:
     open("/probe", "w").close(); root = "writable"
 except OSError:
     root = "read-only"
+try:
+    seccomp = dict(line.split(":", 1) for line in open("/proc/self/status"))["Seccomp"].strip()
+except OSError:
+    seccomp = "2"  # no /proc in this sandbox (a partly masked host /proc): the filter's refusals still hold
 print(json.dumps({"uid": os.getuid(), "pid": os.getpid(), "network": network, "root": root,
-                  "parent_env": sorted(os.environ)}))
+                  "parent_env": sorted(os.environ), "seccomp": seccomp}))
 """
 
 
@@ -177,7 +195,7 @@ class Sandbox:
         """Prove once per process (and configuration) that the isolation works; raise `SandboxUnavailable` if not.
 
         Runs a probe program and checks from inside: the sandbox uid, pid 1's child, no network, a read-only
-        root, an environment of PROGRAM_ENV only. The message names the failing step or property.
+        root, an environment of PROGRAM_ENV only, the seccomp filter on. The message names the failing step or property.
         """
         key = (self.config.interpreter, self.config.interpreter_args, tuple(self.config.ro_paths()))
         with self._probe_lock:
@@ -199,7 +217,7 @@ class Sandbox:
             seen = json.loads(result.stdout)
         except json.JSONDecodeError:
             return f"probe printed {result.stdout[:200]!r}, not JSON"
-        expected = {"uid": 65534, "pid": 2, "root": "read-only", "parent_env": sorted(PROGRAM_ENV)}
+        expected = {"uid": 65534, "pid": 2, "root": "read-only", "parent_env": sorted(PROGRAM_ENV), "seccomp": "2"}
         wrong = [f"{k}={seen.get(k)!r} (expected {v!r})" for k, v in expected.items() if seen.get(k) != v]
         if "unreachable" not in seen.get("network", ""):
             wrong.append(f"network: connecting to 127.0.0.1 gave {seen.get('network')!r}, not 'unreachable'")
@@ -429,6 +447,30 @@ class SandboxPool:
         self.close()
 
 
+def _timeout_arg(text: str) -> float:
+    """argparse type of --timeout: a finite number of seconds in (0, MAX_TIMEOUT_S]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number of seconds > 0 and at most {MAX_TIMEOUT_S:g}, got {text}"
+        )
+    return value
+
+
+def _memory_arg(text: str) -> int:
+    """argparse type of --memory-mb: an integer number of MiB in [1, MAX_MEMORY_MB]."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_MEMORY_MB:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_MEMORY_MB} MiB, got {text}")
+    return value
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mcore_rl.reward.sandbox",
@@ -436,8 +478,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("file", metavar="FILE", help="the Python program to run")
     parser.add_argument("--stdin", metavar="FILE", help="file whose contents become the program's stdin")
-    parser.add_argument("--timeout", type=float, default=SandboxConfig.timeout_s, metavar="S", help="wall clock, s")
-    parser.add_argument("--memory-mb", type=int, default=SandboxConfig.memory_mb, metavar="M", help="per process")
+    parser.add_argument(
+        "--timeout", type=_timeout_arg, default=SandboxConfig.timeout_s, metavar="S", help="wall clock, s"
+    )
+    parser.add_argument(
+        "--memory-mb", type=_memory_arg, default=SandboxConfig.memory_mb, metavar="M", help="per process"
+    )
     args = parser.parse_args(argv)
     for path in (args.file, args.stdin):
         if path is not None and not os.path.isfile(path):

@@ -11,7 +11,9 @@ runs the program's code before the isolation is complete.
            a few /dev nodes, a fresh /proc and a size-capped tmpfs /tmp (the working directory); pivot_root and
            detach the old root (so no host path is reachable, unlike chroot); root remounted read-only
            -> program (pid 2): rlimits (CPU, address space, processes, file size, open files, no core),
-              no_new_privs, stdin from a memfd, empty environment but PATH/LANG/HOME, execve(interpreter ...)
+              no_new_privs, a fresh anonymous session keyring, a seccomp filter (`seccomp_program`: no keyring,
+              no memfd or SysV shared memory, no ptrace, no namespaces or mounts, ...), stdin from a memfd,
+              empty environment but PATH/LANG/HOME, execve(interpreter ...)
          init reaps everything and reports the program's exit; when init exits, the kernel kills every process
          left in the pid namespace, so nothing the program started outlives it
 
@@ -53,10 +55,71 @@ NAMESPACES = (  # after the user namespace, so that it owns them all
     (CLONE_NEWCGROUP, "cgroup"),
     (CLONE_NEWPID, "pid"),
 )
+# The seccomp filter (Linux's BPF: struct sock_filter {u16 code; u8 jt; u8 jf; u32 k}) and its return values.
+BPF_LD_W_ABS, BPF_JEQ_K, BPF_JGE_K, BPF_JSET_K, BPF_RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
+SECCOMP_RET_KILL_PROCESS, SECCOMP_RET_ERRNO, SECCOMP_RET_ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+EPERM, ENOSYS = 1, 38
+KEYCTL_JOIN_SESSION_KEYRING = 1
+# struct seccomp_data: nr at 0, arch at 4, args at 16 (the low 32 bits of args[0] on little-endian machines).
+_NR, _ARCH, _ARG0_LO = 0, 4, 16
+# Syscalls a program that computes and prints has no use for, refused with EPERM. Grouped by why:
+_REFUSED = (
+    # the kernel keyring is shared with the caller (its session keyring) and between sandboxes
+    "keyctl", "add_key", "request_key",
+    # memory that RLIMIT_AS does not count: memfds and SysV shared memory outlive their mappings, SysV message
+    # queues hold up to msgmnb bytes each (the pages would escape memory_mb)
+    "memfd_create", "memfd_secret", "shmget", "shmat", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl",
+    # other processes' memory and descriptors
+    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd",
+    # namespaces and mounts: the sandbox's own must stay as built
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen",
+    "fsconfig", "fsmount", "fspick", "mount_setattr", "open_by_handle_at", "name_to_handle_at",
+    # large kernel attack surface with no use here
+    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "fanotify_init",
+    # the machine's state (refused without capabilities anyway; refused here before any permission check)
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot", "swapon",
+    "swapoff", "acct", "quotactl", "syslog", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
+    "vhangup",
+)  # fmt: skip
+# Per architecture: the audit arch the filter insists on, and syscall numbers. clone3 answers ENOSYS (its flags sit
+# behind a pointer the filter cannot read), so libc falls back to clone, whose namespace flags the filter refuses.
+SECCOMP_ARCH = {
+    "x86_64": (0xC000003E, {
+        "keyctl": 250, "add_key": 248, "request_key": 249, "memfd_create": 319, "memfd_secret": 447,
+        "shmget": 29, "shmat": 30, "shmctl": 31, "msgget": 68, "msgsnd": 69, "msgrcv": 70, "msgctl": 71,
+        "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438, "unshare": 272,
+        "setns": 308, "mount": 165, "umount2": 166, "pivot_root": 155, "chroot": 161, "open_tree": 428,
+        "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+        "open_by_handle_at": 304, "name_to_handle_at": 303, "bpf": 321, "perf_event_open": 298,
+        "userfaultfd": 323, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "fanotify_init": 300, "kexec_load": 246, "kexec_file_load": 320, "init_module": 175, "finit_module": 313,
+        "delete_module": 176, "reboot": 169, "swapon": 167, "swapoff": 168, "acct": 163, "quotactl": 179,
+        "syslog": 103, "settimeofday": 164, "clock_settime": 227, "clock_adjtime": 305, "adjtimex": 159,
+        "vhangup": 153, "clone": 56, "clone3": 435,
+    }),
+    "aarch64": (0xC00000B7, {
+        "keyctl": 219, "add_key": 217, "request_key": 218, "memfd_create": 279, "memfd_secret": 447,
+        "shmget": 194, "shmat": 196, "shmctl": 195, "msgget": 186, "msgsnd": 189, "msgrcv": 188, "msgctl": 187,
+        "ptrace": 117, "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438, "unshare": 97,
+        "setns": 268, "mount": 40, "umount2": 39, "pivot_root": 41, "chroot": 51, "open_tree": 428,
+        "move_mount": 429, "fsopen": 430, "fsconfig": 431, "fsmount": 432, "fspick": 433, "mount_setattr": 442,
+        "open_by_handle_at": 265, "name_to_handle_at": 264, "bpf": 280, "perf_event_open": 241,
+        "userfaultfd": 282, "io_uring_setup": 425, "io_uring_enter": 426, "io_uring_register": 427,
+        "fanotify_init": 262, "kexec_load": 104, "kexec_file_load": 294, "init_module": 105, "finit_module": 273,
+        "delete_module": 106, "reboot": 142, "swapon": 224, "swapoff": 225, "acct": 89, "quotactl": 60,
+        "syslog": 116, "settimeofday": 170, "clock_settime": 112, "clock_adjtime": 266, "adjtimex": 171,
+        "vhangup": 58, "clone": 220, "clone3": 435,
+    }),
+}  # fmt: skip
+# clone's flags that make a namespace (also held off by max_user_namespaces=0 for user namespaces)
+CLONE_NAMESPACE_FLAGS = 0x7E020000
 SANDBOX_ID = 65534  # uid and gid inside the sandbox's user namespace ("nobody")
 DEV_NODES = ("null", "zero", "full", "random", "urandom")
 
 libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long  # fds and keyring ids are longs; -1 must stay -1
 libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 
 
@@ -203,6 +266,59 @@ def build_root(job: dict, entries: list[tuple[str, str, object]]) -> None:
     _call(libc.sethostname(b"sandbox", 7), "sethostname")  # the host's name stays private too
 
 
+def seccomp_program(machine: str) -> list[tuple[int, int, int, int]]:
+    """The BPF program of the sandbox's seccomp filter for `machine` (platform.machine()); Refused if unknown.
+
+    arch != this machine's    -> kill the process (another ABI's numbers mean other syscalls)
+    x32 ABI (nr >= 2**30)     -> EPERM
+    a syscall of _REFUSED     -> EPERM
+    clone3                    -> ENOSYS (libc falls back to clone)
+    clone with CLONE_NEW*     -> EPERM
+    anything else             -> allowed
+    """
+    if machine not in SECCOMP_ARCH:
+        raise Refused(f"no seccomp filter for architecture {machine} (known: {', '.join(SECCOMP_ARCH)})")
+    audit_arch, numbers = SECCOMP_ARCH[machine]
+    deny, nosys, allow = SECCOMP_RET_ERRNO | EPERM, SECCOMP_RET_ERRNO | ENOSYS, SECCOMP_RET_ALLOW
+    prog = [(BPF_LD_W_ABS, 0, 0, _ARCH), (BPF_JEQ_K, 1, 0, audit_arch), (BPF_RET_K, 0, 0, SECCOMP_RET_KILL_PROCESS)]
+    prog.append((BPF_LD_W_ABS, 0, 0, _NR))
+    if machine == "x86_64":
+        prog += [(BPF_JGE_K, 0, 1, 0x40000000), (BPF_RET_K, 0, 0, deny)]
+    for name in _REFUSED:
+        prog += [(BPF_JEQ_K, 0, 1, numbers[name]), (BPF_RET_K, 0, 0, deny)]
+    prog += [(BPF_JEQ_K, 0, 1, numbers["clone3"]), (BPF_RET_K, 0, 0, nosys)]
+    prog += [(BPF_JEQ_K, 0, 3, numbers["clone"]), (BPF_LD_W_ABS, 0, 0, _ARG0_LO)]
+    prog += [(BPF_JSET_K, 0, 1, CLONE_NAMESPACE_FLAGS), (BPF_RET_K, 0, 0, deny), (BPF_RET_K, 0, 0, allow)]
+    return prog
+
+
+def install_seccomp(machine: str) -> None:
+    """Load `seccomp_program(machine)` for this process and every process it starts (needs no_new_privs)."""
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    prog = seccomp_program(machine)
+    filters = (SockFilter * len(prog))(*[SockFilter(*insn) for insn in prog])
+    fprog = SockFprog(len(prog), filters)
+    _call(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "installing the seccomp filter")
+
+
+def join_fresh_session_keyring(machine: str) -> None:
+    """Replace the session keyring inherited from the caller with a new anonymous one (defence in depth: the
+    seccomp filter refuses every keyring syscall afterwards). A kernel or outer filter that refuses keyctl itself
+    leaves nothing to reach, so EPERM and ENOSYS are fine."""
+    nr = SECCOMP_ARCH[machine][1]["keyctl"] if machine in SECCOMP_ARCH else None
+    if nr is None:
+        raise Refused(f"no keyctl syscall number for architecture {machine}")
+    if libc.syscall(nr, KEYCTL_JOIN_SESSION_KEYRING, None) < 0 and ctypes.get_errno() not in (EPERM, ENOSYS):
+        err = ctypes.get_errno()
+        raise Refused(f"cannot join a fresh session keyring: [Errno {err}] {os.strerror(err)}")
+
+
 def exec_program(job: dict, status_fd: int, stdin_fd: int) -> None:
     """In the program's process (pid 2): limits, then execve. Never returns."""
     try:
@@ -226,6 +342,8 @@ def exec_program(job: dict, status_fd: int, stdin_fd: int) -> None:
             hard = value + 1 if name == "RLIMIT_CPU" else value
             resource.setrlimit(getattr(resource, name), (value, hard))
         prctl(PR_SET_NO_NEW_PRIVS, 1)
+        join_fresh_session_keyring(platform.machine())
+        install_seccomp(platform.machine())  # last: nothing after it but the exec
         argv = [job["interpreter"], *job["interpreter_args"], "/tmp/main.py"]
         os.execve(job["interpreter"], argv, job["env"])
     except (OSError, Refused, ValueError) as exc:
