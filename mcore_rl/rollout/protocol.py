@@ -76,12 +76,14 @@ def _per_prompt(value: Any, count: int, key: str, is_item: Callable[[Any], bool]
     return [value] * count
 
 
-def _int(params: dict, key: str, default: int, low: int | None = None) -> int:
+def _int(params: dict, key: str, default: int, low: int | None = None, expected: str = "") -> int:
+    """An integer sampling parameter (>= low when given); `expected` words the error when the bound alone does not."""
     value = params.get(key, default)
     if value is None:
         return default
     if not isinstance(value, int) or isinstance(value, bool) or (low is not None and value < low):
-        raise BadRequest(f"sampling_params.{key}={value!r} is invalid: expected an integer >= {low}")
+        expected = expected or ("an integer" if low is None else f"an integer >= {low}")
+        raise BadRequest(f"sampling_params.{key}={value!r} is invalid: expected {expected}")
     return value
 
 
@@ -141,7 +143,7 @@ def parse_sampling_params(params: Any, vocab_size: int) -> tuple[GenParams, int,
             f"sampling_params.stop_token_ids={params.get('stop_token_ids')!r} is invalid: expected a list of token "
             f"ids in [0, {vocab_size})"
         )
-    top_k = _int(params, "top_k", -1)
+    top_k = _int(params, "top_k", -1, expected="-1 (off) or an integer >= 1")
     if top_k == 0 or top_k < -1:
         raise BadRequest(f"sampling_params.top_k={top_k} is invalid: expected -1 (off) or an integer >= 1")
     seed = params.get("sampling_seed")
