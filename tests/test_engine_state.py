@@ -1,7 +1,9 @@
 """The engine pool's health probes and memory bookkeeping (controller/engine_state.py) against an HTTP double of
 SGLang 0.5.23's semantics: /health generates a token (answers after a delay) and does not answer while generation is
 paused; /resume_memory_occupation of a tag never released raises KeyError in the scheduler (`offload_tags.remove`),
-after which the engine is dead.
+after which the engine is dead; /release_memory_occupation while a request (a /health probe's one-token generate)
+runs fails SGLang's `is_fully_idle` assertion in a scheduler handler (weight_updater.py `release_memory_occupation`),
+which kills the server.
 
 Run: `.venv/bin/pytest tests/test_engine_state.py`
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 
 import pytest
 from _http_double import serve
@@ -28,21 +31,41 @@ class SGLangLifecycle:
         self.probes = 0
         self.offload_tags: set[str] = set()
         self.dead = False
+        self.probing = 0  #: /health generates running now
+        self.probe_started = threading.Event()
+        #: a probe waits (at most this long) for a release to arrive while it runs: forces the order the test needs
+        self.probe_waits_for_release_s = 0.0
+        self.released = asyncio.Event()
 
     async def health(self, request: web.Request) -> web.Response:
         self.probes += 1
         if self.dead:
             return web.Response(status=503)
-        while self.paused.is_set():  # the health request waits in the scheduler's queue like any other
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(self.health_delay_s)  # SGLang: at least 1 s (HEALTH_CHECK_TIMEOUT loop)
-        return web.Response(status=200)
+        self.probing += 1
+        self.probe_started.set()
+        try:
+            while self.paused.is_set():  # the health request waits in the scheduler's queue like any other
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(self.health_delay_s)  # SGLang: at least 1 s (HEALTH_CHECK_TIMEOUT loop)
+            if self.probe_waits_for_release_s:
+                try:
+                    await asyncio.wait_for(self.released.wait(), self.probe_waits_for_release_s)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.probing -= 1
+        return web.Response(status=503 if self.dead else 200)
 
     async def pause(self, request: web.Request) -> web.Response:
         self.paused.set()
         return web.json_response({"status": "ok"})
 
     async def release(self, request: web.Request) -> web.Response:
+        self.released.set()
+        if self.probing:  # `assert self.is_fully_idle(...)` in a scheduler handler: the server dies
+            self.dead = True
+            return web.Response(status=500, text="AssertionError: release_memory_occupation should be called only "
+                                "when server is idle.")  # fmt: skip
         self.offload_tags.update((await request.json())["tags"])
         return web.json_response({})
 
@@ -142,3 +165,20 @@ def test_a_probe_on_a_closed_session_is_a_shutdown_not_an_error(engine) -> None:
         assert client.run(health.dead([url])) == [], "a closed session says nothing about the engine"
     finally:
         client._session = None  # the fixture's close() must not close it twice
+
+
+def test_memory_is_released_only_once_no_probe_runs(engine) -> None:
+    """A probe started by the monitor just before the colocated hand-over to training is still generating its token
+    when the release would go out. Before, the release only stopped new probes, reached SGLang while the probe ran,
+    and the scheduler's idle assertion killed the engine (here: the double's release answered 500, dead). Now the
+    release waits for the running probe to end. The double's probe waits up to 3 s for a release to arrive, so the
+    unfixed order fails every time; fixed, the release waits out those 3 s."""
+    double, client, url = engine
+    double.probe_waits_for_release_s = 3.0
+    health = EngineHealth(client, timeout_s=30.0, failures=1)
+    memory = ReleasedMemory(client, health)
+    probe = asyncio.run_coroutine_threadsafe(health.dead([url]), client._loop)
+    assert double.probe_started.wait(30)
+    memory.release([url])
+    assert probe.result(60) == []
+    assert not double.dead and double.offload_tags == set(MEMORY_TAGS)

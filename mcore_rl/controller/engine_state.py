@@ -3,8 +3,9 @@ which memory it has released.
 
 ```
 EngineHealth     probes /health only while nothing holds it quiet (a weight push: pause -> update -> continue;
-                 released memory); an engine is dead after `failures` failed probes in a row, or at once when nothing
-                 listens on its port any more (connection refused: the process is gone)
+                 released memory: the release waits for a probe already running); an engine is dead after
+                 `failures` failed probes in a row, or at once when nothing listens on its port any more (connection
+                 refused: the process is gone)
 ReleasedMemory   /release_memory_occupation and /resume_memory_occupation per engine; resumes only what that
                  engine released
 ```
@@ -42,6 +43,8 @@ class EngineHealth:
     def __init__(self, client: Any, timeout_s: float, failures: int) -> None:
         self.client, self.timeout_s, self.failures = client, timeout_s, failures
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when the last running round of probes ends
+        self._running = 0  # rounds of probes running now (`dead`)
         self._holds: dict[str, int] = {}
         self._epoch = 0  # bumped by every hold: a probe that overlapped one does not count
         self._failed: dict[str, int] = {}
@@ -70,6 +73,12 @@ class EngineHealth:
         finally:
             self.release(reason)
 
+    def wait_idle(self) -> None:
+        """Block until no probe runs (call it holding probes off, so none starts after). Each probe ends within
+        `timeout_s`. A probe is a one-token generate on SGLang: what must not run while memory is released."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._running == 0, timeout=self.timeout_s + 5.0)
+
     def holds(self) -> list[str]:
         """Why probes are off now (empty: they run)."""
         with self._lock:
@@ -82,7 +91,13 @@ class EngineHealth:
             if self._holds or not urls:
                 return []
             epoch = self._epoch
-        results = await asyncio.gather(*(self._probe(url) for url in urls))
+            self._running += 1
+        try:
+            results = await asyncio.gather(*(self._probe(url) for url in urls))
+        finally:
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()
         dead = []
         with self._lock:
             if self._epoch != epoch:  # a push or a release began while the probes ran: they prove nothing
@@ -137,13 +152,16 @@ class ReleasedMemory:
             return set(self._released.get(url, ()))
 
     def release(self, urls: Iterable[str], tags: Iterable[str] = MEMORY_TAGS) -> None:
-        """/release_memory_occupation of `tags` on every engine in `urls`."""
+        """/release_memory_occupation of `tags` on every engine in `urls`, once no /health probe runs: SGLang
+        asserts its scheduler is idle there (`is_fully_idle`), a probe is a one-token generate, and the failed
+        assertion in a scheduler handler kills the server."""
         tags = list(tags)
         for url in urls:
             with self._lock:
                 first = not any(self._released.values())
                 if first:
                     self.health.hold("released memory")
+            self.health.wait_idle()  # a probe that started before the hold may still be generating
             try:
                 self.client.post(url, "/release_memory_occupation", {"tags": tags})
             except Exception:
