@@ -36,6 +36,10 @@ from mcore_rl.config import ConfigError, RLConfig
 
 FAILED = "FAILED"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+#: seconds the run's clean-up may take after SIGTERM before the driver exits 143 regardless (the watchdog then ends
+#: what it started); under Slurm's default KillWait (30 s), after which SIGKILL comes
+TERM_CLEANUP_S = 15.0
+_EXITING = threading.Lock()
 _SIGINT_SEEN = threading.Event()  # a real Ctrl-C, as against a KeyboardInterrupt some code raised itself
 _INTERNAL_EXIT = False  # set when exit 1 is ours (a bug), so Hydra's own exit 1 (bad override) can become 2
 
@@ -107,7 +111,7 @@ def run_guarded(cfg: RLConfig, run: Callable[[RLConfig], dict[str, float]]) -> N
     _clear_failed(run_dir)
     from mcore_rl import watchdog
 
-    guard = watchdog.start()  # noqa: F841 - held open for the life of the driver; its end is the watchdog's signal
+    guard = watchdog.start(run_dir=os.path.abspath(run_dir))  # noqa: F841 - held open for the life of the driver; its end is the watchdog's signal
     _install_signal_handlers(cfg)
     try:
         summary = run(cfg)
@@ -143,11 +147,13 @@ def run_guarded(cfg: RLConfig, run: Callable[[RLConfig], dict[str, float]]) -> N
         sys.exit(1)
 
 
-def _exit_terminated(cfg: RLConfig, marked: bool) -> None:
+def _exit_terminated(cfg: RLConfig, marked: bool, cut_short: bool = False) -> None:
+    _EXITING.acquire()  # once: the clean-up's end and TERM_CLEANUP_S's timer may both get here; the second waits
     where = _where_stopped(cfg)
     if not marked:
         _mark_failed(cfg.trainer.run_dir, f"terminated (SIGTERM) {where}")
-    print(f"\nterminated (SIGTERM) {where}; run dir {cfg.trainer.run_dir}", file=sys.stderr, flush=True)
+    note = f" (the clean-up was cut short after {TERM_CLEANUP_S:.0f} s)" if cut_short else ""
+    print(f"\nterminated (SIGTERM) {where}; run dir {cfg.trainer.run_dir}{note}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     # Not sys.exit: after a SIGTERM, Ray's atexit shutdown aborts the driver (SIGABRT, ray 2.60). The run's own
     # clean-up has stopped its engines and ranks by now, and the watchdog ends whatever the driver started.
@@ -155,6 +161,8 @@ def _exit_terminated(cfg: RLConfig, marked: bool) -> None:
 
 
 def _install_signal_handlers(cfg: RLConfig) -> None:
+    from mcore_rl import watchdog
+
     """SIGTERM: write the FAILED marker at once (a scheduler follows with SIGKILL after its grace period, which may
     cut the clean-up short), then raise Terminated in the main thread; a second SIGTERM during the clean-up ends the
     process (the default action). SIGINT: note that it came (sigint_received), then Python's KeyboardInterrupt."""
@@ -164,6 +172,11 @@ def _install_signal_handlers(cfg: RLConfig) -> None:
     def on_term(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _mark_failed(cfg.trainer.run_dir, f"terminated (SIGTERM) {_where_stopped(cfg)}")
+        # The clean-up goes through Ray, which hangs (60 s, then exit 1 from Ray's GCS client) when the SIGTERM went
+        # to the whole process group and Ray's own processes died of it too: bound it; the watchdog ends the rest.
+        timer = threading.Timer(TERM_CLEANUP_S, _exit_terminated, (cfg, True, True))
+        timer.daemon = True
+        timer.start()
         raise Terminated()
 
     def on_int(signum: int, frame: Any) -> None:
@@ -171,6 +184,7 @@ def _install_signal_handlers(cfg: RLConfig) -> None:
         signal.default_int_handler(signum, frame)
 
     signal.signal(signal.SIGTERM, on_term)
+    watchdog.keep_sigterm_handler(on_term)  # ray.init replaces it; controller/placement.py puts it back
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an ignored SIGINT ignored
         signal.signal(signal.SIGINT, on_int)
 

@@ -187,3 +187,98 @@ def test_reward_calling_sys_exit_is_the_rewards_failure(tmp_path) -> None:
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr and "called sys.exit(0)" in res.stderr and "score" in res.stderr
     assert (tmp_path / "run" / "FAILED").exists() and not (tmp_path / "run" / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------------------------------ rewards ending badly
+_SCORE_WITH = """
+from mcore_rl.reward.manager import RewardManager
+def reward(**kwargs):
+{reward}
+manager = RewardManager(reward, num_threads={threads})
+manager.score(["a", "b"], ["src/a", "src/a"], ["1", "1"])
+return {{"steps": 1}}
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_reward_raising_a_base_exception_subclass_is_exit_2_with_one_line(tmp_path, threads) -> None:
+    """A reward raising `class Stop(BaseException)` ended with exit 1 and a traceback; a failing reward is exit 2."""
+    reward = "    class Stop(BaseException):\n        pass\n    raise Stop('no more')"
+    proc = guarded(tmp_path / "run", _SCORE_WITH.format(reward=reward, threads=threads))
+    assert proc.returncode == 2, proc.err[-3000:]
+    assert "Traceback" not in proc.err
+    (line,) = proc.err.strip().splitlines()
+    assert "raised on row 0 (data_source='src/a'): Stop: no more" in line
+    assert (tmp_path / "run" / "FAILED").exists() and not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("call", ["os._exit(0)", "posix._exit(0)"])
+def test_reward_calling_os_exit_0_is_not_a_success(tmp_path, threads, call) -> None:
+    """os._exit(0) in a reward ended the run with exit 0, no summary.json and no FAILED: it looked like success."""
+    reward = f"    import os, posix\n    {call}"
+    proc = guarded(tmp_path / "run", _SCORE_WITH.format(reward=reward, threads=threads))
+    assert proc.returncode == 2, proc.err[-3000:]
+    assert "Traceback" not in proc.err and f"called {call}" in proc.err and "on row 0" in proc.err
+    assert (tmp_path / "run" / "FAILED").exists() and not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_driver_that_ends_without_summary_or_marker_is_marked_failed_by_the_watchdog(tmp_path) -> None:
+    """An ending nothing in the driver sees (a C library's exit, kill -9) leaves no summary.json: the watchdog, which
+    outlives the driver, writes FAILED so the run dir does not look like a run in progress or a finished one."""
+    proc = guarded(tmp_path / "run", "import ctypes\nctypes.CDLL(None)._exit(0)")
+    assert proc.returncode == 0  # nothing in a process can change the exit code of an _exit(0)
+    failed = tmp_path / "run" / "FAILED"
+    deadline = time.time() + 60  # the watchdog notices the driver's end within its poll interval (0.5 s)
+    while not failed.exists() and time.time() < deadline:
+        time.sleep(0.1)
+    assert "exited without finishing" in failed.read_text() and not (tmp_path / "run" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_whole_process_group_is_exit_143_and_failed(tmp_path) -> None:
+    """What `timeout`, scancel and a Slurm time limit do: SIGTERM to every process of the run's group, Ray's included.
+    The driver aborted inside Ray's absl signal handler (exit 134, no FAILED); it must end as after a SIGTERM to it
+    alone, and nothing of the group may outlive it."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcore_rl.train", "data.batch_size=2", "rollout.n=2", "actor.mini_batches=1",
+         "trainer.steps=50", f"trainer.run_dir={run_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+    )  # fmt: skip
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 480
+    while proc.poll() is None and time.time() < deadline:  # the run has trained two steps: Ray and engines are up
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "terminated (SIGTERM) after step" in err
+    assert (run_dir / "FAILED").read_text().startswith("terminated (SIGTERM) after step")
+    deadline = time.time() + 60  # the watchdog ends what the signal left, within its grace period
+    left = [p for p in psutil.process_iter() if _pgid(p.pid) == proc.pid]
+    while left and time.time() < deadline:
+        time.sleep(0.5)
+        left = [p for p in left if _alive(p)]
+    assert not left, [p.pid for p in left]
+
+
+def _alive(proc) -> bool:
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None

@@ -402,6 +402,9 @@ def init_ray(cfg: RLConfig) -> None:
         from mcore_rl.preflight import ray_connect_error
 
         raise ray_connect_error(cfg.trainer.ray_address, err) from err
+    from mcore_rl.watchdog import reclaim_sigterm
+
+    reclaim_sigterm()  # ray.init replaced the run's SIGTERM handler (watchdog.py says why that matters)
 
 
 def make_placement(cfg: RLConfig) -> SplitPlacement:

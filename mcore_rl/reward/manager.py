@@ -9,7 +9,10 @@
 A reward function that returns None, NaN, a string, or a dict without "score" stops the step with an error naming
 the function, the data_source, the row and the value, because a silently wrong reward poisons advantages for the
 whole batch. A function that raises is reported the same way, with the original exception chained; so is one that
-calls sys.exit or raises KeyboardInterrupt itself (a real Ctrl-C still stops the run: lifecycle.sigint_received).
+calls sys.exit or raises KeyboardInterrupt itself (a real Ctrl-C still stops the run: lifecycle.sigint_received), one
+that raises any other BaseException subclass, and one that calls os._exit (or posix._exit): while a reward call runs,
+those two are guarded (in this process only, not in a child it forks) and raise instead of ending the driver, which
+would otherwise have ended with exit 0 and no summary.json, looking like a finished run.
 Each call gets its own deep copy of its row's extra_info: a function that edits it cannot change what the next sample,
 the next epoch or another function sees.
 """
@@ -19,6 +22,8 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import os
+import posix
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,16 +66,45 @@ class RewardOutput:
     """Summary for logging: mean score overall and per data_source, means of numeric extras, timeout count."""
 
 
+class _ExitCalled(BaseException):
+    """A reward called os._exit / posix._exit (raised by the guard instead of ending the process)."""
+
+
+_IN_REWARD = threading.local()  # .pid: set while this thread runs a reward call in that process
+_GUARD_LOCK = threading.Lock()
+
+
+def _install_exit_guard() -> None:
+    """Replace os._exit and posix._exit (once per process) by a guard that raises _ExitCalled inside a reward call of
+    this process and ends the process as before everywhere else (the lifecycle's own exits, a forked child's)."""
+    with _GUARD_LOCK:
+        for module, name in ((os, "os._exit"), (posix, "posix._exit")):
+            real = module._exit
+            if getattr(real, "_reward_guard", False):
+                continue
+
+            def guarded(code: int, real: Any = real, name: str = name) -> None:
+                if getattr(_IN_REWARD, "pid", None) == os.getpid():
+                    raise _ExitCalled(f"{name}({code!r})")
+                real(code)
+
+            guarded._reward_guard = True  # type: ignore[attr-defined]
+            module._exit = guarded
+
+
 def _real_ctrl_c(exc: BaseException) -> bool:
     """A KeyboardInterrupt that a real Ctrl-C raised inside the call: re-raised as it is, so the run stops as
     interrupted (the user's, not the function's)."""
     return isinstance(exc, KeyboardInterrupt) and lifecycle.sigint_received()
 
 
-def _ended(exc: SystemExit | KeyboardInterrupt, where: str) -> RewardFunctionError:
-    """A reward's sys.exit or its own KeyboardInterrupt as its failure (RewardFunctionError: a user error, exit 2)."""
+def _ended(exc: BaseException, where: str) -> RewardFunctionError:
+    """A reward's sys.exit, os._exit or its own KeyboardInterrupt as its failure (RewardFunctionError: a user error,
+    exit 2)."""
     if isinstance(exc, KeyboardInterrupt):
         what = "raised KeyboardInterrupt (no Ctrl-C was pressed)"
+    elif isinstance(exc, _ExitCalled):
+        what = f"called {exc}"
     else:
         what = f"called sys.exit({exc.code!r})"
     return RewardFunctionError(f"{where} {what}; a reward function must return a score, not end the process")
@@ -110,6 +144,7 @@ class RewardManager:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
         if timeout_score is not None and not math.isfinite(timeout_score):
             raise ValueError(f"timeout_score must be finite or None, got {timeout_score}")
+        _install_exit_guard()
         self.fn = fn
         self.name = _function_name(fn)
         self.num_threads = num_threads
@@ -146,12 +181,19 @@ class RewardManager:
         timeouts = 0
         if isinstance(self.fn, BatchRewardFn):
             infos = [copy.deepcopy(info) for info in extra_infos]  # see the module docstring
+            _IN_REWARD.pid = os.getpid()
             try:
                 results = list(self.fn.score_batch(data_sources, solution_strs, ground_truths, infos))
-            except (SystemExit, KeyboardInterrupt) as exc:
+            except (SystemExit, KeyboardInterrupt, _ExitCalled) as exc:
                 if _real_ctrl_c(exc):
                     raise
                 raise _ended(exc, f"{self.name}.score_batch") from exc
+            except BaseException as exc:
+                if isinstance(exc, (Exception, lifecycle.Terminated)):
+                    raise
+                raise RewardFunctionError(f"{self.name}.score_batch raised {type(exc).__name__}: {exc}") from exc
+            finally:
+                _IN_REWARD.pid = None
             if len(results) != n:
                 raise RewardFunctionError(f"{self.name}.score_batch returned {len(results)} results for {n} rows")
         else:
@@ -193,19 +235,24 @@ class RewardManager:
 
         def call() -> RewardResult:
             info = copy.deepcopy(extra_info)  # see the module docstring
+            _IN_REWARD.pid = os.getpid()
             try:
                 return fn(
                     data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=info
                 )
-            except Exception as exc:
+            except (SystemExit, KeyboardInterrupt, _ExitCalled) as exc:
+                if _real_ctrl_c(exc):
+                    raise
+                raise _ended(exc, f"reward function {self.name} on row {row} (data_source={data_source!r})") from exc
+            except BaseException as exc:  # an Exception, or a BaseException subclass of the user's own
+                if isinstance(exc, lifecycle.Terminated):  # SIGTERM arrived while an inline reward ran
+                    raise
                 raise RewardFunctionError(
                     f"reward function {self.name} raised on row {row} (data_source={data_source!r}): "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-            except (SystemExit, KeyboardInterrupt) as exc:
-                if _real_ctrl_c(exc):
-                    raise
-                raise _ended(exc, f"reward function {self.name} on row {row} (data_source={data_source!r})") from exc
+            finally:
+                _IN_REWARD.pid = None
 
         return call
 
