@@ -74,3 +74,19 @@ vllm-setup: $(VLLM_VENV)/.installed
 
 vllm-constraints: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python tools/freeze_constraints.py --vllm --out constraints-vllm.txt
+
+# TRL beside this project (tools/bench_vs_trl.py): TRL's GRPOTrainer in its own virtualenv, a CPU torch pinned as in
+# .venv, every package at the version in constraints-trl.txt, installed with --no-deps (no resolution, no drift).
+# `make trl-constraints` rewrites the list from a working .venv-trl.
+TRL_VENV := .venv-trl
+.PHONY: trl-setup trl-constraints
+$(TRL_VENV)/.installed: constraints-trl.txt
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	echo "*" > $(TRL_VENV)/.gitignore
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q --no-deps -r constraints-trl.txt || { rm -rf $(TRL_VENV); exit 1; }
+	touch $@
+trl-setup: $(TRL_VENV)/.installed
+
+trl-constraints:
+	$(TRL_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^-e ' > constraints-trl.txt
