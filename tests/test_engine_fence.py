@@ -51,6 +51,8 @@ class SGLangSession:
         self.pause_barrier = pause_barrier
         self.pauses_alone = 0
         self._unpaused: asyncio.Event | None = None
+        self.released: set[str] = set()  #: memory tags released (/release_memory_occupation)
+        self.continued_without: list[set[str]] = []  #: per /continue_generation: the tags still released then
 
     @staticmethod
     def _answer(success: bool, message: str) -> web.Response:
@@ -74,7 +76,12 @@ class SGLangSession:
             self.holding = True  # SGLang's tokenizer holds new requests in every mode (is_pause)
             self._unpaused.clear()
             return web.json_response({"status": "ok"})
+        if route in ("/release_memory_occupation", "/resume_memory_occupation"):
+            tags = set(body["tags"])
+            self.released = self.released | tags if "release" in route else self.released - tags
+            return web.json_response({})
         if route == "/continue_generation":
+            self.continued_without.append(set(self.released))
             self.paused = self.holding = False
             self._unpaused.set()
             return web.json_response({"status": "ok"})
@@ -281,8 +288,13 @@ class BucketSender:
         self.client, self.on_failure = client, on_failure
         self.handles: list[Any] = []
 
-    def call(self, method: str, version: int, transport: str, urls: list[str], *args: Any) -> list[dict]:
-        assert method == "sync_send" and transport == "tensor"
+    def call(self, method: str, *args: Any) -> list[dict]:
+        if method == "offload":  # the colocated actor moves its state to host memory
+            return [{"bytes": 0}]
+        return self.sync_send(*args)
+
+    def sync_send(self, version: int, transport: str, urls: list[str], *args: Any) -> list[dict]:
+        assert transport == "tensor"
         try:
             for url in urls:
                 for bucket in range(BUCKETS):
@@ -344,3 +356,23 @@ def test_no_request_is_served_from_a_half_updated_engine(bucket: int) -> None:
             assert calls.count("/begin_weight_update") == 2 and calls[-1] == "/continue_generation", calls
         ((sample,),) = answers
         assert sample.weight_version == 2 and sample.weight_versions == [(2, 0, 1)]
+
+
+def test_colocated_generation_continues_only_with_its_kv_cache_back() -> None:
+    """The colocated hand-over to generation (ColocatedPlacement.sync_weights): engines resume their weights, the
+    push refills them, the actor offloads, engines resume KV cache and CUDA graphs. Before, the push's own
+    /continue_generation ran before the KV cache was back: SGLang's scheduler then runs batches with its KV pool
+    and CUDA graphs released. Now generation continues after the last resume."""
+    from mcore_rl.controller.engine_state import ReleasedMemory
+    from mcore_rl.controller.placement import ColocatedPlacement
+
+    with _engines(1) as ((double,), client, urls):
+        sync = _weight_sync(client, urls, BucketSender(client))
+        memory = ReleasedMemory(client, sync.pool.health)
+        sync.pool.resume_memory = lambda tags: memory.resume(urls, tags)
+        memory.release(urls)  # to_training
+        placement = object.__new__(ColocatedPlacement)
+        placement.cuda = False
+        placement.sync_weights(sync, 2)
+        assert double.label == "2" and not double.released and not double.holding
+        assert double.continued_without == [set()], double.calls

@@ -18,7 +18,8 @@ commit    /end_weight_update -> /flush_cache         the radix cache holds KV of
                                                      none, the embedded server's: no prefix cache, no flush)
 close     /abort_weight_update (our server: the staged tensors are dropped, old weights kept), or where the engine
           has no such route (SGLang) /end_weight_update: the session closes with what it loaded; the engine is held
-continue  /continue_generation, except on held engines
+continue  /continue_generation, except on held engines (colocated: after the engines resumed their KV cache,
+          `continue_after`)
 ```
 Held engines: SGLang loads every bucket into the live weights as it arrives and labels the engine with the push's
 version after the FIRST one (weight_updater.py:219-226 distributed, 250-258 tensor, 150-153 disk:
@@ -33,7 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import aiohttp
@@ -70,6 +72,20 @@ class EngineFence:
         #: engines holding half-updated weights (a failed push closed their session with /end_weight_update): kept
         #: paused until a push to them commits (module docstring)
         self.held: set[str] = set()
+        self._deferred: list[str] | None = None  # engines to continue at the end of `continue_after`
+
+    @contextmanager
+    def continue_after(self) -> Iterator[None]:
+        """The pushes inside the block leave their engines paused; they continue when the block ends (if it ends
+        without an error). The colocated hand-over to generation: the engines take their KV cache and CUDA graphs
+        back after the push, and SGLang must not run a batch before (placement.ColocatedPlacement.sync_weights)."""
+        self._deferred = []
+        try:
+            yield
+            deferred = list(dict.fromkeys(self._deferred))
+        finally:
+            self._deferred = None
+        self.resume(deferred)
 
     def open(self, urls: list[str]) -> tuple[list[str], list[str]]:
         """Pause and begin on every engine of `urls`: (the engines in the push, the engines paused). Engines that
@@ -179,7 +195,11 @@ class EngineFence:
         return held
 
     def resume(self, urls: list[str]) -> None:
-        """/continue_generation on `urls` (those `open` paused), except held ones (module docstring)."""
+        """/continue_generation on `urls` (those `open` paused), except held ones (module docstring); inside
+        `continue_after`, at its end."""
+        if self._deferred is not None:
+            self._deferred.extend(urls)
+            return
         for url in urls:
             if url in self.held:
                 continue

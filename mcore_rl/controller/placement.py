@@ -27,7 +27,7 @@ colocated  one placement group with a bundle per actor rank; on CUDA its bundles
            generate, the actor offloads parameters, gradients and
            optimizer state to host memory (CUDA; on CPU a no-op that says so in the log). The hand-over back to
            generation is verl's order: engines resume their weights -> the push refills them from the actor's (still
-           on device) -> the actor offloads -> engines resume their KV cache.
+           on device) -> the actor offloads -> engines resume their KV cache -> generation continues.
 """
 
 from __future__ import annotations
@@ -288,12 +288,15 @@ class ColocatedPlacement(SplitPlacement):
         # CPU every process maps shared memory, and the leader alone sends, as in split placement)
         sync.colocation = self.engine_ranks() if self.cuda else None
         engines = sync.pool
-        # only what an engine released is resumed (at start nothing is: SGLang's scheduler dies resuming a tag it
-        # never released)
-        engines.resume_memory(["weights"])
-        sync.push(version)
-        moved = sum(r["bytes"] for r in sync.actor.call("offload"))
-        engines.resume_memory(["kv_cache", "cuda_graph"])
+        # Generation continues only once the KV cache and CUDA graphs are back: the push's own
+        # /continue_generation would let SGLang's scheduler run batches on a released KV pool.
+        with sync.fence.continue_after():
+            # only what an engine released is resumed (at start nothing is: SGLang's scheduler dies resuming a tag
+            # it never released)
+            engines.resume_memory(["weights"])
+            sync.push(version)
+            moved = sum(r["bytes"] for r in sync.actor.call("offload"))
+            engines.resume_memory(["kv_cache", "cuda_graph"])
         return {"placement/offload_gib": moved / 2**30}
 
     def to_generation(self, sync: Any, version: int) -> dict[str, float]:
