@@ -196,9 +196,18 @@ class MegatronActor:
             output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, **packed)
             if self.routing is not None and self.routing.action:
                 self.routing.after(model, mb)
-            return output, lambda logits: loss_fn(mb, logits)
+            return output, lambda logits: loss_fn(mb, self._tempered(logits))
 
         return run_schedule(chunks, forward_step, mbs, seq_len, mbs[0].tokens.shape[0], self.pg, forward_only)
+
+    def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
+        """The policy's logits / actor.logit_temperature, so its logprobs, ratios and entropy are those of the
+        distribution the engines sampled (and reported logprobs) from. In place, as verl: a second full-vocabulary
+        tensor would be the largest activation of the step; the output layer's backward does not read its output."""
+        temperature = getattr(self.cfg, "logit_temperature", None)  # the critic's output is values: never scaled
+        if self.role != "actor" or temperature is None or temperature == 1.0:
+            return logits
+        return logits.div_(temperature)
 
     def _response_logprobs(self, mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
         return unpack_rows(mb, response_logprobs(logits, mb.targets, mb.gather_index, self.vocab_size, self.pg.tp))

@@ -82,8 +82,11 @@ class RLConfig:
 
     def validate(self) -> None:
         """Every group's own validation, then the checks that span groups (config/validate.py); fills in
-        actor.use_ref and the optimizers' lr_decay_steps when they are null."""
+        actor.use_ref, actor.logit_temperature and the optimizers' lr_decay_steps when they are null."""
         validate_run(self)
+        if self.actor.logit_temperature is None:  # the actor's logprobs are those of the distribution sampled from
+            sampled = self.rollout.temperature if self.rollout.temperature > 0 else 1.0
+            self.actor.logit_temperature = 1.0 if self.trainer.mode == "dpo" else sampled
 
     def uses_reference(self) -> bool:
         """Whether a KL term of the objective needs the reference model's logprobs (then the reference pass runs

@@ -295,6 +295,12 @@ class ActorConfig:
     #: truncated importance sampling (TIS) cap for samples generated with an older weight version than the one
     #: trained (trainer.async_rollout): w = min(pi_old / pi_rollout, cap) per token; null = no correction
     stale_tis_cap: float | None = 2.0
+    #: the policy's logits are divided by this before every logprob and entropy (verl and slime divide by the
+    #: rollout temperature): the engines sample, and report logprobs, from softmax(logits / T), and the PPO ratio,
+    #: rollout correction and rollout/logprob_abs_diff compare the actor's logprobs with theirs. null =
+    #: rollout.temperature (1 when it is 0, greedy: the engines then report T=1 logprobs), and 1 in DPO (which samples
+    #: nothing it trains on)
+    logit_temperature: float | None = None
 
     def validate(self) -> None:
         for name in ("world_size", "micro_batch_size", "mini_batches", "ppo_epochs"):
@@ -325,6 +331,8 @@ class ActorConfig:
         self.layout.validate()
         self.layout.to_layout().check_world_size(self.world_size)
         _check(self.stale_tis_cap is None or self.stale_tis_cap > 0, "actor.stale_tis_cap", self.stale_tis_cap, "> 0")
+        if self.logit_temperature is not None:
+            _check(self.logit_temperature > 0, "actor.logit_temperature", self.logit_temperature, "> 0 or null")
         self.recompute.validate()
         _check(
             self.moe_dispatcher in (None, "alltoall", "flex"),
