@@ -1,6 +1,7 @@
 """Tests for loading user reward functions and for RewardManager's validation, threads and timeouts."""
 
 import math
+import re
 import textwrap
 import threading
 
@@ -282,3 +283,40 @@ def test_a_timeout_on_an_earlier_row_is_reported_before_a_later_rows_error():
             )
     finally:
         release.set()
+
+
+# ------------------------------------------------------------------------ long reward phases
+@pytest.mark.parametrize("timeout_s", [None, 30.0])  # inline calls, and threaded calls under a timeout
+def test_a_long_reward_phase_reports_progress(caplog, timeout_s):
+    """A slow reward (2 GB per call, swapping) stalled the run with no message. The manager logs how many rows are
+    scored every `progress_every_s` of a phase; here the slow row waits until that line has been logged."""
+    import logging
+
+    progressed = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "rows scored" in record.getMessage():
+                progressed.set()
+
+    def slow_first_row(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "slow":
+            assert progressed.wait(30), "no progress line while the reward phase ran"
+        return 1.0
+
+    handler = Seen()
+    logging.getLogger("mcore_rl.reward.manager").addHandler(handler)
+    try:
+        with caplog.at_level("INFO", logger="mcore_rl.reward.manager"):
+            manager = RewardManager(slow_first_row, timeout_s=timeout_s, progress_every_s=0.05)
+            out = manager.score(["ok", "slow", "ok"], ["s"] * 3, ["1"] * 3)
+    finally:
+        logging.getLogger("mcore_rl.reward.manager").removeHandler(handler)
+    assert out.scores.tolist() == [1.0, 1.0, 1.0]
+    assert re.search(r"reward: \d/3 rows scored in \d+ s \(reward function .*slow_first_row", caplog.text)
+
+
+def test_reward_timeout_has_a_default_that_bounds_a_hung_reward():
+    from mcore_rl.config import RLConfig
+
+    assert RLConfig().reward.timeout_s == 60.0

@@ -138,7 +138,11 @@ class RewardConfig:
     #: keyword arguments bound to every call of the function in `path` (verl's custom_reward_function.reward_kwargs)
     kwargs: dict[str, Any] = field(default_factory=dict)
     num_threads: int = 1  #: concurrent calls of a per-response function
-    timeout_s: float | None = None  #: per-call limit in seconds (null = none); a call past it fails the step
+    #: per-call limit in seconds (null = none); a call past it fails the step, naming the row. 60 s: a rule reward
+    #: takes microseconds and a math verifier's symbolic check seconds at worst; a code reward's sandbox bounds each run
+    #: at 10-30 s (verl's sandbox default is 30). A call still running after a minute is hung or swapping, and without
+    #: a limit it stalled the run with no message (a reward allocating 2 GB per call)
+    timeout_s: float | None = 60.0
     #: HF sequence-classification reward model dir (num_labels=1), scored by a Ray worker (reward/reward_model.py)
     model_path: str | None = None
     model_weight: float = 1.0  #: weight of the reward model's score in the per-row sum

@@ -19,14 +19,16 @@ the next epoch or another function sees.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import math
 import numbers
 import os
 import posix
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,6 +36,10 @@ import torch
 
 from mcore_rl import lifecycle  # imported here, not in the reward threads (a first import from two at once raced)
 from mcore_rl.reward.loader import RewardFn, RewardFunctionError, RewardResult
+
+log = logging.getLogger(__name__)
+#: seconds between the progress lines of a long reward phase (a slow verifier, a reward that swaps)
+PROGRESS_EVERY_S = 30.0
 
 
 @runtime_checkable
@@ -130,6 +136,7 @@ class RewardManager:
         num_threads: int = 1,
         timeout_s: float | None = None,
         timeout_score: float | None = None,
+        progress_every_s: float = PROGRESS_EVERY_S,
     ) -> None:
         """Args:
         fn: a per-response `RewardFn` (see `loader.build_reward_fn`) or a `BatchRewardFn`.
@@ -137,6 +144,7 @@ class RewardManager:
             verifier); CPU-bound Python rule rewards are fast enough inline. 1 with no timeout runs inline.
         timeout_s: per-call limit in seconds for a per-response function, or None for no limit.
         timeout_score: score given to a call that times out; None makes a timeout an error.
+        progress_every_s: a phase longer than this logs how many rows are scored, and again after each such period.
         """
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
@@ -150,6 +158,7 @@ class RewardManager:
         self.num_threads = num_threads
         self.timeout_s = timeout_s
         self.timeout_score = timeout_score
+        self.progress_every_s = progress_every_s
         # The calling thread's last output: validation reads its extras (acc) after scoring through a producer,
         # while an async producer may be scoring the next batch on another thread.
         self._last = threading.local()
@@ -201,15 +210,23 @@ class RewardManager:
                 self._call(self.fn, row, data_sources[row], solution_strs[row], ground_truths[row], extra_infos[row])
                 for row in range(n)
             ]
-            if self.num_threads == 1 and self.timeout_s is None:
-                results = [call() for call in calls]
-            else:
-                results, timed_out = self._run_threaded(calls)
+            done = [0]  # rows scored so far, read by the progress reporter
+            timed_out: list[int] = []
+            with self._progress(n, done):
+                if self.num_threads == 1 and self.timeout_s is None:
+                    results = []
+                    for call in calls:
+                        results.append(call())
+                        done[0] += 1
+                else:
+                    results, timed_out = self._run_threaded(calls, done)
+            if timed_out:
                 for row in timed_out:
                     if self.timeout_score is None:
                         raise RewardTimeoutError(
-                            f"reward function {self.name} ran past timeout_s={self.timeout_s} on row {row} "
-                            f"(data_source={data_sources[row]!r}); raise the timeout or set timeout_score"
+                            f"reward function {self.name} ran past reward.timeout_s={self.timeout_s} on row {row} "
+                            f"(data_source={data_sources[row]!r}); raise reward.timeout_s if the function is this "
+                            f"slow (null: no limit)"
                         )
                     results[row] = self.timeout_score
                 timeouts = len(timed_out)
@@ -256,7 +273,30 @@ class RewardManager:
 
         return call
 
-    def _run_threaded(self, calls: list[Callable[[], RewardResult]]) -> tuple[list[Any], list[int]]:
+    @contextlib.contextmanager
+    def _progress(self, n: int, done: list[int]) -> Iterator[None]:
+        """Log `done[0]`/n every progress_every_s while the block runs (from a thread: a call may block the caller)."""
+        stop = threading.Event()
+        start = time.monotonic()
+
+        def report() -> None:
+            while not stop.wait(self.progress_every_s):
+                limit = f"reward.timeout_s={self.timeout_s:g} per call" if self.timeout_s else "no reward.timeout_s"
+                log.info(
+                    "reward: %d/%d rows scored in %.0f s (reward function %s; %s)",
+                    done[0], n, time.monotonic() - start, self.name, limit,
+                )  # fmt: skip
+
+        reporter = threading.Thread(target=report, daemon=True, name="reward-progress")
+        reporter.start()
+        try:
+            yield
+        finally:
+            stop.set()
+
+    def _run_threaded(
+        self, calls: list[Callable[[], RewardResult]], done: list[int] | None = None
+    ) -> tuple[list[Any], list[int]]:
         """Run calls on up to `num_threads` daemon threads, each with its own deadline from when it starts.
 
         Python cannot kill a thread, so a call past its deadline is abandoned: its (daemon) thread no longer counts
@@ -286,6 +326,8 @@ class RewardManager:
                 if not finished[row]:  # an abandoned call's late result is dropped
                     results[row] = value
                     finished[row] = True
+                    if done is not None:
+                        done[0] += 1
                 cond.notify()
 
         started: dict[int, float] = {}  # row -> start time, for calls still counted as running
