@@ -9,6 +9,8 @@ must be learnable from scratch by RL alone, with prompts and answers a few token
     lookup       "lookup: 7"   -> "3"     multi-turn (configs/multiturn_tool.yaml): the value under key 7 is drawn
                                           per row and only the `lookup` tool knows it (extra_info.tools_kwargs), so
                                           the policy must call the tool, then copy its answer
+    arith_add    "What is 7 + 5? Answer with just the number." -> "12"   for a real chat model (data/arithmetic.py:
+                                          the real-model recipe, configs/smollm2_arith.yaml)
 
 With the tiny tokenizer (`tokenizer.py`) each digit is one token, so an answer of n digits is n tokens plus eos.
 The reward (`mcore_rl.reward.rule.synthetic_digits_score`) gives partial credit for emitting digits, for each right
@@ -37,6 +39,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from mcore_rl.data.arithmetic import ARITH_TASK, arithmetic_rows
 
 DATA_SOURCE_PREFIX = "synthetic/"
 ABILITY = "synthetic"
@@ -133,7 +137,9 @@ LOOKUP_SCHEMA = pa.schema(
 def get_task(task: str) -> SyntheticTask:
     """Look a task up by name; the error lists the known tasks."""
     if task not in TASKS:
-        raise ValueError(f"unknown synthetic task {task!r}; expected one of {sorted(TASKS) + [LOOKUP_TASK]}")
+        raise ValueError(
+            f"unknown synthetic task {task!r}; expected one of {sorted(TASKS) + [LOOKUP_TASK, ARITH_TASK]}"
+        )
     return TASKS[task]
 
 
@@ -226,7 +232,8 @@ def write_synthetic_dataset(
         path: output parquet file; written atomically (temporary file, then rename).
         num_prompts: number of rows.
         seed: determines the rows; the same (num_prompts, seed, task, split) always gives the same file content.
-        task: one of `TASKS` ("copy_digit", "copy_digits", "successor") or "lookup" (the multi-turn tool task).
+        task: one of `TASKS` ("copy_digit", "copy_digits", "successor"), "lookup" (the multi-turn tool task) or
+            "arith_add" (addition questions for a real chat model: data/arithmetic.py).
         split: stored in `extra_info.split` ("train", "test", ...). Use a different seed for a test split.
 
     Returns:
@@ -234,6 +241,8 @@ def write_synthetic_dataset(
     """
     if task == LOOKUP_TASK:
         table = pa.Table.from_pylist(lookup_rows(num_prompts, seed, split), schema=LOOKUP_SCHEMA)
+    elif task == ARITH_TASK:  # a real chat model's task (data/arithmetic.py)
+        table = pa.Table.from_pylist(arithmetic_rows(num_prompts, seed, split), schema=SYNTHETIC_SCHEMA)
     else:
         table = pa.Table.from_pylist(synthetic_rows(num_prompts, seed, task, split), schema=SYNTHETIC_SCHEMA)
     write_parquet_atomically(table, path)
@@ -278,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", help="output .parquet file")
     parser.add_argument("--num-prompts", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--task", default="copy_digit", choices=sorted(TASKS) + [LOOKUP_TASK])
+    parser.add_argument("--task", default="copy_digit", choices=sorted(TASKS) + [LOOKUP_TASK, ARITH_TASK])
     parser.add_argument("--split", default="train")
     args = parser.parse_args(argv)
     write_synthetic_dataset(args.path, args.num_prompts, args.seed, args.task, args.split)

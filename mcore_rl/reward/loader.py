@@ -66,6 +66,7 @@ BUILTIN_PREFIXES: dict[str, RewardFn] = {"aime": verl_scores.dapo_score}
 BUILTIN_REWARDS: dict[str, RewardFn] = {
     **{source: rule.synthetic_digits_score for source in SYNTHETIC_DATA_SOURCES},
     "synthetic/lookup": rule.synthetic_lookup_score,
+    "arith/add": rule.arithmetic_score,  # data/arithmetic.py: the real-model recipe
     **{source: verl_scores.gsm8k_score for source in GSM8K_DATA_SOURCES},
     **{source: verl_scores.hendrycks_math_score for source in MATH_DATA_SOURCES},
     **{source: verl_scores.dapo_score for source in DAPO_DATA_SOURCES},

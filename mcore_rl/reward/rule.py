@@ -6,6 +6,7 @@ Each function scores one decoded response (`solution_str`, special tokens alread
 - `synthetic_digits_score`: the default CPU job's task (see `mcore_rl/data/synthetic.py`), with partial credit so
   that a randomly initialised policy gets a dense signal.
 - `synthetic_lookup_score`: the multi-turn tool job's task, credited piece by piece.
+- `arithmetic_score`: the real-model recipe's addition questions (`mcore_rl/data/arithmetic.py`), 0 or 1.
 
 verl's data sources (GSM8K, MATH, DAPO, AIME) are scored by `reward/verl_scores.py`, as verl scores them.
 """
@@ -126,3 +127,25 @@ def synthetic_lookup_score(
         "called": float(found == 5 and right_key),
         "relayed": float(answer is not None and answer == returned),
     }
+
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def arithmetic_score(
+    data_source: str, solution_str: str, ground_truth: str, extra_info: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """Score an answer to an `arith/add` question ("What is 7 + 5? Answer with just the number."): 1.0 when the
+    last integer in the response is the sum, else 0.0 (verl's GSM8K "flexible" rule: the last number is the answer).
+
+    The last number, not the whole response: the untrained model often writes "7 + 5 = 12", which is right; a
+    response that stops at the number is preferred by GRPO anyway, since longer ones more often end on another number.
+    Metrics: "acc" (the same 0/1) and "bare" (the response is the number alone).
+    """
+    if not ground_truth or not _INTEGER.fullmatch(ground_truth.strip()):
+        raise ValueError(
+            f"arithmetic reward for data_source={data_source!r}: ground_truth {ground_truth!r} is not an integer"
+        )
+    numbers = _INTEGER.findall(solution_str)
+    right = float(bool(numbers) and int(numbers[-1]) == int(ground_truth))
+    return {"score": right, "acc": right, "bare": float(solution_str.strip().rstrip(".") == ground_truth.strip())}
