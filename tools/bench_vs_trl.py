@@ -178,6 +178,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=25)
     parser.add_argument("--config-name", default="smollm2_arith")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of TRL's process")
+    parser.add_argument(
+        "--reward",
+        default="mcore_rl/reward/rule.py:arithmetic_score",
+        help="FILE:NAME of the verl-signature scorer TRL calls, when the recipe scores by data_source (no reward.path)",
+    )
     parser.add_argument("overrides", nargs="*", help="after --: mcore_rl overrides for both (settings) and mcore_rl")
     args = parser.parse_args()
     cfg = recipe_settings(args.config_name, args.overrides)
@@ -189,15 +194,16 @@ def main() -> None:
     )
     if not files:
         raise SystemExit("no training parquet: the recipe names none and its run dir holds none")
-    reward_path = cfg["reward"].get("path")
-    if not reward_path:
-        raise SystemExit(
-            "the recipe must name its reward as reward.path/reward.name (verl's signature) for TRL to use it"
-        )
+    reward_path, reward_name = cfg["reward"].get("path"), cfg["reward"].get("name") or "compute_score"
+    if not reward_path:  # the recipe scores by data_source with a built-in scorer: TRL loads the same function by file
+        reward_path, reward_name = args.reward.rsplit(":", 1)
+
+    def absolute(path: str) -> str:
+        return path if os.path.isabs(path) else str(ROOT / path)
+
     spec = {
-        "model": cfg["model"]["path"], "parquet": files[0], "reward_path": str(ROOT / reward_path)
-        if not os.path.isabs(reward_path) else reward_path, "reward_name": cfg["reward"].get("name") or "compute_score",
-        "prompts_per_step": cfg["data"]["batch_size"], "n": cfg["rollout"]["n"],
+        "model": absolute(cfg["model"]["path"]), "parquet": files[0], "reward_path": absolute(reward_path),
+        "reward_name": reward_name, "prompts_per_step": cfg["data"]["batch_size"], "n": cfg["rollout"]["n"],
         "max_new_tokens": cfg["rollout"]["max_new_tokens"], "temperature": cfg["rollout"]["temperature"],
         "lr": cfg["actor"]["optim"]["lr"], "steps": args.steps, "seed": cfg["trainer"]["seed"], "threads": args.threads,
     }  # fmt: skip
