@@ -70,6 +70,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl.controller.critic_group import CriticGroup
     from mcore_rl.controller.engine_pool import EnginePool
     from mcore_rl.controller.placement import init_ray, make_placement
+    from mcore_rl.controller.producer import dump_rollouts
     from mcore_rl.controller.samples import reduce_rank_metrics
     from mcore_rl.controller.state import LoopState
     from mcore_rl.controller.validation import Validator
@@ -150,6 +151,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
         for step in range(state.step + 1, cfg.trainer.steps + 1):
             timer = log.timer()
             rollouts = producer.produce(step, timer)  # prompts -> engines -> reward
+            if cfg.trainer.rollout_data_dir:  # what the model wrote, per sample (verl's rollout dump)
+                dump_rollouts(cfg.trainer.rollout_data_dir, step, rollouts, tokenizer)
             batch = rollouts.batch
             rollouts.metrics.update(placement.to_training(actor, engines))
 

@@ -49,6 +49,9 @@ class TrainerConfig:
     steps: int = 40  #: RL steps
     runtime: str = "cpu"  #: cpu (gloo, opt-in) | cuda (NCCL)
     run_dir: str = "runs/latest"  #: metrics.jsonl and artifacts go here
+    #: per-step rollout dumps (verl's trainer.rollout_data_dir): <dir>/<step>.jsonl, one line per sample with its
+    #: prompt and response text, score, ground truth and weight version (controller/producer.py); null = none
+    rollout_data_dir: str | None = None
     seed: int = 0
     ray_address: str | None = None  #: host:port of a running cluster (auto: Ray's discovery); null = a new local Ray
     ray_num_cpus: int | None = None  #: logical CPUs for a local Ray (null = enough for the actors)

@@ -511,7 +511,7 @@ VERL_KEYS: dict[str, Rule] = {
     "trainer.del_local_ckpt_after_load": Ignore("checkpoints are kept (trainer.keep_last)", _falsy, "deletion"),
     "trainer.esi_redundant_time": Ignore("no ESI preemption handling"),
     "trainer.ray_wait_register_center_timeout": Ignore("workers report through Ray directly"),
-    "trainer.rollout_data_dir": Ignore("rollouts are not dumped", _falsy, "the rollout dump"),
+    "trainer.rollout_data_dir": Map("trainer.rollout_data_dir"),
     "trainer.use_legacy_worker_impl": Ignore("one worker implementation here"),
     "ray_kwargs.ray_init.num_cpus": Map("trainer.ray_num_cpus"),
 }

@@ -10,7 +10,9 @@ that keep generating until a batch is full, multi-turn agent episodes, generatio
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,3 +98,32 @@ class RolloutProducer:
         per_sample = {k: [p[k] for p in prompts for _ in range(n)] for k in PROMPT_FIELDS}
         texts = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
         return self.reward.score(texts, *(per_sample[k] for k in PROMPT_FIELDS)).scores
+
+
+def dump_rollouts(directory: str, step: int, rollouts: Rollouts, tokenizer: Any) -> str:
+    """Write `<directory>/<step>.jsonl` (verl's trainer.rollout_data_dir): per sample, prompt-major, its prompt text
+    (chat template and special tokens as the model saw them), response text (special tokens dropped, as the reward
+    read it), score, ground truth, data source and the weight version that generated it. Written to a temporary file
+    and renamed, so a reader never sees half a step. Returns the file's path."""
+    os.makedirs(directory, exist_ok=True)
+    n = max(1, len(rollouts.samples) // max(1, len(rollouts.prompts)))
+    prompts = tokenizer.batch_decode([p["prompt_token_ids"] for p in rollouts.prompts], skip_special_tokens=False)
+    responses = tokenizer.batch_decode([s.response_ids for s in rollouts.samples], skip_special_tokens=True)
+    path = os.path.join(directory, f"{step}.jsonl")
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        for i, (sample, response) in enumerate(zip(rollouts.samples, responses)):
+            prompt = rollouts.prompts[i // n]
+            row = {
+                "step": step,
+                "prompt": prompts[i // n],
+                "response": response,
+                "score": float(rollouts.scores[i]),
+                "ground_truth": prompt.get("ground_truth"),
+                "data_source": prompt.get("data_source"),
+                "weight_version": sample.weight_version,
+                "finish_reason": getattr(sample, "finish_reason", None),
+            }
+            f.write(json.dumps(row, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
