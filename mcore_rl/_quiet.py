@@ -29,6 +29,9 @@ KNOWN_WARNINGS: tuple[tuple[type[Warning], str, str, str], ...] = (
     # `return func(*args, **kwargs)` source line Ray prints beneath it). Megatron's call, not ours.
     (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated", "", "Megatron's collective"),
     (FutureWarning, r"`torch\.distributed\.reduce_scatter_tensor` is deprecated", "", "Megatron's collective"),
+    # megatron-core 0.16.1's torch_dist load strategy (dist_checkpointing/strategies/torch.py) calls torch's
+    # checkpoint.load_state_dict, which torch 2.13 deprecates for `load`: every rank printed it on every resume.
+    (FutureWarning, r"`load_state_dict` is deprecated and will be removed", "", "Megatron's checkpoint load"),
 )
 
 

@@ -32,3 +32,28 @@ def test_no_warning_where_samples_can_differ_or_no_group_baseline(monkeypatch, c
     with caplog.at_level("WARNING", logger="mcore_rl.controller.producer"):
         _make(temperature, n, estimator)
     assert not caplog.text
+
+
+def test_megatrons_checkpoint_load_does_not_print_torchs_future_warning() -> None:
+    """A resume printed torch's FutureWarning "`load_state_dict` is deprecated" from every rank: megatron-core's
+    torch_dist load strategy calls torch.distributed.checkpoint.load_state_dict (megatron-core 0.16.1, torch 2.13).
+    quiet_process (run in every Ray worker) hides exactly that warning; another FutureWarning still shows."""
+    import inspect
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.strategies import torch as megatron_torch
+
+    from mcore_rl._quiet import quiet_process
+
+    assert "checkpoint.load_state_dict(" in inspect.getsource(megatron_torch)  # the call the filter is for
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_process()
+        try:
+            dcp.load_state_dict({}, storage_reader=None)  # warns on entry, then fails on the missing reader
+        except Exception:  # noqa: BLE001 - only the warning matters here
+            pass
+        warnings.warn("something else is deprecated", FutureWarning, stacklevel=1)
+    messages = [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
+    assert messages == ["something else is deprecated"], messages
