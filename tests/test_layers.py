@@ -24,8 +24,9 @@ FOLDERS = {
 }
 #: top to bottom; a module's layer is that of the first prefix that matches it (most specific first)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("entry", ("mcore_rl.train", "mcore_rl.cli", "mcore_rl.lifecycle", "mcore_rl.preflight")),
-    ("controller", ("mcore_rl.controller",)),
+    ("entry", ("mcore_rl.train", "mcore_rl.cli", "mcore_rl.lifecycle")),
+    # pre-flight is the controller's check of a run's inputs before anything starts (both loops call it)
+    ("controller", ("mcore_rl.controller", "mcore_rl.preflight")),
     ("compat", ("mcore_rl.compat",)),
     (
         "services",
