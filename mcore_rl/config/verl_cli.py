@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,95 @@ def schema_field(key: str) -> bool:
         hint = typing.get_type_hints(node)[part]
         node = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), hint)
     return True
+
+
+def field_hint(key: str) -> Any:
+    """The type hint of our field `key` (None when it is not a field of the schema's dataclasses)."""
+    from mcore_rl.config import RLConfig
+
+    node: Any = RLConfig
+    hint: Any = None
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node) or part not in {f.name for f in dataclasses.fields(node)}:
+            return None
+        hint = typing.get_type_hints(node)[part]
+        node = next((a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)), hint)
+    return hint
+
+
+def _list_of_str(key: str) -> bool:
+    """Whether our field `key` is a list of strings (data.train_files, trainer.loggers, ...)."""
+    hint = field_hint(key)
+    for option in (hint, *typing.get_args(hint)):
+        if typing.get_origin(option) is list and typing.get_args(option) in ((str,), ()):
+            return True
+    return False
+
+
+#: what a value of our field's type is, in the words of an error message
+_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _expected(key: str) -> str:
+    """What our field `key` takes, for an error message ("an integer", "a number or null", ...)."""
+    hint = field_hint(key)
+    args = typing.get_args(hint)
+    plain = [a for a in args if a is not type(None)] if args else [hint]
+    words = " or ".join(_EXPECTED.get(a, getattr(a, "__name__", str(a))) for a in plain)
+    return words + (" or null" if type(None) in args else "")
+
+
+def type_problem(key: str, value: Any) -> str | None:
+    """What is wrong with `value` for our field `key` by its type alone (the check Hydra and OmegaConf make when the
+    config is composed), or None. Checked as each key is read, so a value of the wrong type is named as itself before
+    any problem it causes downstream."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mcore_rl.config import RLConfig
+
+    global _SCHEMA
+    if _SCHEMA is None:
+        _SCHEMA = OmegaConf.structured(RLConfig)
+    try:
+        OmegaConf.update(_SCHEMA, key, value, merge=False)  # a scratch tree: only whether OmegaConf takes it
+    except (OmegaConfBaseException, ValueError):
+        return f"expected {_expected(key)}"
+    return None
+
+
+_SCHEMA: Any = None  #: the schema as an OmegaConf tree (a scratch copy, built once per process) for type_problem
+
+
+def listify(args: list[str]) -> list[str]:
+    """Overrides of ours that give a list-of-strings field one plain string (`data.train_files=/x.parquet`, as verl
+    users write it) rewritten to the one-element list Hydra accepts; every other argument as it is."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    out = []
+    for arg in args:
+        out.append(arg)
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except Exception:  # noqa: BLE001 - Hydra reports it, with its own words, when it composes the command
+            continue
+        value = override.value()
+        if override.is_delete() or not isinstance(value, str) or not _list_of_str(override.key_or_group):
+            continue
+        # Hydra's quoted string: a quote is escaped by a backslash, and backslashes before a quote (or the closing
+        # quote) are doubled
+        quoted = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+        quoted = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, quoted)
+        rewritten = f"{arg.split('=', 1)[0]}=['{quoted}']"
+        try:
+            if parser.parse_override(rewritten).value() == [value]:
+                out[-1] = rewritten
+        except Exception:  # noqa: BLE001 - left as given: Hydra names the problem
+            pass
+    return out
 
 
 def our_keys() -> list[str]:
@@ -163,6 +253,8 @@ def translate(args: list[str]) -> Translation:
             t.errors.append(f"{flag!r}: not a flag a verl command takes here; expected key=value overrides")
 
     given: dict[str, Any] = {}  # verl keys read by derive(), as the command gave them
+    ours_given: dict[str, Any] = {}  # our keys the command names, as it gave them
+    mapped: dict[str, tuple[str, Any]] = {}  # our key -> (the last verl key mapped to it, the value it gave)
     for key, value, _text in overrides:
         bare = key.lstrip("+")
         rule = V.lookup(bare)
@@ -170,7 +262,14 @@ def translate(args: list[str]) -> Translation:
             t.lines.append(f"{bare}: ignored: Hydra's own settings (a verl command is not composed by Hydra here)")
             continue
         if rule is None and schema_field(bare):
+            if isinstance(value, str) and _list_of_str(bare):
+                value = [value]  # trainer.loggers=console: a list of one, as verl reads its own lists
+            problem = type_problem(bare, value)
+            if problem:
+                t.errors.append(f"{bare}={value!r} is invalid: {problem}")
+                continue
             t.settings[bare] = value  # one of ours, in a verl command
+            ours_given[bare] = value
             continue
         if rule is None:
             t.errors.append(_unknown(bare, key.startswith("+") and not key.startswith("++")))
@@ -192,9 +291,22 @@ def translate(args: list[str]) -> Translation:
             except V.VerlValueError as err:
                 t.errors.append(f"verl's {bare}={value!r} (our {rule.ours}) is invalid: expected {err}")
                 continue
+            problem = type_problem(rule.ours, converted)
+            if problem:
+                t.errors.append(f"verl's {bare}={value!r} (our {rule.ours}) is invalid: {problem}")
+                continue
             t.settings[rule.ours] = converted
+            if rule.ours != bare:
+                mapped[rule.ours] = (bare, converted)
             note = f" ({rule.note})" if rule.note else ""
             t.lines.append(f"{bare}={value!r} -> {rule.ours}={converted!r}{note}")
+    for ours, value in ours_given.items():  # one setting named twice: neither may silently win over the other
+        if ours in mapped and mapped[ours][1] != value:
+            verl_key, verl_value = mapped[ours]
+            t.errors.append(
+                f"{ours}={value!r} and verl's {verl_key}={verl_value!r} are one setting ({ours}) with two values; "
+                "expected one of the two keys, or the same value in both"
+            )
     derived, lines, problems = derive(given, t.settings, megatron=config_name == "ppo_megatron_trainer" or any(
         ".megatron." in key for key, _, _ in overrides))  # fmt: skip
     t.lines.extend(lines)
@@ -278,7 +390,7 @@ def resolve(args: list[str]) -> Translation:
     launch/submit.py share."""
     t = translate(args)
     if not t.verl:
-        t.hydra_args = [*base_of(args), *args]
+        t.hydra_args = [*base_of(args), *listify(args)]
     return t
 
 

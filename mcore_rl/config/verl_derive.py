@@ -169,6 +169,11 @@ def _models(d: _Derivation) -> None:
 def _batches(d: _Derivation, ours: str, verl: str) -> None:
     """ppo_mini_batch_size (prompts) -> mini_batches; use_dynamic_bsz -> a token budget per micro-batch."""
     batch = d.get("data.train_batch_size")
+    if not _positive_int(batch):
+        if ours == "actor":  # said once (the critic's mini-batches divide the same batch)
+            d.fail(f"verl's data.train_batch_size={batch!r} (our data.batch_size) is invalid: expected a positive "
+                   "integer (prompts per step)")  # fmt: skip
+        return
     mini = d.given.get(f"{verl}.ppo_mini_batch_size", d.get(f"{AR}.actor.ppo_mini_batch_size"))
     bad = not isinstance(mini, int) or mini <= 0 or not isinstance(batch, int) or batch % mini
     if bad and ours == "critic" and f"{verl}.ppo_mini_batch_size" not in d.given:
@@ -188,6 +193,10 @@ def _batches(d: _Derivation, ours: str, verl: str) -> None:
         d.set(f"{ours}.max_tokens_per_microbatch", budget, f"{verl}.use_dynamic_bsz + ppo_max_token_len_per_gpu")
     elif f"{verl}.ppo_max_token_len_per_gpu" in d.given:
         d.lines.append(f"{verl}.ppo_max_token_len_per_gpu: ignored: use_dynamic_bsz is False (verl reads it only then)")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _gpus(d: _Derivation) -> None:
@@ -343,8 +352,10 @@ def _trainer(d: _Derivation) -> None:
                f"counts the rows of data.train_files, and {what}; expected existing parquet files, or "
                "trainer.total_training_steps")  # fmt: skip
         return
+    if not _positive_int(batch):
+        return  # _batches names it
     rows = count_rows(files)
-    if not isinstance(batch, int) or rows < batch:
+    if rows < batch:
         d.fail(
             f"data.train_files hold {rows} rows, fewer than data.train_batch_size={batch}: expected at least one batch"
         )
