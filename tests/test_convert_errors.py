@@ -71,6 +71,29 @@ def test_existing_output_directory_refused(llama: Path, tmp_path: Path, capsys) 
     _fails(capsys, "hf-to-mcore", "--hf", llama, "--out", tmp_path / "o", match="exists")
 
 
+@pytest.mark.parametrize("target", ["dir", "missing"])
+def test_symlinked_output_refused_up_front_even_with_overwrite(llama: Path, tmp_path: Path, target: str) -> None:
+    """A symlinked --out used to be written in full, then fail in the rename ("Cannot call rmtree on a symbolic link")
+    and leave <out>.old-<pid> beside the link: refused before anything is written, the link and its target kept."""
+    real = tmp_path / "real"
+    if target == "dir":
+        real.mkdir()
+        (real / "keep.txt").write_text("kept")
+    link = tmp_path / "link_out"
+    link.symlink_to(real)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    done = subprocess.run(
+        [sys.executable, str(TOOLS / "convert_checkpoint.py"), "hf-to-mcore", "--hf", str(llama), "--out", str(link),
+         "--overwrite", "--nproc", "1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"--out {link} is a symbolic link" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no <out>.old-<pid>, no <out>.tmp-<pid>
+    assert link.is_symlink() and (target == "missing" or (real / "keep.txt").read_text() == "kept")
+    assert target == "dir" or not real.exists()
+
+
 def test_truncated_file_named(llama: Path, tmp_path: Path, capsys) -> None:
     shard = llama / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:-100])

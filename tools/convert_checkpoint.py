@@ -535,7 +535,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_out(args: argparse.Namespace) -> None:
-    """--out must not be, contain or lie inside an input (--overwrite would replace the checkpoint being read)."""
+    """--out must not be, contain or lie inside an input (--overwrite would replace the checkpoint being read), nor be
+    a symbolic link: the output is written beside it and renamed into its place, which would replace the link (not
+    its target) and, with --overwrite, fail after the whole conversion. Checked before anything is written."""
+    given = args.out.rstrip("/") or args.out  # `link/` names the link too (the output is renamed onto `link`)
+    if os.path.islink(given):
+        raise ConvertError(
+            f"--out {args.out} is a symbolic link (to {os.readlink(given)}); expected a directory path that is not "
+            "a link: pass the link's target as --out, or remove the link"
+        )
     out = Path(args.out).resolve()
     inputs = [args.hf] if args.command == "hf-to-mcore" else [args.mcore] + ([args.hf_config] if args.hf_config else [])
     for given in inputs:
