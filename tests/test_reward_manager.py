@@ -320,3 +320,35 @@ def test_reward_timeout_has_a_default_that_bounds_a_hung_reward():
     from mcore_rl.config import RLConfig
 
     assert RLConfig().reward.timeout_s == 60.0
+
+
+# ------------------------------------------------------------------------ a reward that keeps memory
+def test_reward_memory_growth_is_in_the_metrics_and_warned_about(caplog):
+    """A reward keeping 4 MiB per call grew the driver by 0.5 GB a step with no warning. The manager reports the
+    driver's RSS growth over each reward phase and warns once it has grown past memory_warn_mb since the first."""
+    kept = []
+
+    def hoards(data_source, solution_str, ground_truth, extra_info=None):
+        kept.append(b"\x01" * (4 * 2**20))  # written, so resident
+        return 0.0
+
+    manager = RewardManager(hoards, memory_warn_mb=100)
+    with caplog.at_level("WARNING", logger="mcore_rl.reward.manager"):
+        deltas = []
+        for _ in range(3):
+            manager.score(["a"] * 16, ["s"] * 16, ["1"] * 16)
+            deltas.append(manager.memory_metrics()["reward/rss_delta_mb"])
+    assert all(d >= 48 for d in deltas), deltas  # 64 MiB kept per phase
+    assert manager.memory_metrics()["reward/driver_rss_gb"] > 0
+    assert caplog.text.count("the driver's memory grew by") == 1
+    assert "while reward function" in caplog.text and "hoards" in caplog.text
+    kept.clear()
+
+
+def test_a_reward_that_keeps_nothing_is_not_warned_about(caplog):
+    manager = RewardManager(lambda **_: 0.0, memory_warn_mb=100)
+    with caplog.at_level("WARNING", logger="mcore_rl.reward.manager"):
+        for _ in range(3):
+            manager.score(["a"] * 16, ["s"] * 16, ["1"] * 16)
+    assert "grew by" not in caplog.text
+    assert abs(manager.memory_metrics()["reward/rss_delta_mb"]) < 48

@@ -40,6 +40,9 @@ from mcore_rl.reward.loader import RewardFn, RewardFunctionError, RewardResult
 log = logging.getLogger(__name__)
 #: seconds between the progress lines of a long reward phase (a slow verifier, a reward that swaps)
 PROGRESS_EVERY_S = 30.0
+#: driver RSS growth since the first reward phase that is warned about (MiB): well above what a step's own batches,
+#: tensors and allocator slack add on the default job, well below what breaks a node
+MEMORY_WARN_MB = 1024.0
 
 
 @runtime_checkable
@@ -98,6 +101,13 @@ def _install_exit_guard() -> None:
             module._exit = guarded
 
 
+def _rss() -> int:
+    """This process's resident memory in bytes."""
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
 def _real_ctrl_c(exc: BaseException) -> bool:
     """A KeyboardInterrupt that a real Ctrl-C raised inside the call: re-raised as it is, so the run stops as
     interrupted (the user's, not the function's)."""
@@ -137,6 +147,7 @@ class RewardManager:
         timeout_s: float | None = None,
         timeout_score: float | None = None,
         progress_every_s: float = PROGRESS_EVERY_S,
+        memory_warn_mb: float = MEMORY_WARN_MB,
     ) -> None:
         """Args:
         fn: a per-response `RewardFn` (see `loader.build_reward_fn`) or a `BatchRewardFn`.
@@ -145,6 +156,8 @@ class RewardManager:
         timeout_s: per-call limit in seconds for a per-response function, or None for no limit.
         timeout_score: score given to a call that times out; None makes a timeout an error.
         progress_every_s: a phase longer than this logs how many rows are scored, and again after each such period.
+        memory_warn_mb: warn (once) when the driver's RSS after a reward phase exceeds its RSS before the first
+            phase by this much: a reward that keeps memory between calls grows the driver every step.
         """
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
@@ -159,6 +172,11 @@ class RewardManager:
         self.timeout_s = timeout_s
         self.timeout_score = timeout_score
         self.progress_every_s = progress_every_s
+        self.memory_warn_mb = memory_warn_mb
+        self._rss_first: int | None = None  # the driver's RSS before the first reward phase
+        self._phases = 0
+        self._memory: dict[str, float] = {}
+        self._memory_warned = False
         # The calling thread's last output: validation reads its extras (acc) after scoring through a producer,
         # while an async producer may be scoring the next batch on another thread.
         self._last = threading.local()
@@ -187,6 +205,39 @@ class RewardManager:
         if len(set(lengths.values())) != 1:
             raise ValueError(f"RewardManager.score: inputs differ in length: {lengths}")
 
+        rss_before = _rss()
+        output = self._score(solution_strs, data_sources, ground_truths, extra_infos, n)
+        self._track_memory(rss_before, _rss())
+        return output
+
+    def memory_metrics(self) -> dict[str, float]:
+        """The driver's memory around the last reward phase: `reward/rss_delta_mb` (its RSS growth over the phase)
+        and `reward/driver_rss_gb` (its RSS after it); empty before any phase."""
+        return dict(self._memory)
+
+    def _track_memory(self, before: int, after: int) -> None:
+        if self._rss_first is None:
+            self._rss_first = before
+        self._phases += 1
+        self._memory = {"reward/rss_delta_mb": (after - before) / 2**20, "reward/driver_rss_gb": after / 2**30}
+        growth_mb = (after - self._rss_first) / 2**20
+        if growth_mb > self.memory_warn_mb and not self._memory_warned:
+            self._memory_warned = True
+            log.warning(
+                "reward: the driver's memory grew by %.0f MiB over %d reward phase(s) (now %.2f GiB) while reward "
+                "function %s ran: a reward that keeps memory between calls (a cache, a global list) grows the driver "
+                "every step until it runs out; reward/rss_delta_mb in the metrics shows the growth per step",
+                growth_mb, self._phases, after / 2**30, self.name,
+            )  # fmt: skip
+
+    def _score(
+        self,
+        solution_strs: Sequence[str],
+        data_sources: Sequence[str],
+        ground_truths: Sequence[str],
+        extra_infos: Sequence[dict[str, Any] | None],
+        n: int,
+    ) -> RewardOutput:
         timeouts = 0
         if isinstance(self.fn, BatchRewardFn):
             infos = [copy.deepcopy(info) for info in extra_infos]  # see the module docstring
