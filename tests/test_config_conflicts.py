@@ -110,3 +110,13 @@ def test_the_embedded_server_names_a_fractional_top_k() -> None:
     with pytest.raises(BadRequest) as err:
         parse_sampling_params({"top_k": 2.5}, vocab_size=64)
     assert str(err.value) == "sampling_params.top_k=2.5 is invalid: expected -1 (off) or an integer >= 1"
+
+
+@pytest.mark.parametrize("key", ["rollout.n", "rollout.val_n"])
+def test_more_samples_than_the_embedded_engine_runs_at_once_are_refused_before_ray(key: str, tmp_path) -> None:
+    """The embedded server refuses a request whose n exceeds its --max-running-requests (rollout.max_running_requests):
+    such a run used to start Ray and the engines, then fail at its first /generate with a traceback."""
+    found = errors(train(f"{key}=300", f"trainer.run_dir={tmp_path}", "--print-config"))
+    assert any(f"{key}=300 is invalid" in line and "rollout.max_running_requests=256" in line for line in found), found
+    res = train(f"{key}=300", "rollout.max_running_requests=300", "--print-config")  # the key that raises the limit
+    assert res.returncode == 0, res.stderr[-3000:]

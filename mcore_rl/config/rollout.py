@@ -104,6 +104,14 @@ class RolloutConfig:
         )  # fmt: skip
         _positive("rollout.max_new_tokens", self.max_new_tokens)
         _positive("rollout.max_running_requests", self.max_running_requests)
+        if self.engine == "hf":  # the embedded server refuses a request with more samples than it decodes together
+            for key, n in (("rollout.n", self.n), ("rollout.val_n", self.val_n)):
+                _check(
+                    not isinstance(n, int) or n <= self.max_running_requests, key, n,
+                    f"at most rollout.max_running_requests={self.max_running_requests}, the sequences the embedded "
+                    f"server decodes at once (its --max-running-requests): one prompt's {key.split('.')[1]} samples "
+                    "run together; raise rollout.max_running_requests (verl: actor_rollout_ref.rollout.max_num_seqs)",
+                )  # fmt: skip
         _check(
             self.router_policy in ROUTER_POLICIES,
             "rollout.router_policy",
