@@ -46,13 +46,16 @@ def new_update_group(
     group_name: str,
     timeout_s: float = 300.0,
     listener: Any = None,
+    store: Any = None,
 ) -> UpdateGroup:
-    """Join (rank 0: host) the broadcast group `group_name`; blocks until all `world_size` ranks have joined.
+    """Join (rank 0: host) the broadcast group `group_name`; blocks until all `world_size` ranks have joined (gloo;
+    an NCCL communicator is made at the first broadcast, on both sides).
 
-    `backend` is gloo (CPU tensors) or nccl (CUDA tensors). `listener` (rank 0): a socket already bound to
-    `master_port` and listening (`reserve_port`), which the TCP store serves on, so no other process can take the
-    port between the moment it was given out and the store (EADDRINUSE). Raises ValueError for a bad argument,
-    RuntimeError (from torch) when the rendezvous times out.
+    `backend` is gloo (CPU tensors) or nccl (CUDA tensors). `store` (rank 0): the rendezvous store already serving on
+    `master_port` (`serve_store`: the engines' handshakes meet it whenever they come). Else `listener` (rank 0): a
+    socket already bound to `master_port` and listening (`reserve_port`), which the TCP store serves on from here, so
+    no other process can take the port between the moment it was given out and the store (EADDRINUSE). Raises
+    ValueError for a bad argument, RuntimeError (from torch) when the rendezvous times out.
     """
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
@@ -61,9 +64,12 @@ def new_update_group(
     if not group_name:
         raise ValueError("group_name must not be empty")
     timeout = datetime.timedelta(seconds=timeout_s)
-    # the store's server owns the socket from here (it closes it): the Python object lets go of it
-    fd = {"master_listen_fd": listener.detach()} if rank == 0 and listener is not None else {}
-    store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout, **fd)
+    if store is not None and rank == 0:
+        store.set_timeout(timeout)
+    else:
+        # the store's server owns the socket from here (it closes it): the Python object lets go of it
+        fd = {"master_listen_fd": listener.detach()} if rank == 0 and listener is not None else {}
+        store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout=timeout, **fd)
     prefixed = sglang_group_store(store, group_name, backend)
     if backend == "gloo":
         # Gloo advertises the address its hostname resolves to, which is loopback on many machines (and in network
@@ -100,6 +106,7 @@ def new_vllm_nccl_group(
     listener: Any = None,
     connect: Any = None,
     mint_id: Any = None,
+    store: Any = None,
 ) -> UpdateGroup:
     """Host vLLM's `nccl` weight-transfer group as its rank 0 (rollout.engine=vllm on CUDA); blocks until every engine
     rank has joined. vLLM's workers join an NCCL communicator from a unique id (`vllm_transfer.nccl_init_info`), not
@@ -108,7 +115,8 @@ def new_vllm_nccl_group(
     dialect reads them when it maps /init_weights_update_group (`read_vllm_nccl_rendezvous`); so the controller's
     order (addresses, joins, init POSTs) is the same as for SGLang. The group is a `vllm_nccl.NcclSender`, whose
     `broadcast` is what DistributedTransport calls. `connect` / `mint_id` default to vllm_nccl's (CUDA, libnccl);
-    tests pass a stand-in communicator."""
+    tests pass a stand-in communicator. `store`: the store already serving on the port (`serve_store`), else one is
+    started on `listener`."""
     if world_size < 2:
         raise ValueError(f"world_size {world_size}: the leader and at least one engine rank, expected >= 2")
     if buffer_bytes <= 0:
@@ -119,9 +127,12 @@ def new_vllm_nccl_group(
         connect = connect or vllm_nccl.connect
         mint_id = mint_id or vllm_nccl.NcclSender.mint_id
     timeout = datetime.timedelta(seconds=timeout_s)
-    fd = {"master_listen_fd": listener.detach()} if listener is not None else {}
-    # no workers wait on this store: the dialect's reads are its only clients
-    store = dist.TCPStore(master_address, master_port, None, True, timeout=timeout, wait_for_workers=False, **fd)
+    if store is None:
+        fd = {"master_listen_fd": listener.detach()} if listener is not None else {}
+        # no workers wait on this store: the dialect's reads are its only clients
+        store = dist.TCPStore(master_address, master_port, None, True, timeout=timeout, wait_for_workers=False, **fd)
+    else:
+        store.set_timeout(timeout)
     unique_id = mint_id()
     store.set(_vllm_nccl_key(group_name, "unique_id"), unique_id)
     store.set(_vllm_nccl_key(group_name, "packed_buffer_size_bytes"), str(int(buffer_bytes)))
@@ -150,6 +161,18 @@ def reserve_port(host: str) -> Any:
     listener.bind((host, 0))
     listener.listen(1024)
     return listener
+
+
+def serve_store(host: str, listener: Any, timeout_s: float = 300.0) -> dist.TCPStore:
+    """A group's rendezvous store, serving at once on the port `listener` holds (`reserve_port`; the store's server
+    owns the socket from here). A leader serves it as soon as it hands the port out, not when it joins: an engine
+    whose rendezvous handshake comes first (SGLang runs an engine's inits one at a time, in arrival order) then
+    completes it instead of blocking on a port that accepts but never answers (torch's handshake ignores its
+    timeout there). It waits for no workers; the group (`new_update_group(store=...)`) counts the ranks."""
+    return dist.TCPStore(
+        host, listener.getsockname()[1], None, True, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False, master_listen_fd=listener.detach(),
+    )  # fmt: skip
 
 
 def sglang_group_store(store: dist.Store, group_name: str, backend: str) -> dist.PrefixStore:

@@ -1,6 +1,7 @@
 """A rollout-engine rank whose weight-receiving code is SGLang 0.5.23's own, for tests and tools/bench_sync.py.
 
-    python tests/_sglang_receiver.py [--tp-rank 0] [--defer-copy-s 0] [--peer URL ...]  # prints "READY http://H:P"
+    python tests/_sglang_receiver.py [--tp-rank 0] [--defer-copy-s 0] [--peer URL ...] [--delay-init GROUP=S ...]
+                                     [--nccl-store-only]                    # prints "READY http://H:P"
 
 It answers the HTTP calls our sync transports make, and does on each what SGLang's engine does, with SGLang's
 functions (tests/_sglang_code.py loads them from the pinned wheel; nothing here re-implements them):
@@ -21,6 +22,18 @@ functions (tests/_sglang_code.py loads them from the pinned wheel; nothing here 
                                     `owners`: per tensor payload opened, the pids that allocated its shared-memory
                                     segments (torch names a `file_system` segment `/torch_<pid>_...`; CPU only)
 
+Control requests queue as in SGLang: every route above but /dump_received goes through its own
+`FanOutCommunicator` in "queueing" mode (SGLang's `managers/communicator.py`, loaded from the pinned wheel), whose
+asyncio lock is held from send to reply, and they all reach one scheduler thread that serves them one at a time in
+arrival order, each blocking until done (an init until its group forms, a broadcast until the sender sends). So two
+inits of different groups in different orders on two engines deadlock here as on SGLang.
+`--delay-init GROUP=S`: an init of GROUP reaches the queue only after another init has (or S seconds after it
+arrived, when none comes): the arrival order a slow network can make, forced for a test. (A fixed delay of 0.1 s did
+not force it on a loaded machine: the other init then came later still.)
+`--nccl-store-only`: an `nccl` init runs only its TCP-store part, which is all of an NCCL init that runs without a
+GPU: the `rendezvous(init_method, rank, world_size, timeout)` that `init_custom_process_group` starts with (its NCCL
+communicator is made lazily, at the first broadcast).
+
 An engine of several TP ranks is one process per rank: rank 0 (started with `--peer URL` for each other rank) hands
 every `/update_weights_from_tensor` body to its peers as well, as SGLang's tokenizer manager hands a request to every
 TP rank's scheduler, and answers once all ranks have; each rank opens only `serialized_named_tensors[tp_rank]`.
@@ -32,8 +45,10 @@ test can check every byte. One process is one engine TP rank; the group is gloo,
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
+import queue
 import socket
 import sys
 import threading
@@ -45,16 +60,20 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _sglang_code import load_sglang_receiver  # noqa: E402
+from _sglang_code import load_sglang_communicator, load_sglang_receiver  # noqa: E402
 
 sglang = load_sglang_receiver()
+communicator = load_sglang_communicator()
 
 
 class Receiver:
     """What one SGLang TP rank keeps: its update groups and (here) the tensors it would load."""
 
-    def __init__(self, tp_rank: int, defer_copy_s: float = 0.0, peers: list[str] | None = None) -> None:
+    def __init__(
+        self, tp_rank: int, defer_copy_s: float = 0.0, peers: list[str] | None = None, nccl_store_only: bool = False
+    ) -> None:
         self.tp_rank = tp_rank
+        self.nccl_store_only = nccl_store_only
         self.peers = list(peers or [])
         self.owners: list[list[int]] = []
         self.defer_copy_s = defer_copy_s
@@ -74,6 +93,17 @@ class Receiver:
     def init_weights_update_group(self, body: dict) -> dict:
         rank = body["rank_offset"] + self.tp_rank  # WeightUpdater.init_weights_update_group
         timeout = body.get("timeout_s")
+        if self.nccl_store_only and body.get("backend", "nccl") == "nccl":
+            # init_custom_process_group's first step, as it makes it (its NCCL communicator comes at the first
+            # broadcast, which needs a GPU)
+            store, _, _ = next(
+                dist.distributed_c10d.rendezvous(
+                    f"tcp://{body['master_address']}:{body['master_port']}", rank, body["world_size"],
+                    timeout=datetime.timedelta(seconds=timeout or 1800),
+                )
+            )  # fmt: skip
+            self.groups[body["group_name"]] = store
+            return {"success": True, "message": "Succeeded to initialize custom process group."}
         self.groups[body["group_name"]] = sglang.init_custom_process_group(
             backend=body.get("backend", "nccl"),
             init_method=f"tcp://{body['master_address']}:{body['master_port']}",
@@ -85,7 +115,9 @@ class Receiver:
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def destroy_weights_update_group(self, body: dict) -> dict:
-        dist.destroy_process_group(self.groups.pop(body["group_name"]))
+        group = self.groups.pop(body["group_name"])
+        if isinstance(group, dist.ProcessGroup):  # a store-only NCCL init holds its store
+            dist.destroy_process_group(group)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     def update_weights_from_distributed(self, body: dict) -> dict:
@@ -202,33 +234,81 @@ class _forward(threading.Thread):  # noqa: N801 (used as a call)
             self.answer = {"success": False, "message": f"TP peer {self.url}: {type(err).__name__}: {err}"}
 
 
-def _one_at_a_time(fn: Any, lock: threading.Lock) -> Any:
-    def call(body: dict) -> dict:
-        with lock:
-            return fn(body)
+class Scheduler:
+    """SGLang's control path in one process: a `FanOutCommunicator` ("queueing", fan-out 1: one TP rank) per route on
+    an asyncio loop (the tokenizer manager's), whose send hands the request to one scheduler thread (SGLang's
+    scheduler event loop) that serves requests one at a time in arrival order and answers through
+    `handle_recv`. `delays`: group name -> seconds an init of it waits before it is queued."""
 
-    return call
+    def __init__(self, routes: dict[str, Any], delays: dict[str, float]) -> None:
+        self.delays = delays
+        self.inits_queued = threading.Condition()
+        self.inits = 0  # inits queued so far
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.inbox: queue.Queue = queue.Queue()
+        self.communicators = {route: self._communicator(fn) for route, fn in routes.items()}
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _communicator(self, fn: Any) -> Any:
+        async def make() -> Any:  # its asyncio.Lock belongs to this loop
+            made: list = []
+            made.append(communicator.FanOutCommunicator(lambda body: self._send(fn, body, made[0]), 1))
+            return made[0]
+
+        return asyncio.run_coroutine_threadsafe(make(), self.loop).result()
+
+    def _send(self, fn: Any, body: dict, comm: Any) -> None:
+        """The communicator's send: the request reaches the scheduler's queue (SGLang: its zmq socket)."""
+        self.inbox.put((fn, body, comm))
+        if "group_name" in body and "master_port" in body:  # an init: a delayed one may go in now
+            with self.inits_queued:
+                self.inits += 1
+                self.inits_queued.notify_all()
+
+    def _serve(self) -> None:
+        while True:
+            fn, body, comm = self.inbox.get()
+            try:
+                answer = fn(body)
+            except Exception as err:  # noqa: BLE001 (SGLang answers a failed control request with success false)
+                answer = {"success": False, "message": f"{type(err).__name__}: {err}"}
+            self.loop.call_soon_threadsafe(comm.handle_recv, answer)
+
+    def call(self, route: str, body: dict) -> dict:
+        """Queue `body` for `route` and wait for its answer (an HTTP handler thread calls this)."""
+        if route == "/init_weights_update_group":
+            delay = self.delays.get(body.get("group_name", ""))
+            if delay is not None:
+                with self.inits_queued:
+                    seen = self.inits
+                    self.inits_queued.wait_for(lambda: self.inits > seen, timeout=delay)
+        (answer,) = asyncio.run_coroutine_threadsafe(self.communicators[route](body), self.loop).result()
+        return answer
 
 
-def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
-    # SGLang's scheduler serves these one at a time (each blocking in its rendezvous or broadcast); so does this
-    scheduler = threading.Lock()
-    routes = {
-        "/init_weights_update_group": _one_at_a_time(receiver.init_weights_update_group, scheduler),
-        "/destroy_weights_update_group": _one_at_a_time(receiver.destroy_weights_update_group, scheduler),
-        "/update_weights_from_distributed": _one_at_a_time(receiver.update_weights_from_distributed, scheduler),
-        "/update_weights_from_tensor": _one_at_a_time(receiver.update_weights_from_tensor, scheduler),
-        "/begin_weight_update": lambda body: {"success": True},
-        "/end_weight_update": receiver.end_weight_update,
-        "/dump_received": receiver.dump_received,
-    }
+def _handler(receiver: Receiver, delays: dict[str, float]) -> type[BaseHTTPRequestHandler]:
+    scheduler = Scheduler(
+        {
+            "/init_weights_update_group": receiver.init_weights_update_group,
+            "/destroy_weights_update_group": receiver.destroy_weights_update_group,
+            "/update_weights_from_distributed": receiver.update_weights_from_distributed,
+            "/update_weights_from_tensor": receiver.update_weights_from_tensor,
+            "/begin_weight_update": lambda body: {"success": True},
+            "/end_weight_update": receiver.end_weight_update,
+        },
+        delays,
+    )
+    routes = {route: (lambda body, route=route: scheduler.call(route, body)) for route in scheduler.communicators}
+    routes["/dump_received"] = receiver.dump_received
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 (http.server's name)
             route = routes.get(self.path)
             try:
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                answer, status = (route(body), 200) if route else ({"success": False, "message": "no route"}, 404)
+                answer = route(body) if route else {"success": False, "message": "no route"}
+                status = 404 if route is None else 200 if answer.get("success") else 400
                 if route and body.get("weight_version") is not None and answer.get("success"):
                     receiver.weight_version = str(body["weight_version"])
             except Exception as err:  # noqa: BLE001 (SGLang answers a failed update with success false)
@@ -252,8 +332,15 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--defer-copy-s", type=float, default=0.0, help="answer tensor updates first, copy this later")
     parser.add_argument("--peer", action="append", default=[], help="another TP rank's URL (rank 0 of an engine)")
+    parser.add_argument(
+        "--delay-init", action="append", default=[], metavar="GROUP=SECONDS",
+        help="an /init_weights_update_group of GROUP is queued this late",
+    )  # fmt: skip
+    parser.add_argument("--nccl-store-only", action="store_true", help="an nccl init runs only its TCP-store part")
     args = parser.parse_args()
-    server = ThreadingHTTPServer((args.host, 0), _handler(Receiver(args.tp_rank, args.defer_copy_s, args.peer)))
+    delays = {name: float(s) for name, s in (spec.rsplit("=", 1) for spec in args.delay_init)}
+    receiver = Receiver(args.tp_rank, args.defer_copy_s, args.peer, args.nccl_store_only)
+    server = ThreadingHTTPServer((args.host, 0), _handler(receiver, delays))
     print(f"READY http://{args.host}:{server.server_address[1]}", flush=True)
     server.serve_forever()
 

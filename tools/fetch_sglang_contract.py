@@ -11,6 +11,8 @@ about 39 MB) into a temporary directory and extracts only the files below, under
     sglang/srt/arg_groups/fields/*.py        launch flags declared as dataclass fields (same test)
     sglang/srt/utils/common.py               init_custom_process_group, MultiprocessingSerializer, SafeUnpickler
     sglang/srt/utils/patch_torch.py          monkey_patch_torch_reductions (CUDA IPC device index -> GPU UUID)
+    sglang/srt/managers/communicator.py      FanOutCommunicator: one control request at a time per engine, FIFO
+                                             (tests/_sglang_receiver.py queues its control requests through it)
 
 Every kept file's sha256 is pinned below (as the wheel's RECORD lists it) and a mismatch is refused.
 
@@ -48,6 +50,7 @@ SHA256 = {
     "sglang/srt/server_args.py": "-kHm5CmOqxX9WYF55Nhfsx7YFeVxRvC-j00nYc26COg",
     "sglang/srt/utils/common.py": "YMO1FPyrpH3OKx97dEhNuAnA1jW6ZG2UVUVSFwzwHXM",
     "sglang/srt/utils/patch_torch.py": "6wOccAos0QgTV5WsnmOHHoPrfPYU_qfgKm3k20hyxDY",
+    "sglang/srt/managers/communicator.py": "gihpHWk8wod7I_x3eGamd5we2FEd_wxkrQAtLGAuBVI",
     "sglang/srt/arg_groups/fields/__init__.py": "ESMyKQj-8pzIREVt7mJ-pXklFza_S-om5OAr3yZeRG8",
     "sglang/srt/arg_groups/fields/device.py": "S7S04pmTWJRsUQo_1tVsG7v18cKXLFzajNV-T1WVzdc",
     "sglang/srt/arg_groups/fields/disagg.py": "I_FKE6LR0WP9hXx2tjPScRUfQTlXsMJPjRf1D71p6xg",

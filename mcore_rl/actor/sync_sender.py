@@ -18,7 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_rl.parallel.update_group import UpdateGroup, new_update_group, new_vllm_nccl_group, reserve_port
+from mcore_rl.parallel.update_group import (
+    UpdateGroup,
+    new_update_group,
+    new_vllm_nccl_group,
+    reserve_port,
+    serve_store,
+)
 from mcore_rl.resharding.sync.execute import SyncExecutor
 from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
 from mcore_rl.resharding.sync.order import InGlobalOrder, global_order
@@ -34,7 +40,7 @@ class SyncSender:
         self.plan_: SyncPlan | None = None
         self.executor: SyncExecutor | None = None
         self.groups: dict[str, UpdateGroup] = {}
-        self._listeners: dict[str, Any] = {}  # sockets holding the ports `addresses` gave out, until `join`
+        self._stores: dict[str, Any] = {}  # rendezvous stores serving on the ports `addresses` gave out, until `join`
         self._sends = 0  # syncs run so far (the same count on every rank): names each one's keys in the store
         #: `connect` / `mint_id` for new_vllm_nccl_group: vLLM's NCCL (empty); a test's stand-in communicator
         self.vllm_connect: dict[str, Any] = {}
@@ -94,37 +100,38 @@ class SyncSender:
         return self.plan_
 
     def addresses(self) -> dict[str, tuple[str, int]]:
-        """A rendezvous address (this node, a port) for every stream this rank leads. The port is bound and held
-        until `join` hands its socket to the group's store: a port merely found free could be taken meanwhile (an
-        engine's HTTP server took one once: EADDRINUSE)."""
+        """A rendezvous address (this node, a port) for every stream this rank leads, its TCP store serving on it
+        from now on (update_group.serve_store): an engine whose init of this group comes before the leader's `join`
+        (the leader joins its groups one at a time) finds a store that answers. The port is bound before it is given
+        out: a port merely found free could be taken meanwhile (an engine's HTTP server took one once: EADDRINUSE)."""
         host, _ = self.actor.rendezvous_address()
-        for listener in self._listeners.values():
-            listener.close()
-        self._listeners = {
-            s.name: reserve_port(host) for s in self._plan().streams if s.leader == self.actor.rank
-        }  # fmt: skip
-        return {name: (host, listener.getsockname()[1]) for name, listener in self._listeners.items()}
+        self._stores = {
+            s.name: serve_store(host, reserve_port(host)) for s in self._plan().streams if s.leader == self.actor.rank
+        }  # fmt: skip (the previous call's stores stop serving as they are dropped)
+        return {name: (host, store.port) for name, store in self._stores.items()}
+
+    def store(self, name: str) -> Any:
+        """The rendezvous store serving for stream `name` since `addresses` (None once `join` took it)."""
+        return self._stores.get(name)
 
     def join(self, name: str, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
         """Host the broadcast group `name` as its rank 0 (blocks until every engine rank has joined).
         backend `vllm_nccl` (rollout.engine=vllm on CUDA): vLLM's NCCL weight-transfer group, whose workers hold one
         such group each, so it carries every stream this rank leads (controller/weight_sync.py `check_vllm_streams`
         refuses a plan whose streams have several leaders); its packed buffer is the plan's largest bucket."""
-        listener = self._listeners.pop(name, None)
+        store = self._stores.pop(name, None)
         if backend == "vllm_nccl":
             led = [s.name for s in self._plan().streams if s.leader == self.actor.rank]
             self.drop_groups()
-            for other in led:  # one rendezvous port for the one group: the others' are given back
-                spare = self._listeners.pop(other, None)
-                if spare is not None:
-                    spare.close()
+            for other in led:  # one rendezvous port for the one group: the others' stores stop
+                self._stores.pop(other, None)
             device = torch.device("cuda", torch.cuda.current_device()) if self.actor.runtime == "cuda" else "cpu"
             group = new_vllm_nccl_group(host, port, world_size, name, self._plan().max_bucket_bytes, device,
-                                        timeout_s, listener, **self.vllm_connect)  # fmt: skip
+                                        timeout_s, store=store, **self.vllm_connect)  # fmt: skip
             self.groups.update({stream: group for stream in led})
             return
         self.groups.pop(name, None)
-        self.groups[name] = new_update_group(backend, host, port, 0, world_size, name, timeout_s, listener)
+        self.groups[name] = new_update_group(backend, host, port, 0, world_size, name, timeout_s, store=store)
 
     def drop_groups(self) -> None:
         """Leave every group (a vLLM NCCL communicator is aborted: its engines get a new one on re-init)."""

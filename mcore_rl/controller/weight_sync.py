@@ -3,11 +3,14 @@
 ```
 setup    every actor rank computes the plan (resharding/sync/plan.py); the digests must agree
 connect  (distributed) per stream: its leader hosts a broadcast group, every engine rank joins it
-         (/init_weights_update_group); again after an engine is replaced. vLLM on CUDA: one group, vLLM's own NCCL
-         weight-transfer one (backend vllm_nccl: parallel/update_group.py new_vllm_nccl_group), for every stream
+         (/init_weights_update_group), one group after another (every engine's init of a group answered before the
+         next group's is posted: SGLang serves inits one at a time); again after an engine is replaced.
+         vLLM on CUDA: one group, vLLM's own NCCL weight-transfer one (backend vllm_nccl: parallel/update_group.py
+         new_vllm_nccl_group), for every stream
 push(v)  no /health probes -> [pause engines] -> /begin_weight_update on every engine -> actor ranks stream their
-         buckets (gather -> HF layout -> transport) -> [/update_weights_from_disk] -> /end_weight_update (the engine
-         commits v) -> /flush_cache (its radix cache holds KV of the old weights) -> [continue]
+         buckets (gather -> HF layout -> transport) -> /end_weight_update (the engine commits v) -> /flush_cache (its
+         radix cache holds KV of the old weights) -> [/update_weights_from_disk (disk: after the session, so SGLang
+         post-processes the weights once)] -> [continue]
 ```
 An engine that does not answer /begin_weight_update (dead, or hung) is replaced (engine_pool: out of the router, a
 new one started and synced to the current version before it serves) and the push goes on without it. If a sender
@@ -34,7 +37,7 @@ import ray
 
 from mcore_rl.config import RolloutConfig, SyncConfig
 from mcore_rl.controller.actor_group import ActorGroup
-from mcore_rl.controller.engine_fence import CONTROL_TIMEOUT_S, EngineFence, FenceError
+from mcore_rl.controller.engine_fence import CONTROL_TIMEOUT_S, UNREACHABLE, EngineFence, FenceError
 from mcore_rl.controller.engine_pool import EnginePool
 from mcore_rl.controller.gpu_plan import engine_shape
 from mcore_rl.resharding.sync.plan import EngineLayout
@@ -44,6 +47,20 @@ log = logging.getLogger(__name__)
 
 class SyncError(RuntimeError):
     """A weight push failed; the engines are dirty until the next successful push."""
+
+
+class _Unanswered(SyncError):
+    """Engines that did not answer their /init_weights_update_group in time (`urls`)."""
+
+    def __init__(self, message: str, urls: list[str]) -> None:
+        super().__init__(message)
+        self.urls = urls
+
+
+#: how long past sync.timeout_s an engine's init may take to answer: a rendezvous that cannot meet fails after
+#: sync.timeout_s (the engine's side too, with our server), and its answer then still has to arrive; only an engine
+#: silent past both is taken for hung
+INIT_GRACE_S = 10.0
 
 
 def engine_layout(rollout: RolloutConfig, num_engines: int) -> EngineLayout:
@@ -119,44 +136,75 @@ class WeightSync:
             for url in self._connected:
                 if url in urls:  # engines already in groups leave them; dead ones are gone anyway
                     self.pool.client.run(self._leave_all(url, self.summary["stream_names"]))
-            self._connect_once(urls)
+            try:
+                self._connect_once(urls)
+            except _Unanswered as err:
+                # A hung engine costs itself, not the run: it is replaced (synced before it serves) and the groups
+                # are formed again without it; it is not asked again (its scheduler is still blocked in that init)
+                for url in err.urls:
+                    self.pool.replace(
+                        url, f"it did not answer /init_weights_update_group within sync.timeout_s={self.cfg.timeout_s}"
+                    )
+                rest = [u for u in urls if u not in err.urls]
+                if not rest:
+                    raise SyncError(f"no engine of {urls} answered its broadcast-group init: {err}") from err
+                log.warning("%s; forming the groups again without %s", err, err.urls)
+                for url in rest:  # leave the groups formed before the one that failed
+                    self.pool.client.run(self._leave_all(url, self.summary["stream_names"]))
+                self._connect_once(rest)
+                urls = rest
             self._connected = list(urls)
 
     def _connect_once(self, urls: list[str]) -> None:
-        """One rendezvous of every stream's group with every engine in `urls`. Each leader holds its rendezvous port
-        from `sync_addresses` until its store serves on it (update_group.reserve_port): no other process takes it."""
+        """One rendezvous of every stream's group with every engine in `urls`, group by group: the leader's join
+        and the group's init on every engine, every answer awaited, then the next group (docs/weight_sync.md, "The
+        group order"). SGLang serves an engine's inits one at a time, in arrival order, each blocking until its group
+        forms, and a Ray actor joins one group at a time: with every group's init posted at once, two engines that
+        see two groups in different orders each wait in a group the other never reaches. Each leader serves its
+        rendezvous store from `sync_addresses` on (update_group.serve_store)."""
         ray.get([h.sync_drop_groups.remote() for h in self.actor.handles])
         addresses: dict[str, tuple[int, tuple[str, int]]] = {}
         for rank, found in enumerate(ray.get([h.sync_addresses.remote() for h in self.actor.handles])):
             for name, address in found.items():
                 addresses[name] = (rank, address)
+        order = {name: i for i, name in enumerate(self.summary["stream_names"])}
+        groups = sorted(addresses.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
         if self.backend == "vllm_nccl":  # one group (the leader's first stream) carries every stream
-            addresses = dict(sorted(addresses.items())[:1])
+            groups = sorted(addresses.items())[:1]
         world = 1 + len(urls) * self.ranks_per_engine
-        joins = [
-            self.actor.handles[rank].sync_join.remote(name, host, port, world, self.backend, self.cfg.timeout_s)
-            for name, (rank, (host, port)) in addresses.items()
-        ]
-        calls = []
-        for name, (_, (host, port)) in addresses.items():
-            for i, url in enumerate(urls):
-                body = init_group_body(self.rollout.engine, host, port, 1 + i * self.ranks_per_engine, world, name,
-                                       self.backend, self.cfg.timeout_s)  # fmt: skip
-                calls.append(self.pool.client.apost(url, "/init_weights_update_group", body, self.cfg.timeout_s))
+        for name, (rank, (host, port)) in groups:
+            self._form_group(urls, name, rank, host, port, world)
+
+    def _form_group(self, urls: list[str], name: str, rank: int, host: str, port: int, world: int) -> None:
+        """Group `name`: its leader (actor rank `rank`) joins while every engine in `urls` posts its init; returns
+        once all have answered. SyncError naming the group otherwise (_Unanswered naming the engines that did not
+        answer within sync.timeout_s + INIT_GRACE_S, or could not be reached)."""
+        join = self.actor.handles[rank].sync_join.remote(name, host, port, world, self.backend, self.cfg.timeout_s)
+        calls = [
+            self.pool.client.apost(
+                url, "/init_weights_update_group",
+                init_group_body(self.rollout.engine, host, port, 1 + i * self.ranks_per_engine, world, name,
+                                self.backend, self.cfg.timeout_s),
+                self.cfg.timeout_s + INIT_GRACE_S,
+            )
+            for i, url in enumerate(urls)
+        ]  # fmt: skip
 
         async def _all() -> list[Any]:
             return await asyncio.gather(*calls, return_exceptions=True)
 
         answers = self.pool.client.run(_all())
-        hosted: list[BaseException | None] = [None] * len(joins)
-        for i, ref in enumerate(joins):
-            try:
-                ray.get(ref)
-            except Exception as err:  # noqa: BLE001 (raised below with the engines' answers)
-                hosted[i] = err
-        failed = [e for e in [*hosted, *answers] if isinstance(e, BaseException)]
+        try:
+            ray.get(join)
+            hosted: BaseException | None = None
+        except Exception as err:  # noqa: BLE001 (raised below with the engines' answers)
+            hosted = err
+        silent = [url for url, answer in zip(urls, answers) if isinstance(answer, UNREACHABLE)]
+        if silent:
+            raise _Unanswered(f"broadcast group {name!r}: engines {silent} did not answer their init", silent)
+        failed = [e for e in [hosted, *answers] if isinstance(e, BaseException)]
         if failed:
-            raise SyncError(f"broadcast groups of {urls} not joined: {failed[0]}") from failed[0]
+            raise SyncError(f"broadcast group {name!r} of {urls} not joined: {failed[0]}") from failed[0]
 
     async def _leave_all(self, url: str, names: list[str]) -> None:
         for name in names:
@@ -226,9 +274,13 @@ class WeightSync:
                     self.ranks_per_engine, self.cfg.timeout_s, self.cfg.keep_buffers, self._colocation_of(urls),
                     self.rollout.engine,
                 )  # fmt: skip
-                if disk_dir is not None:
-                    self.fence.update_from_disk(urls, disk_dir, version)
                 self.fence.commit(urls)
+                if disk_dir is not None:
+                    # After the session, not inside it: SGLang's /end_weight_update post-processes the weights again
+                    # unless a tensor or distributed update loaded them (weight_updater.py:330), and its disk loader
+                    # has post-processed them already; the empty session's begin/end undoes and redoes the
+                    # post-processing of the old weights. Ours commits a disk update outside a session at once.
+                    self.fence.update_from_disk(urls, disk_dir, version)
             except Exception as err:
                 self.dirty.update(urls)
                 self.fence.close(urls)
@@ -239,7 +291,10 @@ class WeightSync:
             self.dirty.difference_update(urls)
             self.version = self.actor_version = version
             self.pool.weight_version = version
-            self.pool.admit_pending()
+            # the replacements this push brought to the version join the router; not while one that came up during
+            # the push waits (behind this push's lock) for its own sync: admit_pending would admit it too
+            if set(self.pool.pending) <= set(urls):
+                self.pool.admit_pending()
             # The first push is news; later ones are every step's timing_s/update_weights metric.
             (log.info if version == 1 else log.debug)(
                 "weights v%d pushed in %.2f s", version, time.perf_counter() - start
@@ -268,8 +323,11 @@ class WeightSync:
                 return False
             self.check_engine(url)
             alive = [u for u in self.pool.live_urls if u not in self.pool.pending] + [url]  # not one being replaced
-            self.connect(alive)
-            self.push(self.version, urls=[url])
+            # The serving engines join the new groups too: SGLang's scheduler blocks in each init (no /health probe
+            # answers meanwhile), so probes are held as for a push
+            with self.pool.health.quiet("weight sync of a replacement engine"):
+                self.connect(alive)
+                self.push(self.version, urls=[url])
             return True
 
 
