@@ -129,3 +129,44 @@ def test_a_second_distributed_update_waits_until_the_first_has_received_its_broa
             assert post(url, "/destroy_weights_update_group", {"group_name": name}).status_code == 200
     finally:
         thread.stop()
+
+
+#: the control requests SGLang queues behind a running one (besides the weight updates of the test above)
+CONTROL = [
+    ("/pause_generation", {"mode": "abort"}),
+    ("/continue_generation", {}),
+    ("/flush_cache", None),
+    ("/release_memory_occupation", {"tags": ["kv_cache"]}),
+    ("/resume_memory_occupation", {"tags": ["kv_cache"]}),
+]
+
+
+def test_control_requests_wait_for_an_init_until_its_group_forms() -> None:
+    """An /init_weights_update_group whose sender has not come yet holds the server's control queue, as SGLang's
+    scheduler blocks in the rendezvous: pause, continue, flush, release and resume posted behind it answer only once
+    the group forms (they once answered at once), each 200, and generation goes on meanwhile."""
+    thread = ServerThread(build_server(dict(HF)))
+    url, server = thread.url, thread.server
+    try:
+        port, answers = free_port(), {}
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "group_name": "late", "backend": "gloo", "timeout_s": WAIT_S}  # fmt: skip
+        init = threading.Thread(target=lambda: answers.update(init=post(url, "/init_weights_update_group", body)))
+        init.start()
+        wait_until(lambda: server._update_lock is not None and server._update_lock.locked(), "the init holds the queue")
+        calls = []
+        for i, (route, payload) in enumerate(CONTROL):
+            calls.append(threading.Thread(target=lambda r=route, p=payload: answers.update({r: post(url, r, p)})))
+            calls[-1].start()
+            wait_until(lambda n=i + 1: server.updates_waiting == n or len(answers) > n - 1, f"{route} arrived")
+        assert sorted(answers) == [], f"answered while the init waits for its group: {sorted(answers)}"
+        assert greedy(url)  # generation does not wait behind the control queue (our documented difference)
+        sender = new_update_group("gloo", "127.0.0.1", port, 0, 2, "late", timeout_s=WAIT_S)
+        for call in (init, *calls):
+            call.join(timeout=WAIT_S * 2)
+            assert not call.is_alive(), "a control request never answered"
+        assert {r: a.status_code for r, a in answers.items()} == dict.fromkeys(["init", *(r for r, _ in CONTROL)], 200)
+        assert post(url, "/destroy_weights_update_group", {"group_name": "late"}).status_code == 200
+        del sender
+    finally:
+        thread.stop()

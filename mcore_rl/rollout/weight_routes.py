@@ -7,11 +7,14 @@
 /abort_weight_update   ours: drop the open session, commit nothing (SGLang has no such route, see below)
 /update_weight_version, /get_weights_by_name, /release_memory_occupation, /resume_memory_occupation
 ```
-Update routes are served one at a time per server, in arrival order (`WeightRoutes.one_at_a_time`), as SGLang's
-are: its tokenizer manager holds `model_update_lock`'s writer side (or, while paused, `is_pause_cond`) around each
-`/update_weights_from_*` and begin/end call, every control request goes through a FIFO `FanOutCommunicator`, and its
-one scheduler thread blocks in `init_custom_process_group` or in a broadcast until the sender arrives. A client that
-posts two buckets to one engine and broadcasts them in another order deadlocks there, and so it does here.
+Control requests (`SERIALISED_ROUTES`: the weight updates, group init/destroy, pause, continue, flush, release,
+resume) are served one at a time per server, in arrival order, each blocking until done (`WeightRoutes.one_at_a_time`),
+as SGLang's are: its tokenizer manager holds `model_update_lock`'s writer side (or, while paused, `is_pause_cond`)
+around each `/update_weights_from_*` and begin/end call, every control request goes through a FIFO "queueing"
+`FanOutCommunicator` (`managers/communicator.py`: an asyncio lock held from send to reply), and its one scheduler
+thread blocks in `init_custom_process_group` until the group forms, or in a broadcast until the sender arrives. A
+client that posts two buckets (or two groups' inits) to one engine and broadcasts (joins) them in another order
+deadlocks there, and so it does here; a pause posted behind an init that waits for its group waits too.
 SGLang loads each bucket into the live weights as it arrives (visible to requests between calls) and its
 `/end_weight_update` only finalises; ours stages and commits at the end, so no token mixes two versions. A sender
 that dies mid-push leaves SGLang's session open until someone calls `/end_weight_update` over the half-loaded
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from aiohttp import web
 
-from mcore_rl.rollout.protocol import BadRequest
+from mcore_rl.rollout.protocol import BadRequest, check_update_group
 from mcore_rl.rollout.weight_receiver import WeightUpdateError, decode_payload, read_safetensors_dir
 
 if TYPE_CHECKING:
@@ -67,7 +70,8 @@ def field(body: dict, key: str, kind: type | tuple[type, ...], default: Any = ..
     return body[key]
 
 
-#: the routes SGLang serves one at a time (see the module docstring); /abort_weight_update is ours and joins them
+#: the control routes SGLang serves one at a time, in arrival order, each blocking until done (see the module
+#: docstring); /abort_weight_update is ours and joins them
 SERIALISED_ROUTES = (
     "/begin_weight_update",
     "/abort_weight_update",
@@ -77,6 +81,11 @@ SERIALISED_ROUTES = (
     "/update_weights_from_disk",
     "/init_weights_update_group",
     "/destroy_weights_update_group",
+    "/pause_generation",
+    "/continue_generation",
+    "/flush_cache",
+    "/release_memory_occupation",
+    "/resume_memory_occupation",
 )
 
 
@@ -88,7 +97,7 @@ class WeightRoutes:
     _update_lock: asyncio.Lock | None = None
 
     def one_at_a_time(self: EngineServer, handler: Callable[[web.Request], Any]) -> Callable[[web.Request], Any]:
-        """`handler` served after every update request that arrived before it has answered (asyncio.Lock is FIFO).
+        """`handler` served after every control request that arrived before it has answered (asyncio.Lock is FIFO).
 
         Generation, `/health` and the other routes do not take the lock: ours stage into shadows while decoding
         goes on (a documented difference: SGLang holds new generations behind the writer lock)."""
@@ -161,7 +170,7 @@ class WeightRoutes:
         backend = field(body, "backend", str, "nccl")
         # not in SGLang's request: how long a broadcast of this group may wait for its sender (a dead sender's
         # bucket fails after it, and the session with it)
-        timeout_s = float(field(body, "timeout_s", (int, float), 300.0))
+        timeout_s = check_update_group(port, rank, world, field(body, "timeout_s", (int, float), 300.0))
         if backend == "nccl" and self.engine.device.type != "cuda":
             backend = "gloo"  # this engine holds CPU tensors; gloo is the CPU broadcast backend
         try:
