@@ -322,7 +322,7 @@ def test_update_weights_from_disk_commits_at_once(server, tmp_path) -> None:
     expected = reference.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, 3:].tolist()
     assert greedy(server, [2, 4, 6]) == expected
     missing = post(server, "/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
-    assert missing.status_code == 400 and "is not a directory" in missing.json()["message"]
+    assert missing.status_code == 400 and "is not a model directory" in missing.json()["message"]
 
 
 def _long_request(server, out: list) -> threading.Thread:

@@ -33,6 +33,10 @@ class BadRequest(ValueError):
 MAX_STOP_COUNT = 32
 #: SGLang's range of sampling_seed (a signed 64-bit integer).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+#: the largest top_k: SGLang holds top_k in an int32 tensor (sampling_batch_info.py), and so do we
+TOP_K_MAX = 2**31 - 1
+#: the longest an update group's rendezvous and broadcasts may wait (timeout_s on /init_weights_update_group)
+GROUP_TIMEOUT_MAX_S = 24 * 3600.0
 
 
 #: SamplingParams keys we implement.
@@ -87,6 +91,17 @@ def _int(params: dict, key: str, default: int, low: int | None = None, expected:
     return value
 
 
+def _unicode(text: str, key: str) -> None:
+    """BadRequest naming `key` when `text` holds a lone surrogate (JSON's "\\ud800" decodes to one): it is not
+    Unicode text, and the tokenizer (and any UTF-8 encoder) fails on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise BadRequest(
+            f"{key} holds a lone surrogate ({text[err.start]!r} at character {err.start}): expected valid Unicode text"
+        ) from None
+
+
 def _float(params: dict, key: str, default: float, ok: Callable[[float], bool], expected: str) -> float:
     value = params.get(key, default)
     if value is None:
@@ -133,6 +148,8 @@ def parse_sampling_params(params: Any, vocab_size: int) -> tuple[GenParams, int,
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest(f"sampling_params.stop={params.get('stop')!r} is invalid: expected a string or strings")
+    for i, string in enumerate(stop):
+        _unicode(string, f"sampling_params.stop[{i}]")
     if len(stop) > MAX_STOP_COUNT:
         raise BadRequest(f"sampling_params.stop has {len(stop)} strings: at most {MAX_STOP_COUNT} are allowed")
     stop_ids = params.get("stop_token_ids") or []
@@ -146,6 +163,8 @@ def parse_sampling_params(params: Any, vocab_size: int) -> tuple[GenParams, int,
     top_k = _int(params, "top_k", -1, expected="-1 (off) or an integer >= 1")
     if top_k == 0 or top_k < -1:
         raise BadRequest(f"sampling_params.top_k={top_k} is invalid: expected -1 (off) or an integer >= 1")
+    if top_k > TOP_K_MAX:  # it used to reach the batch and fail the step of every request in it
+        raise BadRequest(f"sampling_params.top_k={top_k} is invalid: expected at most {TOP_K_MAX} (2**31 - 1)")
     seed = params.get("sampling_seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not SEED_MIN <= seed <= SEED_MAX):
         raise BadRequest(
@@ -209,17 +228,25 @@ def parse_generate(
         batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
         prompts = ids if batched else [ids]
         for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            if not isinstance(prompt, list) or not prompt or not all(_is_int(t) for t in prompt):
                 raise BadRequest(f"input_ids[{i}] must be a non-empty list of integer token ids")
     else:
         if encode is None:
             raise BadRequest("text prompts need a tokenizer; this server was started without one (send input_ids)")
         texts = body["text"]
         batched = isinstance(texts, list)
+        if batched and not texts:
+            raise BadRequest("text is an empty list: expected a string or a non-empty list of strings")
         for i, text in enumerate(texts if batched else [texts]):
             if not isinstance(text, str):
                 raise BadRequest(f"text[{i}] is a {type(text).__name__}, expected a string")
+            if not text:  # an empty prompt used to reach the batch and fail its prefill, for every request in it
+                raise BadRequest(f"text[{i}] is empty: expected a non-empty prompt")
+            _unicode(text, f"text[{i}]")
         prompts = [encode(t) for t in (texts if batched else [texts])]
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise BadRequest(f"text[{i}] tokenizes to no tokens: expected a non-empty prompt")
     for i, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
@@ -286,6 +313,27 @@ def parse_generate(
             seq.text_options = text_opts  # type: ignore[attr-defined]
             seqs.append(seq)
     return seqs, batched or len(seqs) > 1, stream
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_update_group(port: int, rank: int, world_size: int, timeout_s: float) -> float:
+    """/init_weights_update_group's numbers, checked before any rendezvous: BadRequest naming the field (a port
+    outside TCP's range, or a timeout a timedelta cannot hold, used to fail inside torch as a 500). Returns the
+    timeout in seconds as a float."""
+    if not 1 <= port <= 65535:
+        raise BadRequest(f"master_port={port} is invalid: expected a TCP port in [1, 65535]")
+    if not 1 <= world_size <= 2**31 - 1:
+        raise BadRequest(f"world_size={world_size} is invalid: expected an integer in [1, 2**31 - 1]")
+    if not 0 <= rank < world_size:
+        raise BadRequest(f"rank_offset={rank} is invalid: expected an integer in [0, world_size={world_size})")
+    if not (0 < timeout_s <= GROUP_TIMEOUT_MAX_S):  # NaN fails this too; an int is compared without float()
+        raise BadRequest(
+            f"timeout_s={timeout_s!r} is invalid: expected a number of seconds in (0, {GROUP_TIMEOUT_MAX_S:.0f}]"
+        )
+    return float(timeout_s)
 
 
 def response_object(

@@ -25,6 +25,11 @@ FinishReason = Literal["stop", "length", "abort"]
 GREEDY_BELOW = 1e-6
 
 
+class NonFiniteLogits(ValueError):
+    """Logits with NaN or +inf, or with every token at -inf: no token can be sampled from them (argmax would pick
+    token 0 and call it a sample). The engine fails the requests of that step instead."""
+
+
 @dataclass
 class Sample:
     """One generated response for one prompt."""
@@ -81,9 +86,18 @@ def sample_rows(
     `softmax(logits / temperature)` restricted by top-k, then top-p, then min-p (relative to the most likely token),
     with the row's generator as its only randomness: a row's draw does not depend on which other rows share the
     batch. Returns `(tokens [B] int64, logprobs [B] float32)` with the logprob defined in the module docstring.
+    Raises `NonFiniteLogits` naming the rows whose logits hold NaN or +inf or are all -inf (tokens masked to -inf,
+    as min_new_tokens does, are fine).
     """
     logits = logits.float()
     rows, vocab = logits.shape
+    # one reduction finds all three cases: a row's max is NaN if any entry is, +inf if any is, -inf if all are
+    bad = ~torch.isfinite(logits.amax(dim=-1))
+    if bool(bad.any()):
+        raise NonFiniteLogits(
+            f"non-finite logits in rows {bad.nonzero().flatten().tolist()} of {rows} (NaN, +inf, or every token "
+            "-inf): the weights or the activations are not finite; no token is sampled from them"
+        )
     # below 1e-6 is greedy, as SGLang's _SAMPLING_EPS: logits / 1e-40 overflow to inf and the softmax to NaN
     greedy = temperature < GREEDY_BELOW
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits)

@@ -264,21 +264,26 @@ class EngineServer(WeightRoutes):
                 out = [response_object(s, i, decode, text_logprobs, version) for i, s in enumerate(seqs)]
                 return web.json_response(out if as_list else out[0])
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await response.prepare(request)
             done = [False] * len(seqs)
-            while not all(done):
-                changed = {await events.get()}
-                while not events.empty():
-                    changed.add(events.get_nowait())
-                for i in sorted(changed):
-                    if done[i]:
-                        continue
-                    # `finish` is set before the sequence's last event is queued: once a chunk shows it, that chunk
-                    # holds the final tokens and the sequence is done
-                    done[i] = seqs[i].finish is not None
-                    chunk = json.dumps(response_object(seqs[i], i, decode, text_logprobs, self._version()))
-                    await response.write(f"data: {chunk}\n\n".encode())
-            await response.write(b"data: [DONE]\n\n")
+            try:
+                await response.prepare(request)
+                while not all(done):
+                    changed = {await events.get()}
+                    while not events.empty():
+                        changed.add(events.get_nowait())
+                    for i in sorted(changed):
+                        if done[i]:
+                            continue
+                        # `finish` is set before the sequence's last event is queued: once a chunk shows it, that
+                        # chunk holds the final tokens and the sequence is done
+                        done[i] = seqs[i].finish is not None
+                        chunk = json.dumps(response_object(seqs[i], i, decode, text_logprobs, self._version()))
+                        await response.write(f"data: {chunk}\n\n".encode())
+                await response.write(b"data: [DONE]\n\n")
+            except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the client went away
+                # one quiet line, not a traceback: a client closing its stream is no server error
+                unfinished = sum(s.finish is None for s in seqs)
+                log.info("client went away during a /generate stream; %d unfinished sequences aborted", unfinished)
             return response
         finally:  # the client went away (or the handler failed): stop spending decode steps on it
             for seq in seqs:
@@ -427,7 +432,8 @@ class EngineServer(WeightRoutes):
 
 
 def _parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A request body -> its JSON object; BadRequest for anything else (bad UTF-8, bad JSON, nesting too deep)."""
+    """A request body -> its JSON object; BadRequest for anything else (bad UTF-8, bad JSON, nesting too deep, an
+    integer longer than Python converts: named by its key)."""
     if not raw.strip():
         return {}
     try:
@@ -438,9 +444,49 @@ def _parse_json_object(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"malformed JSON body: {err}") from err
     except RecursionError as err:
         raise BadRequest("malformed JSON body: values nested too deeply") from err
+    except ValueError as err:  # an integer longer than int() converts (a 500 once); parsed again to name its key
+        raise BadRequest(_too_many_digits(raw) or f"malformed JSON body: {err}") from None
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     return body
+
+
+def _too_many_digits(raw: bytes) -> str | None:
+    """Which key holds an integer longer than `sys.get_int_max_str_digits()` (`sampling_params.top_k`,
+    `input_ids[3]`), worded as a refusal; None if none does. Only a refused body pays for this second parse: a hook
+    on every integer would slow the parse of every request."""
+    limit = sys.get_int_max_str_digits()
+    too_long: list[int] = []
+
+    def parse_int(text: str) -> Any:
+        if limit and len(text.lstrip("-")) > limit:
+            too_long.append(len(text.lstrip("-")))
+            return _TOO_LONG
+        return int(text)
+
+    try:
+        body = json.loads(raw, parse_int=parse_int)
+    except ValueError:
+        return None
+    if not too_long:
+        return None
+
+    def find(value: Any, path: str) -> str | None:
+        if value is _TOO_LONG:
+            return path
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            found = find(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+            if found is not None:
+                return found
+        return None
+
+    path = (find(body, "") or ".a value").lstrip(".")
+    return f"{path} is an integer of {too_long[0]} digits: at most {limit} digits are accepted"
+
+
+#: stands for a too-long integer while `_too_many_digits` looks for its key
+_TOO_LONG = object()
 
 
 def _error(message: str, status: int) -> web.Response:

@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import base64
 import os
+import stat
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,6 +51,11 @@ class WeightUpdateError(ValueError):
 # SGLang 0.5.23's messages (srt/managers/scheduler_components/weight_updater.py), which clients may match
 NO_SECOND_SESSION = "a weight-update session is already open; call end_weight_update() first"
 NO_SESSION = "no weight-update session is open; call begin_weight_update() first"
+#: /update_weights_from_disk's one answer for every path that is not a model directory (no oracle: a missing path,
+#: a file, a device, a FIFO, a directory without regular safetensors files are answered alike)
+NOT_A_MODEL_DIRECTORY = "is not a model directory"
+#: the longest /update_weights_from_disk reads before it gives up (checked between tensors)
+DISK_READ_TIMEOUT_S = 600.0
 
 
 def decode_payload(payload: str | bytes, load_format: str | None) -> NamedTensors:
@@ -253,6 +260,12 @@ class WeightReceiver:
                         continue
                     key = self.engine.param_key(name)
                     live = self.engine.parameter(key)
+                    if live.is_floating_point() and not tensor.is_floating_point():
+                        # as SGLang's loaders refuse a wrong shape: copy_ would cast int64 or bool silently
+                        raise ValueError(
+                            f"tensor {name!r} has dtype {tensor.dtype}, its parameter {live.dtype}: expected a "
+                            "floating-point tensor"
+                        )
                     offset = view.storage_offset() - live.storage_offset()
                     region = (offset, tuple(view.shape), tuple(view.stride()))
                     checked.append((name, key, region, _region(self._shadow(key), *region), tensor))
@@ -260,15 +273,19 @@ class WeightReceiver:
                 session.failed = str(err)
                 raise WeightUpdateError(f"bucket refused, old weights kept: {err}") from err
             session.copying += 1  # the session cannot end (nor its shadows be committed) until these copies do
-        copied = False
+        copied, refused = False, None
         try:
             for *_, target, tensor in checked:
                 target.copy_(tensor)
-            copied = True
+            # checked after the copy, on what would be committed: a cast (bf16 -> fp16) can overflow to inf too
+            refused = _non_finite([(name, target) for name, _, _, target, _ in checked])
+            copied = refused is None
         finally:
             with self._lock:
                 if isinstance(named_in, _Received):  # its views are copied: the buffer serves the next bucket
                     self._receive_buffers.append(named_in.buffer)
+                if refused is not None:
+                    session.failed = refused
                 if copied:
                     for name, key, region, target, _ in checked:
                         session.written.setdefault(key, {})[region] = target.numel()
@@ -277,6 +294,8 @@ class WeightReceiver:
                         session.version = str(weight_version)
                 session.copying -= 1
                 self._lock.notify_all()
+        if refused is not None:
+            raise WeightUpdateError(f"bucket refused, old weights kept: {refused}")
         return len(checked)
 
     def fail(self, message: str) -> None:
@@ -352,6 +371,23 @@ class WeightReceiver:
         return tensors
 
 
+def _non_finite(named: NamedTensors) -> str | None:
+    """A message naming the floating-point tensors that hold NaN or +-inf, or None when all are finite.
+
+    One `aminmax` reduction per tensor (NaN propagates into both; an inf shows in one): a read of the bytes without
+    a tensor-sized temporary (`isfinite(t).all()` allocates one and was 15x slower on CPU), and one host sync for
+    the whole bucket."""
+    floats = [(name, t) for name, t in named if t.is_floating_point() and t.numel()]
+    if not floats:
+        return None
+    extremes = torch.stack([torch.stack(torch.aminmax(t)).float() for _, t in floats])  # [tensors, 2]
+    bad = (~torch.isfinite(extremes)).any(dim=-1)
+    if not bool(bad.any()):
+        return None
+    names = [name for (name, _), b in zip(floats, bad.tolist()) if b]
+    return f"tensors {names[:5]} hold non-finite values (NaN or inf): refused, as a NaN weight samples garbage"
+
+
 def _dequantize_fp8(named: NamedTensors) -> NamedTensors:
     """FP8 tensors (e4m3 with a `<name>_scale_inv` in the same payload, 128x128 blocks: an FP8 sync or an FP8
     checkpoint) -> float32 values for this engine's parameters; ValueError naming a scale that is missing."""
@@ -372,17 +408,49 @@ def _dequantize_fp8(named: NamedTensors) -> NamedTensors:
     return out
 
 
-def read_safetensors_dir(path: str) -> NamedTensors:
-    """Every tensor of the `*.safetensors` files in `path` (for /update_weights_from_disk)."""
-    from safetensors import safe_open
+def read_safetensors_dir(path: str, timeout_s: float = DISK_READ_TIMEOUT_S) -> NamedTensors:
+    """Every tensor of the `*.safetensors` files in `path` (for /update_weights_from_disk), read from regular files
+    only, and for at most `timeout_s` seconds (checked between tensors).
 
-    if not os.path.isdir(path):
-        raise WeightUpdateError(f"model_path {path!r} is not a directory")
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    Each file is opened without blocking and checked with fstat (`S_ISREG`) before safetensors reads it through that
+    very descriptor: safetensors opens its path while holding the GIL, so a FIFO named `model.safetensors` (whose
+    open waits for a writer) froze every thread of the server, /health included; /dev/zero would be read forever.
+    Every path that is not a model directory gets the same answer (`NOT_A_MODEL_DIRECTORY`)."""
+    from safetensors import SafetensorError, safe_open
+
+    deadline = time.monotonic() + timeout_s
+    not_a_model = WeightUpdateError(
+        f"model_path {path!r} {NOT_A_MODEL_DIRECTORY}: expected a directory holding regular *.safetensors files"
+    )
+    try:
+        if not stat.S_ISDIR(os.stat(path).st_mode):
+            raise not_a_model
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    except (OSError, ValueError):  # missing, unreadable, or a path with a NUL byte
+        raise not_a_model from None
     if not files:
-        raise WeightUpdateError(f"model_path {path!r} holds no .safetensors files")
+        raise not_a_model
     out = []
     for file in files:
-        with safe_open(os.path.join(path, file), framework="pt") as handle:
-            out.extend((name, handle.get_tensor(name)) for name in handle.keys())  # noqa: SIM118
+        try:
+            fd = os.open(os.path.join(path, file), os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, no writer
+        except OSError:
+            raise not_a_model from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise not_a_model
+            # the descriptor checked above, not the path again (which could be swapped for a FIFO meanwhile)
+            source = f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else os.path.join(path, file)
+            try:
+                with safe_open(source, framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118
+                        if time.monotonic() >= deadline:
+                            raise WeightUpdateError(
+                                f"reading model_path {path!r} took more than {timeout_s:g} s; nothing was staged"
+                            )
+                        out.append((name, handle.get_tensor(name)))
+            except SafetensorError as err:
+                raise WeightUpdateError(f"{file} in model_path {path!r} is not valid safetensors: {err}") from err
+        finally:
+            os.close(fd)
     return out
