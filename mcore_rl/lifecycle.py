@@ -3,11 +3,14 @@
     exit 0    the run finished; <run_dir>/summary.json written
     exit 2    any user error (unknown or `+`-added config key, bad value, missing file, bad checkpoint or dataset,
               a reward function that fails): one `config error: ...` / `error: ...` message, never a traceback
-              a full disk (`error: No space left on device writing <file>`), with nothing half-written
+              a full disk (`error: No space left on device writing <file>`), with nothing half-written; a run dir
+              that became read-only or unwritable (`error: Read-only file system writing <file>; ...`)
     exit 130  interrupted (Ctrl-C): one line saying where it stopped
     exit 143  terminated (SIGTERM: scancel, a Slurm time limit, `kill`): one line saying where it stopped; the
               engines and ranks are stopped by the run's own clean-up, as after Ctrl-C
-    exit 1    a bug or an infrastructure failure: the traceback, for a report; also training that diverged
+    exit 1    a bug or an infrastructure failure: the traceback, for a report; a process the run needs that died (an
+              actor rank, the router: `error: actor rank 1 (pid N) died: ...`, errors.ProcessDied, no traceback);
+              also training that diverged
               (a non-finite loss or grad norm, metrics/logger.py: `error: ... step N ...`, no traceback), and a
               SystemExit from inside the run (a library's or a reward's sys.exit is not a finished run)
 
@@ -24,22 +27,27 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import signal
 import sys
 import threading
+import time
 import traceback
 import typing
 from collections.abc import Callable
 from typing import Any
 
 from mcore_rl.config import ConfigError, RLConfig
+from mcore_rl.errors import ProcessDied
 
 FAILED = "FAILED"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # a run dir remounted read-only, or its permissions taken away
 #: seconds the run's clean-up may take after SIGTERM before the driver exits 143 regardless (the watchdog then ends
 #: what it started); under Slurm's default KillWait (30 s), after which SIGKILL comes
 TERM_CLEANUP_S = 15.0
 _EXITING = threading.Lock()
+_STARTED = 0.0  # time.time() when run_guarded started: Ray OOM kills before it are another run's
 _SIGINT_SEEN = threading.Event()  # a real Ctrl-C, as against a KeyboardInterrupt some code raised itself
 _INTERNAL_EXIT = False  # set when exit 1 is ours (a bug), so Hydra's own exit 1 (bad override) can become 2
 
@@ -106,7 +114,8 @@ def run_guarded(cfg: RLConfig, run: Callable[[RLConfig], dict[str, float]]) -> N
     """Run the job with the exit codes of the module docstring; writes summary.json or FAILED."""
     import ray
 
-    global _INTERNAL_EXIT
+    global _INTERNAL_EXIT, _STARTED
+    _STARTED = time.time()
     run_dir = cfg.trainer.run_dir
     _clear_failed(run_dir)
     from mcore_rl import watchdog
@@ -123,6 +132,11 @@ def run_guarded(cfg: RLConfig, run: Callable[[RLConfig], dict[str, float]]) -> N
         sys.exit(130)
     except Terminated:  # the marker is already written (_install_signal_handlers)
         _exit_terminated(cfg, marked=True)
+    except ProcessDied as err:  # a rank or the router was killed: which one is the news, not Ray's traceback
+        _mark_failed(run_dir, f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
+        _INTERNAL_EXIT = True
+        sys.exit(1)
     except TrainingDiverged as err:
         _mark_failed(run_dir, f"error: {err}")
         print(f"error: {err}", file=sys.stderr)
@@ -130,7 +144,10 @@ def run_guarded(cfg: RLConfig, run: Callable[[RLConfig], dict[str, float]]) -> N
         sys.exit(1)
     except Exception as err:  # noqa: BLE001 - every ending is reported and marked
         user = _user_error(err, ray)
+        kills = [] if user else ray_oom_kills()  # Ray still up: the run's own clean-up has not shut it down
         message = f"error: {_user_message(err)}" if user else traceback.format_exc()
+        if kills:  # the cause is in raylet.out alone: say it, not the traceback of what it broke
+            message = f"error: {oom_message(kills)} (what it broke: {type(err).__name__}: {_first_line(err)})"
         _mark_failed(run_dir, message)
         print(message, file=sys.stderr)
         if not user:
@@ -189,13 +206,72 @@ def _install_signal_handlers(cfg: RLConfig) -> None:
         signal.signal(signal.SIGINT, on_int)
 
 
+_KILL_LINE = re.compile(
+    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ .*Killing \d+ worker\(s\), kill details: Memory on the node "
+    r"\(IP: [^,]*, ID: \w+\) was ([\d.]+)GB used / ([\d.]+)GB limit"
+)
+_SELECTED = re.compile(r"task name=([^,]*), .*?pid=(\d+), actual memory used=([\d.]+)GB")
+
+
+def oom_kills(raylet_log: str, since: float = 0.0) -> list[str]:
+    """One line per worker Ray's memory monitor killed, read from a raylet.out (its OOM report spans several lines:
+    the kill line with the node's memory, then "Selected to kill: (... task name=..., pid=..., actual memory used=...)",
+    ray 2.60); kills logged before `since` (a time.time(), the log's local time) are left out."""
+    found = []
+    lines = raylet_log.splitlines()
+    for at, line in enumerate(lines):
+        kill = _KILL_LINE.match(line)
+        if kill is None or time.mktime(time.strptime(kill.group(1), "%Y-%m-%d %H:%M:%S")) < int(since):
+            continue
+        for follow in lines[at + 1 : at + 200]:
+            if follow.startswith("["):  # the next log record: this report is over
+                break
+            for task, pid, used in _SELECTED.findall(follow):
+                named, _, method = task.rpartition(":")  # "engine-0:Engine.__init__", or "MegatronActor.call_packed"
+                name = f"{named} ({method.split('.')[0]})" if named else method.split(".")[0]
+                found.append(
+                    f"Ray's memory monitor killed {name}, pid {pid}, using {used} GB, when the node's memory was at "
+                    f"{kill.group(2)} GB of {kill.group(3)} GB (above Ray's kill threshold, RAY_memory_usage_threshold)"
+                )
+    return found
+
+
+def ray_oom_kills() -> list[str]:
+    """oom_kills of this driver's Ray session since the run started (empty without a local raylet log or Ray)."""
+    try:
+        import ray
+
+        node = ray._private.worker._global_node
+        if node is None:
+            return []
+        path = os.path.join(node.get_session_dir_path(), "logs", "raylet.out")
+        with open(path, errors="replace") as f:
+            return oom_kills(f.read(), since=_STARTED)
+    except (ImportError, AttributeError, OSError):
+        return []
+
+
+def oom_message(kills: list[str]) -> str:
+    """The one line for a run that failed after Ray's memory monitor killed its processes."""
+    return (
+        f"{'; '.join(kills)}: the run cannot go on without it. Give the run more memory (fewer runs on this machine), "
+        f"or make it smaller: rollout.max_running_requests, actor.micro_batch_size, data.max_prompt_length, "
+        f"rollout.max_new_tokens"
+    )
+
+
 def _user_error(err: BaseException, ray: Any) -> bool:
     """Bad input: config, files, checkpoints, datasets, reward functions (raised here or inside a Ray worker)."""
     if isinstance(err, ray.exceptions.RayTaskError):
         err = err.cause if err.cause is not None else err
-    if isinstance(err, OSError) and err.errno in _DISK_FULL:
+    if isinstance(err, OSError) and err.errno in (*_DISK_FULL, *_UNWRITABLE):
         return True
     return isinstance(err, (ConfigError, ValueError, FileNotFoundError, PermissionError, NotADirectoryError))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:300] if text else ""
 
 
 def _cause(err: BaseException) -> str:
@@ -209,6 +285,11 @@ def _user_message(err: BaseException) -> str:
     if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
         where = f" writing {cause.filename}" if cause.filename else ""
         return f"{cause.strerror}{where}; free space there, or point trainer.run_dir at a disk with room"
+    if isinstance(cause, OSError) and cause.errno in _UNWRITABLE and cause.filename:
+        return (
+            f"{cause.strerror} writing {cause.filename}; make it writable, or point trainer.run_dir at a writable "
+            f"directory"
+        )
     return _cause(err)
 
 

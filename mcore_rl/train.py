@@ -154,6 +154,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             if cfg.trainer.rollout_data_dir:  # what the model wrote, per sample (verl's rollout dump)
                 dump_rollouts(cfg.trainer.rollout_data_dir, step, rollouts, tokenizer)
             batch = rollouts.batch
+            rollouts.metrics.update(reward.memory_metrics())  # the driver's growth over the reward phase
             rollouts.metrics.update(placement.to_training(actor, engines))
 
             if not fused:
@@ -202,6 +203,9 @@ def run(cfg: RLConfig) -> dict[str, float]:
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
             ckpt.after_step(actor, state, critic)  # every trainer.save_every steps and after the last
         return log.summary(seconds=time.time() - start)
+    except Exception as err:
+        _name_what_died(err, actor, critic, engines)  # a killed rank or router: one line naming it, not Ray's trace
+        raise
     finally:  # also on errors: no engine, router or rank outlives the run
         if hasattr(producer, "close"):
             producer.close()
@@ -211,6 +215,26 @@ def run(cfg: RLConfig) -> dict[str, float]:
         if engines is not None:
             engines.shutdown()
         placement.shutdown()
+
+
+def _name_what_died(err: Exception, actor: Any, critic: Any, engines: Any) -> None:
+    """Raise ProcessDied naming what died, if anything did (`err` chained as its cause): a process Ray's memory
+    monitor killed (an engine, a rank: the cause is only in raylet.out), the router, or actor ranks."""
+    from mcore_rl.errors import ProcessDied
+    from mcore_rl.lifecycle import oom_message, ray_oom_kills
+
+    kills = ray_oom_kills()
+    if kills and not isinstance(err, ProcessDied):
+        raise ProcessDied(oom_message(kills)) from err
+    died = []
+    router_died = getattr(getattr(engines, "router", None), "died", None)
+    if router_died is not None and router_died():
+        died.append(router_died())
+    for group in (actor, getattr(critic, "group", None)):
+        if group is not None:
+            died += group.dead_ranks()
+    if died and not isinstance(err, ProcessDied):
+        raise ProcessDied("; ".join(died)) from err
 
 
 def _wandb_settings(cfg: RLConfig) -> dict[str, Any]:

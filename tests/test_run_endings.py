@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def guarded(run_dir: Path, body: str, timeout: float = 120, wait_for: Path | None = None, sig: int | None = None):
+def guarded(
+    run_dir: Path,
+    body: str,
+    timeout: float = 120,
+    wait_for: Path | None = None,
+    sig: int | None = None,
+    prefix: tuple[str, ...] = (),
+):
     """`run_guarded` in a child process with `def job(cfg): <body>` as the run; optionally send `sig` once `wait_for`
     exists. Returns the finished process."""
     run_dir.mkdir(parents=True, exist_ok=True)  # as pre-flight makes it before the run starts
@@ -44,7 +52,7 @@ def guarded(run_dir: Path, body: str, timeout: float = 120, wait_for: Path | Non
         + "\nrun_guarded(cfg, job)\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*prefix, sys.executable, "-c", code, str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         cwd=REPO, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     if sig is not None:
@@ -282,3 +290,114 @@ def _pgid(pid: int) -> int | None:
         return os.getpgid(pid)
     except OSError:
         return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "target, needle, message",
+    [
+        ("rank", "MegatronActor", r"error: actor rank [01] \(pid \d+\) died"),
+        ("router", "sglang::router", r"error: the router \(sglang-router, pid \d+\) died \(killed by"),
+    ],
+)  # fmt: skip
+def test_a_killed_rank_or_router_ends_the_run_with_one_line_naming_it(tmp_path, target, needle, message) -> None:
+    """kill -9 of an actor rank or of the router ended the run with a raw Ray traceback: exit 1, FAILED, and one line
+    saying what died."""
+    import re
+
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcore_rl.train", "data.batch_size=2", "rollout.n=2", "actor.mini_batches=1",
+         "trainer.steps=50", f"trainer.run_dir={run_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+    )  # fmt: skip
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.time() + 480
+        while proc.poll() is None and time.time() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        victims = [p for p in psutil.Process(proc.pid).children(recursive=True) if needle in " ".join(p.cmdline())]
+        assert victims, f"no {needle} process under the driver"
+        victims[0].kill()
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert re.search(message, err), err[-3000:]
+    assert re.match(message, (run_dir / "FAILED").read_text())
+
+
+# ------------------------------------------------------------------------------------------------ read-only run dir
+def test_a_run_dir_made_read_only_mid_run_is_exit_2_naming_the_file(tmp_path) -> None:
+    """A run dir that became read-only mid-run ended with exit 1 and a traceback; a full disk already got a named exit
+    2. The run runs in its own mount namespace (`unshare -m`, root), where it bind-mounts its run dir read-only after
+    step 1, as an administrator's remount or a file system's errors=remount-ro would."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("a private mount namespace needs root (CAP_SYS_ADMIN)")
+    run_dir = tmp_path / "run"
+    proc = guarded(run_dir, """
+        import subprocess
+        log = MetricsLogger(os.path.join(cfg.trainer.run_dir, "metrics.jsonl"), loggers=["jsonl"])
+        log.write(1, {"critic/score/mean": 0.5})
+        d = cfg.trainer.run_dir
+        subprocess.run(["mount", "--bind", d, d], check=True)
+        subprocess.run(["mount", "-o", "remount,ro,bind", d], check=True)
+        log.write(2, {"critic/score/mean": 0.5})
+        return {"steps": 2}
+    """, prefix=("unshare", "-m", "--propagation", "private"))  # fmt: skip
+    assert proc.returncode == 2, proc.err[-3000:]
+    assert "Traceback" not in proc.err
+    assert f"Read-only file system writing {run_dir}/metrics.jsonl" in proc.err
+    assert "make it writable, or point trainer.run_dir at a writable directory" in proc.err
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1]
+
+
+# ------------------------------------------------------------------------------------------------ Ray's OOM kills
+RAYLET_OOM = REPO / "tests/fixtures/ray_logs/raylet_oom_kill.out"  # ray 2.60's raylet.out around a memory-monitor kill
+
+
+def test_a_memory_monitor_kill_is_read_from_the_raylet_log() -> None:
+    from mcore_rl.lifecycle import oom_kills
+
+    text = RAYLET_OOM.read_text()
+    (line,) = oom_kills(text)
+    assert line == (
+        "Ray's memory monitor killed engine-0 (Engine), pid 13492, using 0.18 GB, when the node's memory was at "
+        "5.50 GB of 23.54 GB (above Ray's kill threshold, RAY_memory_usage_threshold)"
+    )
+    assert oom_kills(text, since=time.mktime((2026, 11, 28, 11, 18, 8, 0, 0, -1))) == []  # an earlier run's kill
+
+
+def test_an_engine_killed_by_rays_memory_monitor_is_named_in_one_line(tmp_path) -> None:
+    """The run said only that the engine failed its /health probes, then a thread traceback, then HTTP 503: the cause
+    was in raylet.out alone. A real local Ray with its kill threshold at 5% of the node's memory kills the actor."""
+    proc = guarded(tmp_path / "run", """
+        import ray
+        os.environ["RAY_memory_usage_threshold"] = "0.05"  # read by the raylet this ray.init starts
+        ray.init(address="local", num_cpus=1, include_dashboard=False)
+
+        @ray.remote(max_restarts=0)
+        class Engine:
+            def hold(self):
+                self.memory = bytearray(200 * 2**20)
+                time.sleep(300)
+
+        engine = Engine.options(name="engine-0").remote()
+        ray.get(engine.hold.remote(), timeout=240)
+    """, timeout=300)  # fmt: skip
+    assert proc.returncode == 1, proc.err[-3000:]
+    assert "Traceback" not in proc.err, proc.err[-3000:]
+    assert re.search(
+        r"error: Ray's memory monitor killed engine-0 \(Engine\), pid \d+, using [\d.]+ GB, when the node's memory "
+        r"was at [\d.]+ GB of [\d.]+ GB .*Give the run more memory",
+        proc.err,
+    ), proc.err[-3000:]
+    assert (tmp_path / "run" / "FAILED").read_text().startswith("error: Ray's memory monitor killed engine-0")

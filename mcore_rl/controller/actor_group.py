@@ -117,6 +117,26 @@ class ActorGroup:
             return torch.cat(payloads)
         return payloads
 
+    def dead_ranks(self, timeout_s: float = 10.0) -> list[str]:
+        """One line per rank whose process has died (asked after an error: a rank killed under a collective shows as
+        its peers' gloo errors first); a rank that is alive but busy is not counted."""
+        import re
+
+        dead = []
+        probes = [h.__ray_ready__.remote() for h in self.handles]
+        for rank, probe in enumerate(probes):
+            try:
+                ray.get(probe, timeout=timeout_s)
+            except ray.exceptions.RayActorError as err:
+                text = str(err)
+                pid = re.search(r"\bpid[:=] ?(\d+)", text)
+                detail = re.search(r"Worker exit detail: ([^\n]*?)(?:\.|\n|$)", text)
+                how = detail.group(1).strip() if detail else type(err).__name__
+                dead.append(f"{self.role} rank {rank}{f' (pid {pid.group(1)})' if pid else ''} died: {how}")
+            except ray.exceptions.GetTimeoutError:
+                pass  # alive, still inside the call that failed on its peers
+        return dead
+
     def shutdown(self) -> None:
         for handle in self.handles:
             ray.kill(handle)

@@ -162,6 +162,14 @@ class Router:
                 raise TimeoutError(f"sglang-router still lists worker {url} after {timeout_s:.0f} s")
             time.sleep(0.1)
 
+    def died(self) -> str | None:
+        """How the router process ended, if it has (None while it runs, or before start): one line for the user."""
+        if self._proc is None or self._proc.poll() is None:
+            return None
+        code = self._proc.returncode
+        how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+        return f"the router (sglang-router, pid {self._proc.pid}) died ({how}); its log: {self.log_path}"
+
     def _log_tail(self, lines: int = 30) -> str:
         try:
             with open(self.log_path, errors="replace") as f:
