@@ -267,9 +267,9 @@ def test_a_refused_pause_leaves_no_engine_paused() -> None:
 
 def test_engines_are_paused_concurrently() -> None:
     """SGLang's abort-mode pause returns only once its requests are gone (abort_all, then 1 s sleeps): the fence
-    pauses every engine at once. Each double's pause waits (at most 5 s) for the other's to arrive; before, the
-    pauses went one after another, so the first waited out the 5 s alone."""
-    barrier = threading.Barrier(2, timeout=5.0)
+    pauses every engine at once. Each double's pause waits (at most 10 s) for the other's to arrive; before, the
+    pauses went one after another, so the first waited out the 10 s alone."""
+    barrier = threading.Barrier(2, timeout=10.0)
     with _engines(2, barrier) as (doubles, client, urls):
         fence = _fence(client)
         fence.control_timeout_s = 30.0
@@ -339,7 +339,7 @@ def test_no_request_is_served_from_a_half_updated_engine(bucket: int) -> None:
             other = RolloutClient(urls[0], engine="sglang")
             thread = threading.Thread(target=lambda: answers.append(other.generate_samples([[1]], 1, {})))
             thread.start()
-            double.waiting.wait(10)  # it is held by the pause, as SGLang holds it
+            assert double.waiting.wait(60)  # it is held by the pause, as SGLang holds it
             request.update(thread=thread, client=other)
 
         request: dict[str, Any] = {}
