@@ -275,7 +275,7 @@ class RewardManager:
                 for row in timed_out:
                     if self.timeout_score is None:
                         raise RewardTimeoutError(
-                            f"reward function {self.name} ran past reward.timeout_s={self.timeout_s} on row {row} "
+                            f"reward function {self.name} ran past timeout_s={self.timeout_s} on row {row} "
                             f"(data_source={data_sources[row]!r}); raise reward.timeout_s if the function is this "
                             f"slow (null: no limit)"
                         )
@@ -344,6 +344,7 @@ class RewardManager:
             yield
         finally:
             stop.set()
+            reporter.join()  # gone before score returns: no thread of ours outlives a phase but abandoned calls
 
     def _run_threaded(
         self, calls: list[Callable[[], RewardResult]], done: list[int] | None = None
