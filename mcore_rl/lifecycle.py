@@ -125,6 +125,9 @@ def run_guarded(cfg: RLConfig, run: Callable[[RLConfig], dict[str, float]]) -> N
     try:
         summary = run(cfg)
         _atomic_write(os.path.join(run_dir, "summary.json"), json.dumps(summary))
+        # again: the watchdog of an earlier driver of this run dir, killed just before this run started, may have
+        # marked it after the first clearing (watchdog.mark_unfinished)
+        _clear_failed(run_dir)
     except KeyboardInterrupt:
         where = _where_stopped(cfg)
         _mark_failed(run_dir, f"interrupted (Ctrl-C) {where}")
