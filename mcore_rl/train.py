@@ -65,7 +65,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl._quiet import quiet_process
     from mcore_rl.checkpoint.manager import Checkpointer
     from mcore_rl.controller.actor_group import ActorGroup
-    from mcore_rl.controller.advantage_stage import AdvantageStage
+    from mcore_rl.controller.advantage_stage import AdvantageStage, check_engine_agrees
     from mcore_rl.controller.async_producer import make_producer
     from mcore_rl.controller.critic_group import CriticGroup
     from mcore_rl.controller.engine_pool import EnginePool
@@ -147,6 +147,11 @@ def run(cfg: RLConfig) -> dict[str, float]:
         # Advantages that do not read old logprobs (no KL in the reward, no correction weights) let the old-logprob
         # pass run inside the update call: one actor call per step instead of two, the same logprobs.
         fused = critic is None and not advantages.reads_old_logprobs and cfg.actor.layout.cp == 1
+        first_step = state.step + 1  # its engine-vs-actor logprob check stops a run whose engines sample elsewhere
+        setup = (
+            f"tokenizer {cfg.model.tokenizer or 'built-in tiny'}, rollout.engine={cfg.rollout.engine}, "
+            f"rollout.temperature={cfg.rollout.temperature}, actor.logit_temperature={cfg.actor.logit_temperature}"
+        )
 
         for step in range(state.step + 1, cfg.trainer.steps + 1):
             timer = log.timer()
@@ -164,6 +169,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
                 batch.tensors["values"] = critic.values(batch)
                 timer.lap("values")
 
+            if not fused and step == first_step:
+                check_engine_agrees(rollouts, cfg.actor.first_step_logprob_tolerance, setup)
             adv_metrics = advantages.compute(rollouts, correct=not fused)  # correction, KL in reward, estimator
             timer.lap("adv")
             update = critic.update(batch) if critic is not None else {}
@@ -174,6 +181,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
                 if fused:
                     per_rank, logprobs, logprob_seconds = actor.logprobs_and_update(batch, cfg.actor.use_ref)
                     batch.tensors.update(logprobs)
+                    if step == first_step:  # before the push: the engines keep the weights they had
+                        check_engine_agrees(rollouts, cfg.actor.first_step_logprob_tolerance, setup)
                     timer.lap_split("update_actor", "old_log_prob", logprob_seconds)
                     adv_metrics.update(advantages.correction(rollouts))  # the mismatch metrics (no weights)
                 else:

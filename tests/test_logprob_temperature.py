@@ -61,3 +61,26 @@ def test_actor_logprobs_equal_the_engines_at_the_rollout_temperature(tmp_path, t
     assert diff.max() < 1e-4, f"T={temperature}: actor vs engine logprobs differ by up to {diff.max():.3g}"
     # the check can fail: at T=0.7 the T=1 logprobs are far from the engine's
     assert (engine[mask] < -1e-3).any()
+
+
+@pytest.mark.slow
+def test_a_first_step_whose_engine_samples_another_distribution_stops_the_run(tmp_path):
+    """The default job with the actor's temperature set apart from the engine's (0.5 vs 1.0), as a run whose actor
+    ignored the rollout temperature was: the first step's logprob check stops it, exit 2, one message naming the
+    figure and the likely causes, before any push."""
+    import subprocess
+    import sys
+
+    from _ray_cluster import ray_address_override, train_env
+
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "mcore_rl.train", "trainer.steps=2", f"trainer.run_dir={run_dir}", "data.batch_size=4",
+        "rollout.n=4", "actor.logit_temperature=0.5", ray_address_override(),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=train_env())
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "step 1: the engine's and the actor's logprobs" in out.stderr
+    for cause in ("tokenizer", "actor.logit_temperature=0.5", "rollout.temperature=1.0", "a weight the push"):
+        assert cause in out.stderr, cause
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()

@@ -116,7 +116,8 @@ class MegatronActor:
             runtime=runtime,
             dtype=DTYPES[model_cfg.dtype],
             make_vocab_size_divisible_by=model_cfg.make_vocab_size_divisible_by,
-            max_sequence_length=model_cfg.max_sequence_length,
+            # RLConfig.validate fills it in (prompt + response); a ModelConfig built by hand: the model's context
+            max_sequence_length=model_cfg.max_sequence_length or int(config.get("max_position_embeddings", 4096)),
             config_overrides=megatron_overrides(actor_cfg, self.routing_mode),
         )
         self.pg = initialize_model_parallel(self.layout, seed=model_cfg.init_seed)
@@ -328,8 +329,9 @@ class MegatronActor:
         "logprob_seconds"}."""
         start = time.perf_counter()
         shard = self._dp_shard(batch)
+        skip = self._old_pass_redundant
         with torch.no_grad():
-            old = self._shard_logprobs(self.ddp_chunks, shard, True, sequence_length(batch))
+            old = None if skip else self._shard_logprobs(self.ddp_chunks, shard, True, sequence_length(batch))
             ref = None
             if use_ref:
                 ref, self._ref_seconds = timed(lambda: self._ref_logprobs(shard, sequence_length(batch)), self.device)
@@ -339,8 +341,28 @@ class MegatronActor:
                 torch.distributed.all_gather_into_tensor(whole, value.contiguous(), group=self.pg.dp)
                 batch.tensors[key] = whole
         seconds = time.perf_counter() - start
-        metrics = self._update(batch)
+        self.update_old_logprobs = [] if skip else None  # filled by the update's loss (actor/step_losses.py)
+        try:
+            metrics = self._update(batch)
+            if skip and self.update_old_logprobs:  # the last pipeline stage: this rank's shard, in its order
+                old = torch.cat(self.update_old_logprobs)
+        finally:
+            self.update_old_logprobs = None
         return self._result({"metrics": metrics, "old_logprobs": old, "ref_logprobs": ref, "logprob_seconds": seconds})
+
+    @property
+    def _old_pass_redundant(self) -> bool:
+        """Whether the old-logprob pass can be skipped: with one mini-batch and one epoch the update's own forward
+        runs on the weights the pass would, over the same dp shard in the same order, so its detached logprobs are
+        the old ones and the PPO ratio is 1 by construction (TRL skips the pass too). The controller calls
+        logprobs_and_update only when no KL penalty or rollout correction reads old logprobs before the update. Not
+        with routing replay (R2 replays the pass's routing), dynamic batching or packing (shards or rows differ)."""
+        cfg = self.cfg
+        return (
+            self.role == "actor" and getattr(cfg, "skip_redundant_logprob_pass", False)
+            and cfg.mini_batches == 1 and cfg.ppo_epochs == 1 and self.routing is None
+            and not getattr(cfg, "dynamic_batching", False) and not getattr(cfg, "packing", False)
+        )  # fmt: skip
 
     def _update(self, batch: TrainBatch) -> dict[str, float]:
         for chunk in self.ddp_chunks:

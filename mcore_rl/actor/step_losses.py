@@ -37,6 +37,10 @@ def policy_loss(actor: Any, mb: MicroBatch, logits: torch.Tensor, denominator: f
     cfg = actor.cfg
     logp = actor._response_logprobs(mb, logits)
     mask = mb.response_mask
+    if "old_logprobs" not in mb.tensors and getattr(actor, "update_old_logprobs", None) is not None:
+        # the old-logprob pass was redundant (MegatronActor._old_pass_redundant): this forward is that pass
+        mb.tensors["old_logprobs"] = logp.detach() * mask
+        actor.update_old_logprobs.append(mb.tensors["old_logprobs"])
     extra = {"clip_ratio_c": cfg.clip_ratio_c} if cfg.policy_loss == "ppo" else {}
     # Rollout correction (controller/advantage_stage.py) weighs every sample, stale ones included; without it,
     # samples generated with an older weight version (async rollouts) still get TIS by default.

@@ -55,7 +55,10 @@ class ModelConfig:
     tokenizer: str | None = None
     dtype: str = "float32"  #: parameter dtype: float32 | bfloat16
     make_vocab_size_divisible_by: int = 64  #: Megatron pads the vocab to a multiple of this x tp
-    max_sequence_length: int = 512  #: longest prompt + response
+    #: longest prompt + response the ranks build for and the memory estimate sizes; null = data.max_prompt_length +
+    #: rollout.max_new_tokens (agent.max_response_tokens in agent episodes; 512 for DPO): the longest sample the run
+    #: can make (a fixed 512 sized the estimate's activations 6x too large for a short-answer task)
+    max_sequence_length: int | None = None
     init_seed: int = 1234  #: seed of the random initialisation when path is null
     #: multi-token-prediction layers of a checkpoint whose config asks for them (DeepSeek-V3), for checkpoint checks
     #: and conversion: auto = on when the checkpoint holds their weights, off when it holds none (transformers'
@@ -66,7 +69,8 @@ class ModelConfig:
     def validate(self) -> None:
         _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32 or bfloat16")
         _check(bool(self.path) or bool(self.hf_config), "model.path", self.path, "a checkpoint dir or model.hf_config")
-        _positive("model.max_sequence_length", self.max_sequence_length)
+        if self.max_sequence_length is not None:
+            _positive("model.max_sequence_length", self.max_sequence_length)
         _positive("model.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
         _check(self.mtp in ("on", "off", "auto"), "model.mtp", self.mtp, "on, off or auto")
         if self.tokenizer is None and self.path and has_tokenizer(self.path):
@@ -301,6 +305,16 @@ class ActorConfig:
     #: rollout.temperature (1 when it is 0, greedy: the engines then report T=1 logprobs), and 1 in DPO (which samples
     #: nothing it trains on)
     logit_temperature: float | None = None
+    #: skip the old-logprob pass where it is redundant: one mini-batch, one epoch, no KL penalty or rollout
+    #: correction reading old logprobs before the update, no routing replay, dynamic batching or packing. The
+    #: update's own forward then gives the old logprobs (the same weights, shard and order; the ratio is 1 by
+    #: construction): one forward pass per step fewer, the same update
+    skip_redundant_logprob_pass: bool = True
+    #: the first step the run trains compares the engine's logprobs of the sampled tokens with the actor's: a mean
+    #: absolute difference per token above this stops the run (exit 2) naming the likely causes (a tokenizer or
+    #: temperature that is not the engine's, a weight the push missed). fp32 on both sides agrees to ~1e-5, bf16 to
+    #: ~1e-2; null = no check
+    first_step_logprob_tolerance: float | None = 0.1
 
     def validate(self) -> None:
         for name in ("world_size", "micro_batch_size", "mini_batches", "ppo_epochs"):
@@ -331,6 +345,11 @@ class ActorConfig:
         self.layout.validate()
         self.layout.to_layout().check_world_size(self.world_size)
         _check(self.stale_tis_cap is None or self.stale_tis_cap > 0, "actor.stale_tis_cap", self.stale_tis_cap, "> 0")
+        if self.first_step_logprob_tolerance is not None:
+            _check(
+                self.first_step_logprob_tolerance > 0, "actor.first_step_logprob_tolerance",
+                self.first_step_logprob_tolerance, "> 0 or null",
+            )  # fmt: skip
         if self.logit_temperature is not None:
             _check(self.logit_temperature > 0, "actor.logit_temperature", self.logit_temperature, "> 0 or null")
         self.recompute.validate()

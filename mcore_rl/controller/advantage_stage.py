@@ -137,3 +137,26 @@ def estimate(
     if missing:
         raise ValueError(f"algorithm.adv_estimator={cfg.adv_estimator!r} needs {missing}, which this step lacks")
     return compute_advantages(cfg.adv_estimator, **kwargs)
+
+
+def check_engine_agrees(rollouts: Rollouts, tolerance: float | None, setup: str) -> None:
+    """The first step's check that the engines sample from the model the actor trains: the mean absolute difference
+    of their logprobs of the sampled tokens (rollout_logprobs) and the actor's (old_logprobs), per token. Above
+    `tolerance`, ConfigError (exit 2) naming the figure and the likely causes; `setup` describes the run's tokenizer,
+    temperatures and engine for the message. Every later step only logs the figure (rollout/logprob_abs_diff)."""
+    tensors, mask = rollouts.batch.tensors, rollouts.batch.response_mask
+    if tolerance is None or "old_logprobs" not in tensors or "rollout_logprobs" not in tensors or not mask.any():
+        return
+    diff = float(((tensors["old_logprobs"] - tensors["rollout_logprobs"]).abs() * mask).sum() / mask.sum())
+    if diff <= tolerance:
+        return
+    from mcore_rl.config.checks import ConfigError
+
+    raise ConfigError(
+        f"step 1: the engine's and the actor's logprobs of the same sampled tokens differ by {diff:.3g} per token "
+        f"(actor.first_step_logprob_tolerance={tolerance}): the engines do not sample from the model the actor "
+        f"trains. Likely causes: a tokenizer or chat template that is not the model's; a temperature the two apply "
+        f"differently (the actor divides its logits by actor.logit_temperature, the engine samples at "
+        f"rollout.temperature; vLLM reports T=1 logprobs unless asked otherwise); a weight the push did not reach "
+        f"(tied embeddings, a name the engine does not map). This run: {setup}"
+    )

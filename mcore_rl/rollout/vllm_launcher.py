@@ -164,6 +164,9 @@ def build_command(
         "--enable-scale-out",  # /inference/v1/generate: token-in, token-out, logprobs and weight-version spans
         "--weight-transfer-config", json.dumps({"backend": backend}),
         "--worker-extension-cls", WORKER_EXTENSION,
+        # the sampled tokens' logprobs after temperature (and top-k/top-p), as SGLang and the embedded engine report
+        # them and the actor computes them (actor.logit_temperature); vLLM's default, raw_logprobs, is T=1's
+        "--logprobs-mode", "processed_logprobs",
     ]  # fmt: skip
     if cfg.max_model_len is not None:
         cmd += ["--max-model-len", str(cfg.max_model_len)]

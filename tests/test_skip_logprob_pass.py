@@ -1,0 +1,58 @@
+"""The old-logprob pass skipped where it is redundant (one mini-batch, one epoch, nothing reading old logprobs
+before the update): the update's own forward gives the old logprobs, and the step is the same to the bit.
+
+`MegatronActor.logprobs_and_update` with actor.skip_redundant_logprob_pass on and off, on the same seeded tiny model
+and batch over two data-parallel ranks: the same old logprobs, update metrics and parameters, and one forward pass
+fewer with the skip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_qwen3_moe
+
+
+def _rank(rank: int, world: int, skip: bool):
+    from mcore_rl.actor.batch import TrainBatch
+    from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
+
+    # EP2 over 2 ranks (dense dp 2); the logprob pass cuts the same micro-batches as the update, so the pass and the
+    # update's forward see the same shapes
+    actor = MegatronActor(
+        rank, world, ModelConfig(hf_config=tiny_qwen3_moe(vocab_size=50)),
+        ActorConfig(world_size=2, layout=LayoutConfig(ep=2), mini_batches=1, micro_batch_size=2,
+                    logprob_micro_batch_size=2, skip_redundant_logprob_pass=skip),
+    )  # fmt: skip
+    actor.initialize(("127.0.0.1", 0))
+    passes = []
+    shard_logprobs = actor._shard_logprobs
+    actor._shard_logprobs = lambda *a, **k: passes.append(1) or shard_logprobs(*a, **k)
+    gen = torch.Generator().manual_seed(0)  # the same batch on both ranks, as the controller sends it
+    batch = TrainBatch(
+        [
+            torch.randint(3, 50, (int(torch.randint(3, 7, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(8)
+        ],
+        torch.randint(3, 50, (8, 3), generator=gen),
+        torch.ones(8, 3),
+        {"rollout_logprobs": torch.full((8, 3), -3.0), "advantages": torch.randn(8, 3, generator=gen)},
+    )
+    out = actor.logprobs_and_update(batch).payload
+    params = {n: p.detach().clone() for n, p in actor.chunks[0].named_parameters()}
+    return out["old_logprobs"], out["metrics"], params, len(passes)
+
+
+@pytest.mark.slow
+def test_skipping_the_redundant_old_logprob_pass_changes_nothing_but_the_pass() -> None:
+    from mcore_rl.parallel.harness import run_on_ranks
+
+    skipped = run_on_ranks(_rank, 2, (True,))
+    full = run_on_ranks(_rank, 2, (False,))
+    for (old_s, m_s, p_s, passes_s), (old_f, m_f, p_f, passes_f) in zip(skipped, full):
+        assert (passes_s, passes_f) == (0, 1)
+        assert old_s.shape == old_f.shape and torch.equal(old_s, old_f)
+        assert m_s == m_f and m_s["actor/pg_loss"] != 0
+        assert p_s.keys() == p_f.keys() and all(torch.equal(p_s[n], p_f[n]) for n in p_s)
+    assert not torch.equal(skipped[0][0], skipped[1][0])  # each rank's own shard
