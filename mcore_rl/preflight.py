@@ -14,8 +14,10 @@ exits with code 2 and one message instead of failing minutes later inside a Ray 
                      loop_state.json readable) and its data position: same data.seed, data.shuffle and data files
     Ray CPUs         trainer.ray_num_cpus covers what the actors and engines reserve (else Ray waits forever)
     Ray address      a host:port trainer.ray_address answers, and takes this process's auth token
-    checkpoint       model.path's safetensors headers (truncated files, index) and every tensor's name and shape
-                     against the family's weight map, from the meta-device model (expected_hf_tensors)
+    checkpoint       model.path's safetensors headers (truncated files, index; each file opened by safetensors'
+                     safe_open, the loader the engines read it with, which refuses overlapping or gapped tensor
+                     offsets) and every tensor's name and shape against the family's weight map, from the
+                     meta-device model (expected_hf_tensors)
 
 `python -m mcore_rl.preflight <model.path> <make_vocab_size_divisible_by> [mtp]` runs the checkpoint check alone, in a
 child process, so the driver never initialises torch.distributed or Megatron itself.
@@ -307,6 +309,22 @@ def expected_hf_tensors(hf: dict[str, Any], divisible_by: int) -> tuple[dict[str
     return required, {name for s in sources for name in s.hf}
 
 
+def loader_problems(files: list[str]) -> list[str]:
+    """The safetensors files the engines' loader refuses: each is opened by safetensors' own `safe_open` (what the
+    embedded server's /update_weights_from_disk and transformers read with), which parses and validates the header
+    (offsets contiguous, no two tensors sharing bytes) and reads no tensor."""
+    from safetensors import SafetensorError, safe_open
+
+    problems = []
+    for file in files:
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            problems.append(f"{file}: not valid safetensors, the engines' loader refuses it: {err}")
+    return problems
+
+
 def checkpoint_problems(path: str, divisible_by: int, mtp: str = "auto") -> tuple[list[str], str | None]:
     """What is wrong with the HF checkpoint at `path` (unreadable headers, missing tensors, wrong shapes), and the
     family's note on what it builds from it."""
@@ -318,6 +336,9 @@ def checkpoint_problems(path: str, divisible_by: int, mtp: str = "auto") -> tupl
         config, note, unread = checkpoint_config(path, mtp)
     except CheckpointError as err:
         return [str(err)], None
+    refused = loader_problems(sorted({str(reader.file_of(name)) for name in reader.names()}))
+    if refused:
+        return refused, note
     expected, known = expected_hf_tensors(config, divisible_by)
     fp8 = (reader.config.get("quantization_config") or {}).get("quant_method") == "fp8"
     problems = [f"HF tensor '{name}' is missing (expected shape {list(shape)})" for name, shape in expected.items()

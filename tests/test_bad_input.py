@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -165,6 +166,34 @@ def test_truncated_checkpoint_found_before_ray(checkpoint, tmp_path) -> None:
     data = (bad / "model.safetensors").read_bytes()
     (bad / "model.safetensors").write_bytes(data[: len(data) - 100])
     assert_user_error(train(f"model.path={bad}", f"trainer.run_dir={tmp_path}/run"), "truncated")
+
+
+def _overlap_two_tensors(file: Path) -> str:
+    """Point one tensor's data_offsets at the bytes of the tensor before it (same size, neither the last one): every
+    size and the data region's end still agree, but two tensors share bytes and a range is left unread. Returns the
+    moved tensor's name."""
+    raw = file.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + length])
+    spans = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
+    for (first, _), (second, name) in zip(spans[:-2], spans[1:-1]):
+        if second[1] - second[0] == first[1] - first[0]:
+            header[name]["data_offsets"] = list(first)
+            text = json.dumps(header).encode()
+            text += b" " * (-len(text) % 8)
+            file.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+            return name
+    raise AssertionError("no two neighbouring tensors of one size")
+
+
+def test_overlapping_tensor_offsets_found_before_ray(checkpoint, tmp_path) -> None:
+    """The engines' loader (safetensors) refuses a file whose tensors overlap; pre-flight used to pass it, and the run
+    died inside Ray about a minute later with exit 1."""
+    bad = _variant(checkpoint, tmp_path / "bad", lambda t: None)
+    moved = _overlap_two_tensors(bad / "model.safetensors")
+    res = train(f"model.path={bad}", f"trainer.run_dir={tmp_path}/run")
+    assert_user_error(res, f"{bad / 'model.safetensors'}", "not valid safetensors")
+    assert moved and "invalid offset for tensor" in res.stderr, res.stderr[-3000:]
 
 
 def test_a_quoted_size_in_config_json_is_named_not_a_crash(checkpoint, tmp_path) -> None:
