@@ -129,6 +129,11 @@ def build_tiny_tokenizer(out_dir: str | None = None, tools: bool = False) -> Pre
 def _save_atomically(tokenizer: PreTrainedTokenizerFast, out_dir: str) -> None:
     """save_pretrained into a temporary sibling directory, then move each file into `out_dir`."""
     out_dir = os.path.abspath(out_dir)
+    if os.path.islink(out_dir):  # its target's tokenizer files would be overwritten
+        raise ValueError(
+            f"{out_dir} is a symbolic link; the run writes only into directories of its own in trainer.run_dir: "
+            "remove it, or choose another trainer.run_dir"
+        )
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp_dir = tempfile.mkdtemp(prefix=".tmp_tokenizer_", dir=parent)

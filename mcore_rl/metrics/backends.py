@@ -24,14 +24,22 @@ class JsonlBackend:
 
     def __init__(self, run_dir: str, resume: bool = False, **_: Any) -> None:
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        if os.path.islink(self.path):  # refused by name, not followed: its target would be truncated or appended to
+            raise ValueError(
+                f"{self.path} is a symbolic link; the run writes only regular files in trainer.run_dir: remove it, "
+                "or choose another trainer.run_dir"
+            )
         if not resume:
-            open(self.path, "w").close()
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644))
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Append one line whole or not at all: a failed write (a full disk) cuts the file back to where it was, as
         a cut line would make the whole file unreadable as JSON lines; the OSError then names the file."""
         line = (json.dumps({"step": step, **metrics}) + "\n").encode()
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:  # O_NOFOLLOW: a metrics.jsonl replaced by a symlink mid-run fails (ELOOP) instead of writing elsewhere
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            raise OSError(err.errno, err.strerror, self.path) from None
         try:
             start = os.lseek(fd, 0, os.SEEK_END)
             view = memoryview(line)
