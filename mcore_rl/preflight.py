@@ -215,7 +215,7 @@ def check_tokenizer(cfg: RLConfig) -> None:
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer, trust_remote_code=False)
         except Exception as err:  # noqa: BLE001 - transformers raises many types for a broken directory
             raise ConfigError(
                 f"{where}: cannot load a tokenizer from it ({type(err).__name__}: {str(err)[:500]}); expected an HF "

@@ -40,7 +40,7 @@ def setup_data(cfg: RLConfig) -> tuple[Any, Any, str]:
 
     tokenizer_dir = cfg.model.tokenizer or os.path.join(cfg.trainer.run_dir, "tokenizer")
     if cfg.model.tokenizer:
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer, trust_remote_code=False)
     else:
         tokenizer = build_tiny_tokenizer(tokenizer_dir, tools=cfg.agent.enabled)
     files = list(cfg.data.train_files)

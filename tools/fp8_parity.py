@@ -205,7 +205,7 @@ def load_prompts(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[i
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(args.hf)
+        tok = AutoTokenizer.from_pretrained(args.hf, trust_remote_code=False)
     except Exception as err:  # a missing tokenizer surfaces as OSError, ValueError or TypeError depending on files
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise InputError(f"--prompts needs a tokenizer in {args.hf}: {first_line}") from None
@@ -300,12 +300,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     transformers.utils.logging.disable_progress_bar()
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    config = AutoConfig.from_pretrained(args.hf)
+    config = AutoConfig.from_pretrained(args.hf, trust_remote_code=False)
     state = load_checkpoint(args.hf)
     names, skipped = select(state, args)
     prompts = load_prompts(args, config.vocab_size)  # before the models: a bad prompt file fails fast
     ckpt_errors = quantize_state(state, names, args, dtype)
-    ref_model = AutoModelForCausalLM.from_pretrained(args.hf, dtype=dtype).eval()
+    ref_model = AutoModelForCausalLM.from_pretrained(args.hf, dtype=dtype, trust_remote_code=False).eval()
     fp8_model = type(ref_model).from_pretrained(None, config=config, state_dict=state, dtype=dtype).eval()
     del state
 

@@ -95,7 +95,7 @@ def convert(gguf_dir: Path, gguf_file: str, tmp: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file, trust_remote_code=False)
     if not tokenizer.chat_template:
         raise RuntimeError(f"{gguf_file}: the GGUF tokenizer carries no chat template")
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32).eval()

@@ -50,7 +50,9 @@ def setup_pairs(cfg: RLConfig) -> tuple[Any, Any, str]:
 
     tokenizer_dir = cfg.model.tokenizer or os.path.join(cfg.trainer.run_dir, "tokenizer")
     tokenizer = (
-        AutoTokenizer.from_pretrained(tokenizer_dir) if cfg.model.tokenizer else build_tiny_tokenizer(tokenizer_dir)
+        AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
+        if cfg.model.tokenizer
+        else build_tiny_tokenizer(tokenizer_dir)
     )
     files = list(cfg.dpo.train_files)
     if not files:

@@ -33,7 +33,7 @@ class RewardModelWorker:
         torch.set_num_threads(1)
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise RewardFunctionError(f"reward.model_path={path!r}: no config.json (expected an HF checkpoint dir)")
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         if getattr(config, "num_labels", 1) != 1:
             raise RewardFunctionError(
                 f"reward.model_path={path!r}: num_labels={config.num_labels}; expected a scalar head (num_labels=1)"
@@ -41,14 +41,18 @@ class RewardModelWorker:
         own = any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
         if not own and policy_tokenizer is None:
             raise RewardFunctionError(f"reward.model_path={path!r} has no tokenizer and no policy tokenizer was given")
-        self.tokenizer = AutoTokenizer.from_pretrained(path if own else policy_tokenizer)
+        self.tokenizer = AutoTokenizer.from_pretrained(path if own else policy_tokenizer, trust_remote_code=False)
         if not own and len(self.tokenizer) > config.vocab_size:
             raise RewardFunctionError(
                 f"reward.model_path={path!r} has no tokenizer of its own and vocab_size={config.vocab_size}, smaller "
                 f"than the policy tokenizer's {len(self.tokenizer)} tokens; expected a reward model with its own "
                 "tokenizer files (then text is re-tokenised) or one sharing the policy's vocabulary"
             )
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        self.model = (
+            AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32, trust_remote_code=False)
+            .to(device)
+            .eval()
+        )
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device, self.max_length = device, max_length

@@ -57,7 +57,7 @@ def build_causal_lm(
     A config mapping must name its `model_type` (as in `config.json`). Random initialisation uses `init_seed` on a
     forked RNG, so building an engine does not move the caller's global RNG.
     """
-    kwargs: dict[str, Any] = {"dtype": dtype}
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": False}  # never a checkpoint's own code
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     if isinstance(model, (str, os.PathLike)):

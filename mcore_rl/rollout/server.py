@@ -558,7 +558,7 @@ def build_server(
     ):
         from transformers import AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(source)
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=False)
     elif tokenizer is not None:
         raise ValueError(f"--tokenizer {tokenizer!r} holds no tokenizer.json or tokenizer_config.json")
     if context_length is not None and context_length < 2:

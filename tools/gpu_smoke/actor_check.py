@@ -77,7 +77,11 @@ def _hf_logprobs(path: str, ids: torch.Tensor, prompt: int, dtype: torch.dtype, 
     """transformers' logprobs of the response tokens ids[:, prompt:], in `dtype`, as fp32 [B, R]."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype).to(device).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, trust_remote_code=False)
+        .to(device)
+        .eval()
+    )
     with torch.no_grad():
         logits = model(ids.to(device)).logits.float()
     logp = torch.log_softmax(logits[:, prompt - 1 : -1], dim=-1)
