@@ -56,6 +56,19 @@ def _http(
         return status, raw.decode(errors="replace")
 
 
+_KEY_ENV = "MCORE_RL_ROUTER_API_KEY"
+# sglang-router takes its key only as --api-key (no environment variable or file): this runs launch_router in the
+# same interpreter with the key appended to sys.argv, which the kernel's copy of the command line never sees. The
+# Rust router runs inside this process (a Python extension), so no further exec puts the key back on a command line.
+_LAUNCH = (
+    "import os, sys\n"
+    f"key = os.environ.pop({_KEY_ENV!r}, None)\n"
+    "sys.argv = ['sglang_router.launch_router', *sys.argv[1:], *(['--api-key', key] if key else [])]\n"
+    "from sglang_router.launch_router import main\n"
+    "main()\n"
+)
+
+
 class Router:
     """One sglang-router process on loopback (see the module docstring)."""
 
@@ -86,9 +99,10 @@ class Router:
         self._proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
-        """The launch_router command line."""
+        """The launch_router command line. The API key is not on it (/proc/<pid>/cmdline is readable by every local
+        user): `_LAUNCH` takes it from the environment (`env()`), which only the same user can read."""
         cmd = [
-            sys.executable, "-m", "sglang_router.launch_router",
+            sys.executable, "-c", _LAUNCH,
             "--host", self.host, "--port", str(self.port), "--policy", self.policy,
             # whole seconds, rounded up: int() truncated rollout.request_timeout_s=0.001 to 0
             "--request-timeout-secs", str(max(1, math.ceil(self.request_timeout_s))),
@@ -101,15 +115,22 @@ class Router:
         ]  # fmt: skip
         if self.worker_urls:
             cmd += ["--worker-urls", *self.worker_urls]
-        if self.api_key:
-            cmd += ["--api-key", self.api_key]
         return cmd
+
+    def env(self) -> dict[str, str]:
+        """The router's environment: ours, plus the API key for `_LAUNCH` to move onto launch_router's arguments."""
+        env = {k: v for k, v in os.environ.items() if k != _KEY_ENV}
+        if self.api_key:
+            env[_KEY_ENV] = self.api_key
+        return env
 
     def start(self, timeout_s: float = 120.0) -> str:
         """Launch the router and wait until it answers /health with every initial worker registered; its URL."""
         os.makedirs(self.log_dir, exist_ok=True)
         log = open(self.log_path, "ab")
-        self._proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self._proc = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env()
+        )
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
