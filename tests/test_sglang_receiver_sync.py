@@ -47,9 +47,15 @@ def _sync_rank(rank: int, world: int, urls: list[str], transport: str, layout: d
     actor.initialize(("127.0.0.1", 0))  # the harness already started torch.distributed
     actor.sync_plan(dict(num_engines=len(urls)), 1 << 14, "full")
     if transport == "distributed":
-        # controller/weight_sync.py::connect: one group per stream, world 1 + engines x ranks, engine i at 1 + i
+        # controller/weight_sync.py::connect: one group per stream, world 1 + engines x ranks, engine i at 1 + i;
+        # group by group in the plan's stream order (the engines serve one init at a time, as SGLang's do)
         world_size = 1 + len(urls)
-        for name, (host, port) in actor.sync_addresses().items():
+        summary, mine = actor.sync_summary(), actor.sync_addresses()
+        for name, leader in zip(summary["stream_names"], summary["stream_leaders"]):
+            if leader != rank:
+                dist.barrier()  # the next group once this one has formed
+                continue
+            host, port = mine[name]
             calls = []
             for i, url in enumerate(urls):
                 body = {"master_address": host, "master_port": port, "rank_offset": 1 + i, "world_size": world_size,
@@ -65,7 +71,7 @@ def _sync_rank(rank: int, world: int, urls: list[str], transport: str, layout: d
             actor.sync_join(name, host, port, world_size, "gloo", TIMEOUT_S)
             for call in calls:
                 call.join()
-        dist.barrier()
+            dist.barrier()
     actor.sync_send(version, transport, urls, None, None, 1, TIMEOUT_S)
     reference = {
         n: t.clone()
@@ -153,22 +159,13 @@ def test_every_byte_arrives(engines, transport, name, layout, world) -> None:
     _check(engine_set, 1, reference)
 
 
-# Two leaders joining two groups at once into the same two engines: it hung once alone (both leaders' gloo meshes
-# refused, every rank reading listeners that did not answer) and failed twice in CI under load. Real SGLang joins one
-# group at a time in its scheduler, and WeightSync.connect posts every group's init to every engine at once, so two
-# engines that see the groups in different orders may deadlock (the closing note's open defect). Skipped until
-# the joins are ordered and the receiver double joins one group at a time as SGLang does.
-EP2_JOIN = pytest.param(
-    "ep2", dict(ep=2), 2, id="ep2",
-    marks=pytest.mark.skip(reason="two leaders joining two engines at once can deadlock (SGLang joins one group at "
-                                  "a time; connect posts every group's init together): open defect, see the comment"),
-)  # fmt: skip
-
-
-@pytest.mark.parametrize("name, layout, world", [pytest.param("one-rank", {}, 1, id="1rank"), EP2_JOIN])
+@pytest.mark.parametrize(
+    "name, layout, world", [pytest.param("one-rank", {}, 1, id="1rank"), pytest.param("ep2", dict(ep=2), 2, id="ep2")]
+)
 def test_two_engines_join_at_their_rank_offsets(engines, name, layout, world) -> None:
     """Two engines in each group (ranks 1 and 2 of 3, as controller/weight_sync.py offsets them) both get every byte;
-    with EP2 two leaders stream at once into engines that serve one update at a time (SGLang's scheduler)."""
+    with EP2 two leaders (rank 0 leading two streams) join their groups one after another and stream at once into
+    engines that serve one control request at a time (SGLang's communicator and scheduler)."""
     engine_set = engines(2)
     for url in engine_set.urls:
         assert requests.post(url + "/begin_weight_update", json={}, timeout=30).status_code == 200
