@@ -52,3 +52,21 @@ def test_quick_run_verifies_every_sync_and_reports_positive_figures() -> None:
     v1 = [line for line in lines if line.startswith("v1 ")]
     assert len(v1) == 2 and all(line.endswith("== export: OK") for line in v1), v1
     assert "verification OK" in lines[-2], lines[-2]
+
+
+@pytest.mark.slow
+def test_connect_mode_times_weight_sync_connect() -> None:
+    """`--connect 2x2 --layouts ''` times the project's WeightSync.connect into two SGLang-code engines and ends with
+    the documented line (a positive time; no timing is asserted)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_sync.py"), "--connect", "2x2", "--layouts", "", "--repeats", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    match = re.fullmatch(rf"connect: streams=2 engines=2 seconds=({NUMBER})", done.stdout.strip().splitlines()[-1])
+    assert match is not None and float(match.group(1)) > 0, done.stdout[-2000:]

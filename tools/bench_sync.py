@@ -6,6 +6,8 @@
     python tools/bench_sync.py --transports distributed,sglang_code --layouts tp2ep2 --size-gb 0.25 --repeats 3
     python tools/bench_sync.py --vllm --layouts '' --size-gb 0.5   # the push into a real vLLM engine vs the raw
                                                     # broadcast, same bytes (tools/_bench_sync_vllm.py; make vllm-setup)
+    python tools/bench_sync.py --connect 2x2,4x4 --layouts ''   # WeightSync.connect's time, streams x engines, into
+                                                    # engines that queue as SGLang's (tools/_bench_connect.py)
 
 Four spawned gloo ranks (`mcore_rl.parallel.harness.run_on_ranks`) hold a randomly initialised MegatronActor of a
 synthetic DeepSeek-V3 (fp32; hidden 1024, MLA with q/kv LoRA ranks, layer 0 dense, then MoE layers of 48 experts,
@@ -704,7 +706,16 @@ def main(argv: list[str] | None = None) -> int:
         "--vllm", action="store_true", help="also push into a real vLLM engine (tools/_bench_sync_vllm.py; --layouts "
         "'' for that alone): its time beside the raw broadcast's, same bytes"
     )  # fmt: skip
+    parser.add_argument(
+        "--connect", default="", metavar="SxE,...", help="also time WeightSync.connect for S streams x E engines "
+        "(tools/_bench_connect.py; --layouts '' for that alone)"
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    try:
+        shapes = [tuple(int(n) for n in x.split("x")) for x in args.connect.split(",") if x]
+        assert all(len(shape) == 2 and min(shape) > 0 for shape in shapes)
+    except (ValueError, AssertionError):
+        parser.error(f"--connect {args.connect!r}: expected shapes SxE (streams x engines, positive), e.g. 2x2,4x4")
     layouts = [x for x in args.layouts.split(",") if x]
     transports = [x for x in args.transports.split(",") if x]
     if bad := [x for x in layouts if x not in LAYOUTS]:
@@ -740,11 +751,12 @@ def main(argv: list[str] | None = None) -> int:
     if "sglang_code" in transports and not RECEIVER_PATH.is_file():
         print(f"sglang_code skipped: {RECEIVER_PATH} is missing (`make setup` builds it)")
         runs = [r for r in runs if r[0] != "sglang_code"]
-    server = ServerThread(build_server(dict(hf), init_seed=99))
-    profile = EngineProfile(server.server.receiver)
     rows: list[dict[str, Any]] = []
     infos: list[dict[str, Any]] = []
+    # no layout (--vllm or --connect alone): no embedded engine to build
+    server = ServerThread(build_server(dict(hf), init_seed=99)) if layouts else None
     try:
+        profile = EngineProfile(server.server.receiver) if server is not None else None
         for layout in layouts:
             start = time.perf_counter()
             with contextlib.ExitStack() as stack:  # a fresh SGLang-code receiver per layout, as a fresh engine
@@ -756,7 +768,12 @@ def main(argv: list[str] | None = None) -> int:
             rows += report(layout, info)
             print(f"({layout} took {time.perf_counter() - start:.0f} s in all)", flush=True)
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
+    if shapes:  # before the summary lines: the last line stays the embedded engine's best (when it ran)
+        from _bench_connect import report_connect, run_connect
+
+        report_connect(run_connect(shapes, args.repeats))  # type: ignore[arg-type]
     vllm_ok = True
     if args.vllm:  # before the summary lines: the last line stays the embedded engine's best (when it ran)
         from _bench_sync_vllm import report_vllm, run_vllm
