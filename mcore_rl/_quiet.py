@@ -32,6 +32,9 @@ KNOWN_WARNINGS: tuple[tuple[type[Warning], str, str, str], ...] = (
     # megatron-core 0.16.1's torch_dist load strategy (dist_checkpointing/strategies/torch.py) calls torch's
     # checkpoint.load_state_dict, which torch 2.13 deprecates for `load`: every rank printed it on every resume.
     (FutureWarning, r"`load_state_dict` is deprecated and will be removed", "", "Megatron's checkpoint load"),
+    # The same load builds torch ShardedTensors (dist_checkpointing/strategies/torch.py), whose methods torch 2.13
+    # marks deprecated for DTensor: every rank printed it on every resume, through parallel/cpu_runtime.py's wrapper.
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor", "", "Megatron's checkpoint"),
 )
 
 

@@ -82,20 +82,20 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def crashed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """A run killed with SIGKILL inside the save of step 4; returns its run dir and its output."""
-    run_dir = tmp_path_factory.mktemp("crashed")
+def _crash(run_dir: Path, pause: str) -> tuple[Path, str]:
+    """Run with PAUSE_ENV=`pause` (checkpoint/manager.py: `<step>[:<point>]`) and kill -9 the trainer once the save
+    holds there; returns the run dir and the output."""
     args = [*TRAIN, *TINY, f"trainer.run_dir={run_dir}", "trainer.save_every=2"]
-    env = dict(os.environ, **{PAUSE_ENV: "4"})
+    env = dict(os.environ, **{PAUSE_ENV: pause})
     proc = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
     )
     seen = []
+    step = pause.split(":")[0]
     try:
-        for line in proc.stdout:  # the hook prints once the ranks' files are written and the save is not complete
+        for line in proc.stdout:  # the hook prints once the save holds at its point
             seen.append(line)
-            if f"{PAUSE_ENV}: pausing inside the save of step 4" in line:
+            if f"{PAUSE_ENV}: pausing inside the save of step {step}" in line:
                 os.kill(proc.pid, signal.SIGKILL)
                 break
     finally:
@@ -106,6 +106,12 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
         proc.wait(timeout=60)
     assert proc.returncode == -signal.SIGKILL, "".join(seen)[-3000:]
     return run_dir, "".join(seen)
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A run killed with SIGKILL inside the save of step 4, before the checkpoint is complete."""
+    return _crash(tmp_path_factory.mktemp("crashed"), "4")
 
 
 @pytest.fixture(scope="module")
@@ -320,3 +326,21 @@ def test_bad_resume_is_refused_before_anything_starts(reference: Path, overrides
     assert message.format(**names) in out.stderr
     assert "Traceback" not in out.stderr
     assert _listing(reference / "checkpoints") == before  # nothing written, nothing overwritten
+
+
+@pytest.mark.parametrize("point", ["published", "latest"])
+def test_a_kill_after_the_first_step_dir_is_complete_resumes_from_it(reference: Path, tmp_path: Path, point: str):
+    """Killed in the first save (step 2) after step_00000002 was renamed into place: before `latest` was written, or
+    with `.tmp-latest-<pid>` written and not yet renamed. resume=auto said "none ...; starting a new run", trained from
+    step 0 and saved over step_00000002. It must resume from step 2, with the metrics of the uninterrupted run."""
+    run_dir, _ = _crash(tmp_path / "run", f"2:{point}")
+    root = run_dir / "checkpoints"
+    assert store.read_meta(root / "step_00000002")["step"] == 2 and not (root / "latest").exists()
+    assert bool(list(root.glob(".tmp-latest-*"))) == (point == "latest")
+    out = _train(run_dir, "trainer.save_every=2", "trainer.resume=auto")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed" in out.stdout and "at step 2, weight version 3" in out.stdout, out.stdout[-3000:]
+    assert "starting a new run" not in out.stdout
+    assert "FutureWarning" not in out.stderr + out.stdout  # Megatron's checkpoint load through torch's deprecated API
+    assert _metrics(run_dir) == _metrics(reference)
+    assert (root / "latest").read_text().strip() == "step_00000004" and not list(root.glob(".tmp-*"))

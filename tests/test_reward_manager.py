@@ -337,9 +337,9 @@ def test_reward_memory_growth_is_in_the_metrics_and_warned_about(caplog):
         deltas = []
         for _ in range(3):
             manager.score(["a"] * 16, ["s"] * 16, ["1"] * 16)
-            deltas.append(manager.memory_metrics()["reward/rss_delta_mb"])
+            deltas.append(manager.memory_metrics()["perf/reward_rss_delta_mb"])
     assert all(d >= 48 for d in deltas), deltas  # 64 MiB kept per phase
-    assert manager.memory_metrics()["reward/driver_rss_gb"] > 0
+    assert manager.memory_metrics()["perf/reward_driver_rss_gb"] > 0
     assert caplog.text.count("the driver's memory grew by") == 1
     assert "while reward function" in caplog.text and "hoards" in caplog.text
     kept.clear()
@@ -351,4 +351,4 @@ def test_a_reward_that_keeps_nothing_is_not_warned_about(caplog):
         for _ in range(3):
             manager.score(["a"] * 16, ["s"] * 16, ["1"] * 16)
     assert "grew by" not in caplog.text
-    assert abs(manager.memory_metrics()["reward/rss_delta_mb"]) < 48
+    assert abs(manager.memory_metrics()["perf/reward_rss_delta_mb"]) < 48

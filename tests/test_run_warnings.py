@@ -35,14 +35,16 @@ def test_no_warning_where_samples_can_differ_or_no_group_baseline(monkeypatch, c
 
 
 def test_megatrons_checkpoint_load_does_not_print_torchs_future_warning() -> None:
-    """A resume printed torch's FutureWarning "`load_state_dict` is deprecated" from every rank: megatron-core's
-    torch_dist load strategy calls torch.distributed.checkpoint.load_state_dict (megatron-core 0.16.1, torch 2.13).
+    """A resume printed torch's FutureWarnings "`load_state_dict` is deprecated" and "... deprecating ShardedTensor"
+    from every rank: megatron-core's torch_dist load strategy calls torch.distributed.checkpoint.load_state_dict and
+    builds ShardedTensors (megatron-core 0.16.1, torch 2.13; tests/test_checkpoint_resume.py checks a real resume).
     quiet_process (run in every Ray worker) hides exactly that warning; another FutureWarning still shows."""
     import inspect
     import warnings
 
     import torch.distributed.checkpoint as dcp
     from megatron.core.dist_checkpointing.strategies import torch as megatron_torch
+    from torch.distributed._shard._utils import DEPRECATE_MSG
 
     from mcore_rl._quiet import quiet_process
 
@@ -54,6 +56,7 @@ def test_megatrons_checkpoint_load_does_not_print_torchs_future_warning() -> Non
             dcp.load_state_dict({}, storage_reader=None)  # warns on entry, then fails on the missing reader
         except Exception:  # noqa: BLE001 - only the warning matters here
             pass
+        warnings.warn(DEPRECATE_MSG, FutureWarning, stacklevel=1)  # what the ShardedTensors of that load print
         warnings.warn("something else is deprecated", FutureWarning, stacklevel=1)
     messages = [str(w.message) for w in seen if issubclass(w.category, FutureWarning)]
     assert messages == ["something else is deprecated"], messages

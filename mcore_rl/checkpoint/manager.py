@@ -35,8 +35,10 @@ from mcore_rl.checkpoint.rank_io import CRITIC_DIR, MODEL_DIR, REFERENCE_DIR
 from mcore_rl.config import RLConfig
 from mcore_rl.models.base import padded_vocab_size
 
-#: test hook (tests/test_checkpoint_resume.py): the step whose save stops after the ranks have written their files and
-#: before the checkpoint is complete, so that a test can kill -9 the trainer there deterministically; unset in runs
+#: test hook (tests/test_checkpoint_resume.py): `<step>` stops that step's save after the ranks have written their
+#: files, before the checkpoint is complete; `<step>:published` after the step directory is renamed into place, before
+#: `latest` moves; `<step>:latest` with the new `latest` written beside the old one, before it replaces it. A test
+#: kills -9 the trainer there, deterministically. Unset in runs.
 PAUSE_ENV = "MCORE_RL_TEST_CKPT_PAUSE_AT_STEP"
 #: a failed save with less than this free on the checkpoint file system is reported as a full disk (no checkpoint of
 #: a model worth training fits in it), whatever error the writer raised
@@ -88,6 +90,15 @@ def check_resume(cfg: RLConfig) -> Path | None:
         path, meta, run_model_identity(cfg, hf_config_of(cfg)), cfg.actor.use_ref, critic=cfg.critic.enable
     )
     return path
+
+
+def _pause_for_test(step: int, point: str | None) -> None:
+    """PAUSE_ENV's hook: hold the save of `step` at `point` (None: before the checkpoint is complete)."""
+    wanted = os.environ.get(PAUSE_ENV)
+    if wanted is not None and wanted == (str(step) if point is None else f"{step}:{point}"):
+        at = f" ({point})" if point else ""
+        print(f"checkpoint: test hook {PAUSE_ENV}: pausing inside the save of step {step}{at}", flush=True)
+        time.sleep(3600)
 
 
 def _logged_step(line: str) -> int | None:
@@ -189,9 +200,7 @@ class Checkpointer:
                 store.link_tree(self._reference, tmp / REFERENCE_DIR)
             saved = actor.call("save_checkpoint", str(tmp), use_ref and not linked)[0]
             critic_saved = critic.group.call("save_checkpoint", str(tmp / CRITIC_DIR))[0] if critic else None
-            if os.environ.get(PAUSE_ENV) == str(state.step):
-                print(f"checkpoint: test hook {PAUSE_ENV}: pausing inside the save of step {state.step}", flush=True)
-                time.sleep(3600)
+            _pause_for_test(state.step, None)
             self._write_export_files(tmp / MODEL_DIR, saved)
             store.write_json(tmp / store.LOOP_STATE, state.to_dict())
             meta = {
@@ -212,7 +221,7 @@ class Checkpointer:
                     f"{meta['model']['padded_vocab_size']}"
                 )
             store.write_json(tmp / store.META, meta)  # last: a directory without meta.json is not a checkpoint
-            final = store.publish(tmp, self.root, state.step)
+            final = store.publish(tmp, self.root, state.step, pause=lambda point: _pause_for_test(state.step, point))
         except BaseException as err:
             import shutil
 

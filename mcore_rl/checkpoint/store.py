@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -263,19 +264,24 @@ def link_tree(src: Path, dst: Path) -> None:
             shutil.copy2(file, target)
 
 
-def publish(tmp: Path, root: Path, step: int) -> Path:
-    """Rename the complete `tmp` to root/step_<n>, then point `latest` at it (atomically, last)."""
+def publish(tmp: Path, root: Path, step: int, pause: Callable[[str], None] | None = None) -> Path:
+    """Rename the complete `tmp` to root/step_<n>, then point `latest` at it (atomically, last). `pause(point)` is a
+    test's hook into the two points between ("published", "latest"; manager.PAUSE_ENV)."""
     final = root / step_name(step)
     if final.exists():  # published by an earlier attempt that crashed before `latest` moved on: superseded
         stale = root / f"{TMP_PREFIX}stale-{final.name}-{os.getpid()}"
         os.rename(final, stale)
         shutil.rmtree(stale, ignore_errors=True)
     os.rename(tmp, final)
+    if pause is not None:
+        pause("published")
     pointer = root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"
     with open(pointer, "w") as f:
         f.write(final.name + "\n")
         f.flush()
         os.fsync(f.fileno())
+    if pause is not None:
+        pause("latest")
     os.replace(pointer, root / LATEST)
     _fsync_dir(root)
     return final
@@ -287,6 +293,9 @@ def prune(root: Path, keep_last: int | None, keep: Path) -> list[Path]:
     if keep_last is not None:
         published = sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
         removed += [p for p in published[: max(0, len(published) - keep_last)] if p != keep]
+    pointers = [p for p in root.glob(f"{TMP_PREFIX}{LATEST}-*") if p.is_file()]  # a kill while `latest` was written
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
-    return removed
+    for path in pointers:
+        path.unlink(missing_ok=True)
+    return removed + pointers

@@ -211,22 +211,26 @@ class RewardManager:
         return output
 
     def memory_metrics(self) -> dict[str, float]:
-        """The driver's memory around the last reward phase: `reward/rss_delta_mb` (its RSS growth over the phase)
-        and `reward/driver_rss_gb` (its RSS after it); empty before any phase."""
+        """The driver's memory around the last reward phase: `perf/reward_rss_delta_mb` (its RSS growth over the phase)
+        and `perf/reward_driver_rss_gb` (its RSS after it); empty before any phase. Under perf/, beside
+        perf/cpu_memory_used_gb: figures of the machine's state, which differ between two runs of the same job."""
         return dict(self._memory)
 
     def _track_memory(self, before: int, after: int) -> None:
         if self._rss_first is None:
             self._rss_first = before
         self._phases += 1
-        self._memory = {"reward/rss_delta_mb": (after - before) / 2**20, "reward/driver_rss_gb": after / 2**30}
+        self._memory = {
+            "perf/reward_rss_delta_mb": (after - before) / 2**20,
+            "perf/reward_driver_rss_gb": after / 2**30,
+        }
         growth_mb = (after - self._rss_first) / 2**20
         if growth_mb > self.memory_warn_mb and not self._memory_warned:
             self._memory_warned = True
             log.warning(
                 "reward: the driver's memory grew by %.0f MiB over %d reward phase(s) (now %.2f GiB) while reward "
                 "function %s ran: a reward that keeps memory between calls (a cache, a global list) grows the driver "
-                "every step until it runs out; reward/rss_delta_mb in the metrics shows the growth per step",
+                "every step until it runs out; perf/reward_rss_delta_mb in the metrics shows the growth per step",
                 growth_mb, self._phases, after / 2**30, self.name,
             )  # fmt: skip
 
