@@ -22,7 +22,9 @@ Colocated, the engines take turns with the actor on its GPUs: the placement's re
 count). tests/test_vllm_colocated_gpu.py parses these command lines with vLLM's own argument parser.
 vLLM pins a transformers older than the project's, so it never shares `.venv`: the server is always a subprocess of
 another interpreter, in its own process group (`stop()` reaches its engine-core and worker children too). It binds
-127.0.0.1 only: vLLM's `--api-key` guards the /v1 routes, not the RL routes.
+127.0.0.1 only, and with the run's API key (`api_key`: VLLM_API_KEY in its environment, never on its command line)
+every route but GET /health needs it: vLLM's own check guards the inference routes, the project's plugin
+(`KeyOnEveryRoute`) every other one, the dev routes (/collective_rpc, /pause, /sleep, ...) included.
 """
 
 from __future__ import annotations
@@ -186,11 +188,16 @@ def build_command(
     return cmd + list(cfg.extra_args)
 
 
-def server_env(base: dict[str, str] | None = None, backend: str = CPU_BACKEND) -> dict[str, str]:
+def server_env(
+    base: dict[str, str] | None = None, backend: str = CPU_BACKEND, api_key: str | None = None
+) -> dict[str, str]:
     """The server's environment: the RL routes on, our plugins allow-listed, unbuffered logs; for the `ipc` backend
     VLLM_ALLOW_INSECURE_SERIALIZATION=1 (vLLM refuses the pickled handles of an HTTP `/update_weights` without it;
-    the server binds 127.0.0.1 only)."""
+    the server binds 127.0.0.1 only); with `api_key`, VLLM_API_KEY (read by vLLM and by the project's plugin)."""
     env = dict(os.environ if base is None else base)
+    env.pop("VLLM_API_KEY", None)  # only the run's own key, never one inherited from the caller
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
     env.update(VLLM_SERVER_DEV_MODE="1", VLLM_PLUGINS=PLUGINS, PYTHONUNBUFFERED="1")
     if backend == "ipc":
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -216,6 +223,7 @@ class VLLMServer:
         seed: int = 0,
         placement: str = "split",
         probed: tuple[str, dict[str, Any]] | None = None,
+        api_key: str | None = None,
     ) -> None:
         """Checks happen here (VLLMUnavailable), not a minute later in `start()`. `placement`: trainer.placement,
         which picks the weight-transfer backend and sleep mode on CUDA (module docstring). `probed`: (node id, the
@@ -223,6 +231,7 @@ class VLLMServer:
         again (a fresh interpreter importing vLLM: about 10 s before every start and every replacement)."""
         self.cfg, self.model_dir, self.dtype, self.device, self.seed = cfg, model_dir, dtype, device, seed
         self.placement = placement
+        self.api_key = api_key  # every route but /health needs it (module docstring)
         self.backend = transfer_backend(device, placement)
         self.python = vllm_python(cfg)
         found = probed[1] if probed is not None and probed[0] == _node_id() else probe(self.python)
@@ -247,7 +256,7 @@ class VLLMServer:
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=server_env(backend=self.backend),
+                env=server_env(backend=self.backend, api_key=self.api_key),
                 start_new_session=True,
             )  # fmt: skip
         url = f"http://127.0.0.1:{port}"
@@ -332,7 +341,7 @@ def start_vllm_engines(pool: Any, indices: list[int]) -> list[tuple[str, Any]]:
         ray.remote(VLLMServer)
         .options(**options(index))
         .remote(cfg, model_dir, pool.dtype, device, os.path.join(pool.log_dir, "vllm"), pool.init_seed + index,
-                placement, probed)
+                placement, probed, pool.api_key)
         for index in indices
     ]  # fmt: skip
     urls = ray.get([h.start.remote() for h in handles], timeout=cfg.startup_timeout_s + 120)

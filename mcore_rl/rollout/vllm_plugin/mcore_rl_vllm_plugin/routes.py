@@ -19,9 +19,50 @@
   that the engine serves the actor's model before anything moves).
 """
 
+# With VLLM_API_KEY set, every route but GET /health also needs the key (`KeyOnEveryRoute`).
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (`request: Request`, imported in
 # attach_router) at definition time.
+import hashlib
+import json
+import os
+import secrets
 from typing import Any
+
+
+class KeyOnEveryRoute:
+    """ASGI middleware: every HTTP request but `GET /health` needs `Authorization: Bearer <VLLM_API_KEY>`, else 401.
+
+    vLLM's `--api-key` (or VLLM_API_KEY) guards only the inference prefixes; with VLLM_SERVER_DEV_MODE=1 the
+    server also answers /collective_rpc (any worker method by name), /pause, /resume, /reset_prefix_cache, /sleep,
+    the weight-transfer routes and ours, which must answer only the run that started the engine.
+    """
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app = app
+        self.key_hash = hashlib.sha256(key.encode()).digest()
+
+    def _allowed(self, scope: Any) -> bool:
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path == "/health" and scope.get("method") == "GET":
+            return True  # liveness only: the launcher and the pool poll it before they have anything to send
+        for name, value in scope.get("headers") or []:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                given = hashlib.sha256(token.encode("latin-1")).digest()
+                return scheme.lower() == "bearer" and secrets.compare_digest(given, self.key_hash)
+        return False
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket") and not self._allowed(scope):
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            body = json.dumps({"error": "Unauthorized: this engine needs the run's API key"}).encode()
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({"type": "http.response.start", "status": 401, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
 
 
 class WorkerExtension:
@@ -66,6 +107,10 @@ class SGLangSyncRoutes:
         from fastapi import APIRouter, Request
         from fastapi.responses import JSONResponse
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        key = os.environ.get("VLLM_API_KEY")
+        if key:  # vLLM's own key check guards /v1, /v2, /inference and /cohere only: the dev routes stay open
+            app.add_middleware(KeyOnEveryRoute, key=key)
 
         router = APIRouter()
 
