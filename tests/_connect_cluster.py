@@ -15,7 +15,6 @@ no plan or model (its constructor asks the Megatron ranks for those).
 
 from __future__ import annotations
 
-import datetime
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -57,18 +56,9 @@ class Leader:
         if backend != "nccl":
             self.sender.join(name, host, port, world, backend, timeout_s)
             return
-        # NCCL without a GPU: only the leader's TCP store, which the engines' rendezvous handshake needs; NCCL makes
-        # its communicator at the first broadcast
-        import torch.distributed as dist
-
-        store = self.sender.store(name) if hasattr(self.sender, "store") else None
-        if store is None:  # a port reserved but not served yet: the store starts here, as new_update_group starts it
-            listener = self.sender._listeners.pop(name)
-            store = dist.TCPStore(
-                host, port, world, True, timeout=datetime.timedelta(seconds=timeout_s),
-                master_listen_fd=listener.detach(),
-            )  # fmt: skip
-        self.sender.groups[name] = SimpleNamespace(group=None, store=store)
+        # NCCL without a GPU: only the leader's TCP store (serving since sync_addresses), which is all the engines'
+        # rendezvous handshake needs; NCCL makes its communicator at the first broadcast
+        self.sender.groups[name] = SimpleNamespace(group=None, store=self.sender.store(name))
 
 
 def lead(leaders: list[Any], streams: dict[str, int]) -> None:
