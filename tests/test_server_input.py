@@ -127,7 +127,7 @@ def test_a_bad_request_fails_no_valid_request_in_flight(server) -> None:
     while bad requests arrive. Each is refused with a 400 before it reaches the batch, and the valid request is
     served whole. Before the checks, the bad requests queued behind the pause and, once generation continued,
     failed the shared batch step: every sequence in it, the valid request's 64 too, was answered 500."""
-    valid = {"input_ids": [5, 6, 7], "sampling_params": {"n": 64, "max_new_tokens": 200, "ignore_eos": True}}
+    valid = {"input_ids": [5, 6, 7], "sampling_params": {"n": 64, "max_new_tokens": 64, "ignore_eos": True}}
     answers: dict = {}
     runner = threading.Thread(target=lambda: answers.update(valid=post(server, "/generate", valid, timeout=600)))
     runner.start()
@@ -156,7 +156,7 @@ def test_a_bad_request_fails_no_valid_request_in_flight(server) -> None:
         assert answers[i].status_code == 400 and field in message(answers[i]), answers[i].text
     assert answers["valid"].status_code == 200, answers["valid"].text
     outs = answers["valid"].json()
-    assert len(outs) == 64 and all(len(o["output_ids"]) == 200 for o in outs)
+    assert len(outs) == 64 and all(len(o["output_ids"]) == 64 for o in outs)
 
 
 # ---------------------------------------------------------------------------------------------------- update group
@@ -422,3 +422,27 @@ def test_a_client_that_disconnects_mid_request_leaves_no_traceback(process_serve
     wait_for(lambda: loads(process_server)["num_running_reqs"] == 0, "the request to end")
     assert "Traceback" not in log() and "Error handling request" not in log(), log()
     assert log().count("\n") <= 1, log()
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "mcore_rl.rollout.server", *args, "--port", str(free_port())]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def test_a_config_path_that_is_not_a_regular_file_is_named_exit_2(tmp_path) -> None:
+    """--hf-config naming a FIFO used to wait for a writer forever (and /dev/zero to be read into memory without
+    end); a directory gave 'Is a directory'. Each is named as what it is, exit 2, before anything is read."""
+    fifo, directory, model = tmp_path / "fifo.json", tmp_path / "directory.json", tmp_path / "model"
+    os.mkfifo(fifo)
+    directory.mkdir()
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    try:
+        for path in (fifo, directory):
+            res = _serve("--hf-config", str(path))
+            assert res.returncode == 2 and "is not a regular file" in res.stderr, res.stderr[-2000:]
+        res = _serve("--model", str(model))
+        assert res.returncode == 2 and "config.json there is not a regular file" in res.stderr, res.stderr[-2000:]
+    finally:
+        _release_fifo(fifo)

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import os
+import stat
 import sys
 import threading
 import uuid
@@ -603,6 +604,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--host {args.host} is not a loopback address: binding it needs --api-key")
     try:
         if args.hf_config:
+            if not stat.S_ISREG(os.stat(args.hf_config).st_mode):  # a FIFO would block, /dev/zero never end
+                raise ValueError(f"--hf-config {args.hf_config!r} is not a regular file: expected an HF config.json")
             with open(args.hf_config) as f:
                 try:
                     model: str | dict = json.load(f)
@@ -611,8 +614,11 @@ def main(argv: list[str] | None = None) -> None:
             if not isinstance(model, dict):
                 raise ValueError(f"--hf-config {args.hf_config}: expected a JSON object (an HF config.json)")
         else:
-            if not os.path.isfile(os.path.join(args.model, "config.json")):
+            config = os.path.join(args.model, "config.json")
+            if not os.path.lexists(config):
                 raise ValueError(f"--model {args.model!r}: no config.json there")
+            if not os.path.isfile(config):
+                raise ValueError(f"--model {args.model!r}: config.json there is not a regular file")
             model = args.model
         server = build_server(
             model,
