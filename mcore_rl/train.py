@@ -74,7 +74,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl.controller.samples import reduce_rank_metrics
     from mcore_rl.controller.state import LoopState
     from mcore_rl.controller.validation import Validator
-    from mcore_rl.controller.weight_sync import WeightSync
+    from mcore_rl.controller.weight_sync import SyncError, WeightSync
+    from mcore_rl.lifecycle import TrainingDiverged
     from mcore_rl.metrics.compute import FlopsModel, step_metrics
     from mcore_rl.metrics.logger import MetricsLogger
     from mcore_rl.reward.manager import RewardManager
@@ -192,7 +193,15 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
                 state.weight_version += 1
                 engines.wait_for_restarts()
-                rollouts.metrics.update(placement.sync_weights(sync, state.weight_version))
+                try:
+                    rollouts.metrics.update(placement.sync_weights(sync, state.weight_version))
+                except SyncError as err:  # the engines refuse NaN/inf weights: the update diverged, not the sync
+                    if "non-finite values" not in str(err):
+                        raise
+                    raise TrainingDiverged(
+                        f"training diverged at step {step}: the update left the actor's weights non-finite (the "
+                        f"engines refused them: {str(err)[-400:]})"
+                    ) from None
                 timer.lap("update_weights")
             else:  # critic warm-up: the actor is unchanged; colocated engines take their weights back
                 placement.to_generation(sync, state.weight_version)

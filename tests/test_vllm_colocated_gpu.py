@@ -140,7 +140,7 @@ def test_cuda_vllm_engines_start_on_the_placements_bundles(monkeypatch) -> None:
             return {"num_cpus": 0, "num_gpus": 0.2, "runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": "3"}}}
 
     pool = NS(cfg=NS(vllm=VLLMConfig()), model={}, log_dir="/tmp/x", runtime="cuda", dtype="bfloat16",
-              init_seed=5, engine_options=Placement().engine_options)  # fmt: skip
+              init_seed=5, engine_options=Placement().engine_options, api_key="run-key")  # fmt: skip
     assert [url for url, _ in vllm_launcher.start_vllm_engines(pool, [1])] == ["http://e"]
     options, args = made[-1]
     assert options["num_gpus"] == 0.2 and options["num_cpus"] == 0 and options["max_restarts"] == 0

@@ -264,9 +264,23 @@ class EnginePool:
         }
         if return_routed_experts:
             return self.client.run(self._generate_direct(prompts, n, params, seed))
+        from mcore_rl.rollout.client import RolloutRequestError
+
         live = [u for u in self.urls if u not in self.pending]
         groups = max(1, len(live)) if self.cfg.request_grouping == "engine" else 0
-        return self.client.generate_samples(prompts, n, params, seed, groups=groups)
+        try:
+            return self.client.generate_samples(prompts, n, params, seed, groups=groups)
+        except RolloutRequestError:
+            with self._lock:
+                restarting = bool(self._restarting)
+            if not restarting:
+                raise
+            # Every engine that could answer is being replaced (a lone engine killed mid-generation): the client's
+            # retries end before a replacement that takes a minute to start is up and synced. Wait for it, then
+            # generate the batch again (same seeds).
+            log.warning("generation failed while engines are being replaced; waiting for them, then generating again")
+            self.wait_for_restarts()
+            return self.client.generate_samples(prompts, n, params, seed, groups=groups)
 
     async def _generate_direct(
         self, prompts: list[list[int]], n: int, params: dict[str, Any], seed: int | None
