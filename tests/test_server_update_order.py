@@ -135,7 +135,6 @@ def test_a_second_distributed_update_waits_until_the_first_has_received_its_broa
 CONTROL = [
     ("/pause_generation", {"mode": "abort"}),
     ("/continue_generation", {}),
-    ("/flush_cache", None),
     ("/release_memory_occupation", {"tags": ["kv_cache"]}),
     ("/resume_memory_occupation", {"tags": ["kv_cache"]}),
 ]
@@ -143,7 +142,7 @@ CONTROL = [
 
 def test_control_requests_wait_for_an_init_until_its_group_forms() -> None:
     """An /init_weights_update_group whose sender has not come yet holds the server's control queue, as SGLang's
-    scheduler blocks in the rendezvous: pause, continue, flush, release and resume posted behind it answer only once
+    scheduler blocks in the rendezvous: pause, continue, release and resume posted behind it answer only once
     the group forms (they once answered at once), each 200, and generation goes on meanwhile."""
     thread = ServerThread(build_server(dict(HF)))
     url, server = thread.url, thread.server

@@ -7,8 +7,8 @@
 /abort_weight_update   ours: drop the open session, commit nothing (SGLang has no such route, see below)
 /update_weight_version, /get_weights_by_name, /release_memory_occupation, /resume_memory_occupation
 ```
-Control requests (`SERIALISED_ROUTES`: the weight updates, group init/destroy, pause, continue, flush, release,
-resume) are served one at a time per server, in arrival order, each blocking until done (`WeightRoutes.one_at_a_time`),
+Control requests (`SERIALISED_ROUTES`: the weight updates, group init/destroy, pause, continue, release, resume)
+are served one at a time per server, in arrival order, each blocking until done (`WeightRoutes.one_at_a_time`),
 as SGLang's are: its tokenizer manager holds `model_update_lock`'s writer side (or, while paused, `is_pause_cond`)
 around each `/update_weights_from_*` and begin/end call, every control request goes through a FIFO "queueing"
 `FanOutCommunicator` (`managers/communicator.py`: an asyncio lock held from send to reply), and its one scheduler
@@ -83,7 +83,8 @@ SERIALISED_ROUTES = (
     "/destroy_weights_update_group",
     "/pause_generation",
     "/continue_generation",
-    "/flush_cache",
+    # not /flush_cache: SGLang defers a flush that finds requests running inside its scheduler loop, which goes on
+    # serving (a /continue_generation included), so a waiting flush must not hold the queue (docs/embedded_server.md)
     "/release_memory_occupation",
     "/resume_memory_occupation",
 )
