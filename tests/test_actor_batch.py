@@ -87,7 +87,7 @@ def test_each_row_is_prompt_then_response_then_padding_for_random_batches():
 
 def test_micro_batches_land_on_the_given_device():
     """The micro-batcher moves every model input and loss tensor to the rank's device (CUDA runs; here the meta device
-    stands in for it): before issue 27 the batches stayed in host memory and the first CUDA forward failed."""
+    stands in for it): before the fix the batches stayed in host memory and the first CUDA forward failed."""
     mbs, _ = micro_batches(_batch(), micro_batch_size=2, device="meta")
     for mb in mbs:
         fields = [mb.tokens, mb.position_ids, mb.targets, mb.gather_index, mb.response_mask, *mb.tensors.values()]

@@ -1,4 +1,4 @@
-"""The algorithms of issue 13 through the real loop (Ray, Megatron ranks, an engine behind sglang-router), a few steps
+"""The RL algorithms through the real loop (Ray, Megatron ranks, an engine behind sglang-router), a few steps
 each: PPO with a critic group, ReMax's greedy baselines with the entropy bonus, adaptive KL in the reward and
 rollout correction, DAPO's dynamic sampling with overlong shaping (with RLOO over two engines), REINFORCE++ with a
 baseline under GSPO's sequence-level loss and a KL loss (so the reference pass runs); and DAPO's refusal when no batch

@@ -6,7 +6,7 @@ them; an unpickler that admits a callable admits whatever that callable can do w
 So this one admits an exact set of (module, name) pairs, as SGLang 0.5.23's own `SafeUnpickler`
 (`sglang/srt/utils/common.py`) does, and never a module prefix or a name pattern: `torch.storage._load_from_bytes`,
 for one, calls `torch.load(weights_only=False)` on the sender's bytes, and a prefix rule that admitted `_load_*` ran
-a shell command on the server (issue 30). That name is answered, as in SGLang, with a loader that runs
+a shell command on the server (an adversarial probe). That name is answered, as in SGLang, with a loader that runs
 `torch.load(weights_only=True)` (plain `pickle.dumps` of a tensor goes through it).
 
 The set is the part of SGLang's that a CPU engine needs, and a test checks it is a subset of the set in the pinned
