@@ -351,7 +351,7 @@ def test_ctrl_c_ends_with_one_line_exit_130_and_a_failed_marker(tmp_path) -> Non
 
 @pytest.mark.slow
 def test_sigterm_of_a_real_run_exits_143_with_a_failed_marker(tmp_path) -> None:
-    """What Slurm's scancel and time limit send: the run dir must not look like a finished run (issue 30)."""
+    """What Slurm's scancel and time limit send: the run dir must not look like a finished run."""
     import psutil
 
     proc, run_dir = _start_run(tmp_path)

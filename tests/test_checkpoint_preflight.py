@@ -1,4 +1,4 @@
-"""What a resume checks before anything starts (issue 30, item 8): a torch_dist shard cut short, a loop_state.json
+"""What a resume checks before anything starts: a torch_dist shard cut short, a loop_state.json
 cut short, and a data position saved under another data.seed, data.shuffle or data files, each named with the file
 and refused with exit 2 before Ray and the ranks start.
 

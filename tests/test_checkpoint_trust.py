@@ -1,4 +1,4 @@
-"""Files read from a checkpoint are data: a replaced file is refused, never run (issue 30, item 2).
+"""Files read from a checkpoint are data: a replaced file is refused, never run.
 
 A training checkpoint's RNG records (`rng/rank_*.pt`) are read with `torch.load(weights_only=True)`, and the
 converter's torch_dist metadata reader admits only torch's metadata classes. Each test plants a file that would

@@ -1,6 +1,6 @@
 """The first CUDA step, checked on a CPU machine: what a GPU run without Transformer Engine builds (`runtime=cuda` on
 a machine where TE is not importable, as the GPU check kit's box is), where micro-batches and results live, and the
-refusals a GPU run needs before any rank starts. Each test here failed before the fix it names (issue 27)."""
+refusals a GPU run needs before any rank starts. Each test here failed before the fix it names."""
 
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def _dsv3_rank(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     responses = torch.randint(1, 90, (4, 5))
     batch = TrainBatch([[3, 4, 5]] * 4, responses, torch.ones(4, 5))
-    logprobs = actor.logprobs(batch).payload  # crashed in Megatron's MTP (labels=None .clone()) before issue 27
+    logprobs = actor.logprobs(batch).payload  # crashed in Megatron's MTP (labels=None .clone()) before the fix
 
     def biases() -> list[torch.Tensor]:
         return [b.detach().clone() for n, b in actor.chunks[0].named_buffers() if n.endswith("expert_bias")]

@@ -220,7 +220,7 @@ def test_loader_refuses_state_from_a_different_dataset_or_seed():
         loader.load_state_dict({"epoch": 0})
 
 
-# --- issue 30: another dataset of the same size, and prompts that train on nothing ------------------------------
+# --- another dataset of the same size, and prompts that train on nothing ------------------------------
 
 
 def test_resume_onto_other_data_files_of_the_same_size_is_refused(tmp_path, tokenizer):

@@ -1,4 +1,4 @@
-"""actor.dynamic_batching (issue 27, item 2): the update's dp shards balanced by tokens, micro-batches by real
+"""actor.dynamic_batching: the update's dp shards balanced by tokens, micro-batches by real
 length under a token budget; the same update as the padded path, with fewer padded tokens."""
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def test_released_memory_holds_probes_off(engine) -> None:
 
 
 def test_a_probe_on_a_closed_session_is_a_shutdown_not_an_error(engine) -> None:
-    """Issue 30 item 10: on Ctrl-C the pool closes its aiohttp session while the monitor probes; aiohttp raises
+    """On Ctrl-C the pool closes its aiohttp session while the monitor probes; aiohttp raises
     RuntimeError('Session is closed'), which escaped the probes' gather. It is a shutdown: no error, no verdict."""
     double, client, url = engine
     health = EngineHealth(client, timeout_s=1.0, failures=1)

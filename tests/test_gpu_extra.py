@@ -1,7 +1,7 @@
 """The GPU package set: constraints-gpu.txt, setup.py's `gpu` extra and mcore_rl/gpu_extra.py's GPU_PINS agree with
 each other and with what the wheels declare (SGLang 0.5.23 pins torch 2.14.1, transformers 5.19.0, tokenizers
 0.23.2; torch 2.14.1 its triton; megatron-core 0.16.1 bounds Transformer Engine), and a GPU run refuses an installed
-package at another version, naming it (issue 26: setup.py said sglang>=0.4.6 and nothing pinned its torch).
+package at another version, naming it (setup.py once said sglang>=0.4.6 and nothing pinned its torch).
 
 Run: `.venv/bin/pytest tests/test_gpu_extra.py`
 """

@@ -64,7 +64,7 @@ def _batch():  # noqa: ANN202
 
 @pytest.mark.gpu
 def test_cuda_actor_steps_and_returns_host_tensors() -> None:
-    """The first CUDA step: micro-batches reach the GPU, logprobs and metrics come back on the host (issue 27)."""
+    """The first CUDA step: micro-batches reach the GPU, logprobs and metrics come back on the host."""
     from mcore_rl.parallel.groups import destroy_model_parallel
 
     try:

@@ -1,4 +1,4 @@
-"""Nothing of a one-node run that this project binds listens beyond this machine (issue 30, item 7):
+"""Nothing of a one-node run that this project binds listens beyond this machine:
 torch.distributed's store on the actor ranks listened on every interface (`::`) without authentication, because
 torch's env:// rendezvous binds the wildcard address whatever MASTER_ADDR says. parallel/groups.py now serves the store
 on the rendezvous host only, and a one-node run's rendezvous host is loopback (so are the weight-update groups' stores,

@@ -1,5 +1,5 @@
 """The dry run's memory estimate (models/estimate.py) against what one real actor rank builds and allocates: every
-term of the estimate within issue 27's 0.8-1.25 of the rank's exact tensor bytes (tools/bench_memory_estimate.py
+term of the estimate within the 0.8-1.25 of the rank's exact tensor bytes (tools/bench_memory_estimate.py
 counts them: parameter, main-grad and optimizer storages, and the peak the profiler sees during an update).
 
 The activation term was Korthikanti's bf16 flash-attention figure whatever the ranks ran: on the default job's fp32

@@ -1,7 +1,7 @@
 """Placement on a real Ray cluster with fake GPUs (`ray.init(num_gpus=4)`: Ray schedules and hands out GPU ids as on
 a GPU node; nothing here touches CUDA).
 
-Issue 26: with `actor.world_size` equal to the cluster's GPUs, the actor's placement group held every GPU and a
+With `actor.world_size` equal to the cluster's GPUs, the actor's placement group held every GPU and a
 real SGLang engine asked Ray for GPUs outside it, so it was never scheduled and its start waited forever. Checked
 here: colocated engines share the actor's bundles (each engine node seeing its bundles' GPUs), split engines get
 bundles of their own, a placement that cannot fit is refused at once naming the keys, and an engine Ray cannot

@@ -1,4 +1,4 @@
-"""Logprobs and entropy on response positions only (issue 27, item 2): the same numbers, bit for bit, as the
+"""Logprobs and entropy on response positions only: the same numbers, bit for bit, as the
 full-sequence computation followed by a gather, with the fp32 working set limited to the response rows (chunked in
 forward-only passes)."""
 

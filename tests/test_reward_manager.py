@@ -195,7 +195,7 @@ def test_mismatched_input_lengths_are_refused():
         RewardManager(build_reward_fn()).score(["a", "b"], ["s"], ["a", "b"])
 
 
-# ------------------------------------------------------------------------ rewards that end the process (issue 30)
+# ------------------------------------------------------------------------ rewards that end the process
 def _exits(**_):
     import sys
 

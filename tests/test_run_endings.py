@@ -1,4 +1,4 @@
-"""Runs that fail must not end as successes (issue 30, item 5): every ending of `lifecycle.run_guarded` but a finished
+"""Runs that fail must not end as successes: every ending of `lifecycle.run_guarded` but a finished
 run leaves <run_dir>/FAILED and a non-zero exit code, and nothing half-written.
 
 The fast cases run the real `run_guarded` in a child process around a small job function (the endings under test are

@@ -1,4 +1,4 @@
-"""Settings that train on nothing, silently (issue 30, item 10): greedy sampling with n > 1 under a group baseline
+"""Settings that train on nothing, silently: greedy sampling with n > 1 under a group baseline
 gives every sample of a prompt the same tokens, so every group advantage is zero. The producer warns once."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The embedded rollout server under hostile or careless requests (issue 30 items 3, 6 and 9): every bound is a 400
+"""The embedded rollout server under hostile or careless requests: every bound is a 400
 that names the limit and the flag that raises it, bad values are 400s naming the key (never a 500), nothing a client
 sends is parsed or tokenized on the event loop, and a failing forward finishes every sequence it held.
 

@@ -78,7 +78,7 @@ def test_dry_run_recipes_fit_32x8(recipe: str, model: str) -> None:
     assert model in res.stdout
     assert "total per GPU:" in res.stdout and "params per rank:" in res.stdout
     assert "fits:" in res.stdout and "of 80.0 GiB per GPU" in res.stdout
-    # every actor and engine rank placed on the 256 GPUs, the engines sharing the actor's (issue 26)
+    # every actor and engine rank placed on the 256 GPUs, the engines sharing the actor's
     assert "placement: placement=colocated: actor 256, engines 256 GPUs, sharing the actor's" in res.stdout
     # the real sync plan for the recipe's engines: complete, buckets sized, pairs whole, groups stated, time predicted
     assert "sync plan:" in res.stdout and "coverage ok" in res.stdout
@@ -117,7 +117,7 @@ def test_world_size_larger_than_the_allocation_is_refused() -> None:
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        # split: the engines need GPUs of their own, on top of the actor's (issue 26: they used to wait forever)
+        # split: the engines need GPUs of their own, on top of the actor's (they used to wait forever)
         (["trainer.placement=split", "sync.transport=distributed"],
          "trainer.placement=split needs 512 GPUs (actor.world_size=256 + rollout.num_engines=16 x rollout.sglang.tp=16 "
          "= 256), but --nodes 32 x --gpus-per-node 8 has 256"),
@@ -158,7 +158,7 @@ def test_an_engine_layout_the_actor_cannot_feed_is_refused() -> None:
 def test_deepseek_recipe_keeps_every_mla_pair_in_one_bucket() -> None:
     """The DeepSeek-V3 recipe's real plan at its bucket size and at the 2048 MB the issue reproduced with: no bucket
     splits a layer's q_a_proj / kv_a_proj_with_mqa (SGLang would drop the unpaired half). Without the family's rule
-    the 2048 MB plan splits layers 0, 9, 18, 27, 36, 45 and 54 (issue 26)."""
+    the 2048 MB plan splits layers 0, 9, 18, 27, 36, 45 and 54."""
     from mcore_rl.parallel.harness import run_on_ranks
 
     split_at = run_on_ranks(_mla_pairs, 1, ())[0]

@@ -189,7 +189,7 @@ def test_shard_aware_ranks_receive_only_what_they_keep(inventories) -> None:
 
 
 def test_deepseek_mla_down_projections_reach_the_engine_in_one_bucket(inventories) -> None:
-    """SGLang's DeepSeek loader drops a q_a_proj / kv_a_proj_with_mqa half that arrives without the other (issue 26):
+    """SGLang's DeepSeek loader drops a q_a_proj / kv_a_proj_with_mqa half that arrives without the other:
     at every layout and bucket size, a layer's two halves share a bucket."""
     checked = 0
     for layout_name in {**DENSE_LAYOUTS, **MOE_LAYOUTS}:

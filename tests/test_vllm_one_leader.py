@@ -1,4 +1,4 @@
-"""One sync leader for vLLM's one NCCL weight-transfer group (issue 29): a vLLM worker holds one transfer group whose
+"""One sync leader for vLLM's one NCCL weight-transfer group: a vLLM worker holds one transfer group whose
 rank 0 sends every broadcast, so for rollout.engine=vllm on CUDA with the distributed transport the plan puts every
 stream (a MoE's dense and expert ones) on one actor rank (build_plan's `one_leader`, asked by
 controller/weight_sync.py `one_sync_leader`), and a MoE over several actor ranks runs where it was refused.

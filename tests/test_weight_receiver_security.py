@@ -1,4 +1,4 @@
-"""Weight payloads are data, never code: gadget pickles are refused without running anything (issue 30, item 1).
+"""Weight payloads are data, never code: gadget pickles are refused without running anything.
 
 Each gadget, if unpickled by an unpickler that admits it, creates a marker file; a test passes only if the payload
 is refused with a message naming the global and the marker does not exist. The same payloads go over HTTP to a real

@@ -52,7 +52,7 @@ def test_groups_per_engine_gpu_are_bounded_and_stated() -> None:
 
 
 def test_rendezvous_port_is_held_until_the_store_serves_it() -> None:
-    """Issue 30: a port found free was taken by an engine's HTTP server before the leader's TCP store bound it
+    """A port found free was taken by an engine's HTTP server before the leader's TCP store bound it
     (EADDRINUSE). The leader now binds the port when it gives it out and hands that socket to the store."""
     import datetime
     import socket

@@ -140,7 +140,7 @@ def test_engine_of_another_model_is_refused(ray_session, tmp_path) -> None:
 
 
 def test_hung_engine_is_replaced_and_resynced_by_the_push(ray_session, tmp_path) -> None:
-    """Issue 30: an engine SIGSTOPped between two pushes does not answer /begin_weight_update. The push goes on with
+    """An engine SIGSTOPped between two pushes does not answer /begin_weight_update. The push goes on with
     the other engine, the hung one is replaced, and the replacement serves the pushed version once it is up."""
     actor, pool, sync = _setup(tmp_path, num_engines=2)
     try:

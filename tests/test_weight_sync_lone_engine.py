@@ -1,4 +1,4 @@
-"""The run's only engine dies between a step's generation and its weight push (issue 29: the vLLM train test's kill
+"""The run's only engine dies between a step's generation and its weight push (the vLLM train test's kill
 landed there in 2 of 3 fresh-clone CI runs, and the run ended): the fence finds it dead and hands it to the pool,
 no engine is left for the push, and the retry waits for the replacement, which then takes the push. Real actor
 ranks (Ray) and a real embedded engine; the fault is a SIGKILL of the engine's process.

@@ -1,5 +1,5 @@
 """The dry run's memory estimate (models/estimate.py, as launch/submit.py --dry-run prints it for the recipe: its
-`actor_estimate`) against what the actor's Megatron ranks really hold, term by term, as ratios (issue 27: target
+`actor_estimate`) against what the actor's Megatron ranks really hold, term by term, as ratios (target
 0.8-1.25).
 
     python tools/bench_memory_estimate.py                        # the default job (configs/default.yaml), 2 gloo ranks

@@ -3,7 +3,7 @@ optimizer, bf16, Megatron's local spec where Transformer Engine is absent), on a
 model written by transformers:
 
     parity     logprobs of response tokens against transformers fp32: mean / p99 / max |dlogp|, beside transformers'
-               own bf16-vs-fp32 gap as the yardstick (issue 27's bar: Megatron within 1.5x of it)
+               own bf16-vs-fp32 gap as the yardstick (the bar: Megatron within 1.5x of it)
     updates    three optimizer steps: seconds each, tokens/s, model TFLOP/s (6 x active parameters per token)
     memory     the dry run's estimate (models/estimate.py) for these shapes against one more update, term by term
                (memory_check.py): exact storages, CUDA's peak allocated (the profiler's peak on the CPU), ratios

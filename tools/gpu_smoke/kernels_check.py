@@ -19,7 +19,7 @@ import torch
 
 #: Datasheet memory bandwidth in GB/s (SXM parts; PCIe/NVL variants are lower: the fraction then reads low).
 HBM_GBPS = {"H100": 3350.0, "H200": 4800.0, "H800": 3350.0, "H20": 4000.0, "A100": 2039.0, "B200": 8000.0}
-TARGET = 0.70  #: issue 27: kernels at >= 70 % of the measured device-to-device copy
+TARGET = 0.70  #: kernels at >= 70 % of the measured device-to-device copy
 
 
 def datasheet_gbps(name: str) -> float | None:

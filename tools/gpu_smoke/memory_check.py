@@ -1,5 +1,5 @@
 """The memory part of the kit's actor steps: the dry run's estimate (models/estimate.py) for the kit's shapes against
-what the rank allocates, term by term, as ratios (issue 27's target: 0.8-1.25).
+what the rank allocates, term by term, as ratios (the target: 0.8-1.25).
 
     weights, grads, optimizer, reference   exact bytes of the rank's storages on the device (CUDA, or the CPU with
                                            --dry-cpu): tools/bench_memory_estimate.py's rank_tensor_bytes
