@@ -1,5 +1,6 @@
 """Tests for loading user reward functions and for RewardManager's validation, threads and timeouts."""
 
+import mmap
 import math
 import re
 import textwrap
@@ -329,7 +330,12 @@ def test_reward_memory_growth_is_in_the_metrics_and_warned_about(caplog):
     kept = []
 
     def hoards(data_source, solution_str, ground_truth, extra_info=None):
-        kept.append(b"\x01" * (4 * 2**20))  # written, so resident
+        # Fresh pages from the kernel, written so they are resident. A `bytes` of 4 MiB could come out of memory the
+        # allocator already holds (freed by an earlier test in this worker, after glibc raised its mmap threshold),
+        # and then the process would not grow at all: the CI worker measured [0.0, 0.0, 0.0] that way.
+        block = mmap.mmap(-1, 4 * 2**20)
+        block.write(b"\x01" * len(block))
+        kept.append(block)
         return 0.0
 
     manager = RewardManager(hoards, memory_warn_mb=100)
@@ -342,7 +348,8 @@ def test_reward_memory_growth_is_in_the_metrics_and_warned_about(caplog):
     assert manager.memory_metrics()["perf/reward_driver_rss_gb"] > 0
     assert caplog.text.count("the driver's memory grew by") == 1
     assert "while reward function" in caplog.text and "hoards" in caplog.text
-    kept.clear()
+    for block in kept:
+        block.close()
 
 
 def test_a_reward_that_keeps_nothing_is_not_warned_about(caplog):
