@@ -93,6 +93,14 @@ def run(cfg: RLConfig) -> dict[str, float]:
         reason = vllm_unavailable_reason(cfg.rollout.vllm)
         if reason is not None:
             raise ValueError(f"rollout.engine=vllm cannot run here: {reason}")
+        if cfg.trainer.runtime == "cpu":  # the CPU KV cache's size is a flag of ours; refused here, not in vLLM's log
+            from mcore_rl.checkpoint.manager import hf_config_of
+            from mcore_rl.rollout.vllm_launcher import VLLMUnavailable, check_kv_budget
+
+            try:
+                check_kv_budget(hf_config_of(cfg), cfg.rollout.vllm, cfg.model.dtype)
+            except VLLMUnavailable as err:
+                raise ValueError(f"rollout.engine=vllm: {err}") from None
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     tokenizer, loader, tokenizer_dir = setup_data(cfg)  # before Ray: a bad dataset is refused before anything starts
     reward = RewardManager(

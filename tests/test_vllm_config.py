@@ -137,3 +137,64 @@ def test_an_engine_on_the_launchers_node_reuses_its_probe(tmp_path: Path, monkey
     # the launcher's probe is still checked against the model
     with pytest.raises(VLLMUnavailable, match="CPU attention cannot serve"):
         launcher.VLLMServer(cfg, str(tmp_path), "float32", probed=("node-a", {"head_sizes": [16]}))
+
+
+def _run_config(**rollout: object) -> "object":
+    import yaml
+
+    from mcore_rl.config import RLConfig
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")) as f:
+        hf_config = yaml.safe_load(f)["model"]["hf_config"]
+    cfg = RLConfig()
+    cfg.model.hf_config = dict(hf_config, head_dim=32)
+    cfg.rollout.engine = "vllm"
+    for key, value in rollout.items():
+        setattr(cfg.rollout, key, value)
+    cfg.data.max_prompt_length = 64
+    return cfg
+
+
+def test_a_vllm_run_gives_vllm_its_own_longest_sample_as_the_maximum_length() -> None:
+    """Without rollout.vllm.max_model_len vLLM took the model's context (8,192 tokens for SmolLM2), whose KV cache
+    the default CPU budget cannot hold; the run's longest sample (prompt + response) is what it needs."""
+    cfg = _run_config(max_new_tokens=32)
+    cfg.validate()
+    assert cfg.rollout.vllm.max_model_len == 96 == cfg.model.max_sequence_length
+    command = build_command(cfg.rollout.vllm, "python", "/m", "float32", 1, "cpu")
+    assert command[command.index("--max-model-len") + 1] == "96"
+    pinned = _run_config(max_new_tokens=32)
+    pinned.rollout.vllm.max_model_len = 4096  # a user's own value stays
+    pinned.validate()
+    assert pinned.rollout.vllm.max_model_len == 4096
+
+
+SMOLLM2 = {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+           "head_dim": 64, "max_position_embeddings": 8192}  # fmt: skip
+
+
+def test_a_kv_cache_that_cannot_hold_one_sequence_is_refused_naming_both_figures() -> None:
+    """SmolLM2's 8,192-token context needs 360 MiB of fp32 KV cache; the CPU default is 256 MiB. vLLM failed after
+    about 90 s with the cause only in its log; the launcher refuses it up front, naming the key that raises it."""
+    from mcore_rl.rollout.vllm_launcher import check_kv_budget, kv_bytes_per_token
+
+    assert kv_bytes_per_token(SMOLLM2, "float32") == 2 * 30 * 3 * 64 * 4
+    with pytest.raises(VLLMUnavailable, match=r"8192 tokens \(the model's max_position_embeddings\).*360 MiB.*"
+                                              r"cpu_kv_cache_bytes=268435456 \(256 MiB\).*at least 377487360"):  # fmt: skip
+        check_kv_budget(SMOLLM2, VLLMConfig(), "float32")
+    check_kv_budget(SMOLLM2, VLLMConfig(max_model_len=96), "float32")  # the run's own length fits
+    check_kv_budget(SMOLLM2, VLLMConfig(cpu_kv_cache_bytes=377487360), "float32")
+    with pytest.raises(VLLMUnavailable, match=r"rollout\.vllm\.max_model_len"):
+        check_kv_budget(SMOLLM2, VLLMConfig(max_model_len=4096, cpu_kv_cache_bytes=64 << 20), "float32")
+
+
+def test_the_cli_refuses_a_kv_budget_below_one_sequence_before_anything_starts(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "mcore_rl.train", "rollout.engine=vllm", f"rollout.vllm.python={fake_python(tmp_path, '0.32.0')}",
+         "rollout.vllm.cpu_kv_cache_bytes=1024", "model.hf_config.head_dim=32", f"trainer.run_dir={tmp_path}/run"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, RAY_ADDRESS=""),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "vLLM's KV cache cannot hold one sequence" in done.stderr and "cpu_kv_cache_bytes=1024" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert {p.name for p in (tmp_path / "run").glob("*")} <= {"FAILED"}

@@ -82,14 +82,18 @@ class RLConfig:
 
     def validate(self) -> None:
         """Every group's own validation, then the checks that span groups (config/validate.py); fills in
-        actor.use_ref, actor.logit_temperature, model.max_sequence_length and the optimizers' lr_decay_steps when
-        they are null."""
+        actor.use_ref, actor.logit_temperature, model.max_sequence_length, rollout.vllm.max_model_len (vLLM runs) and
+        the optimizers' lr_decay_steps when they are null."""
         validate_run(self)
         if self.model.max_sequence_length is None:  # the longest sample this run can make
             response = self.agent.max_response_tokens if self.agent.enabled else self.rollout.max_new_tokens
             # DPO trains on the dataset's pairs, whose length no setting bounds: the former fixed default
             longest = 512 if self.trainer.mode == "dpo" else self.data.max_prompt_length + response
             self.model.max_sequence_length = longest
+        if self.rollout.engine == "vllm" and self.rollout.vllm.max_model_len is None and self.trainer.mode != "dpo":
+            # vLLM's own default is the model's context (8k for SmolLM2), which sizes its KV cache for sequences
+            # this run never makes; the run's longest sample is what it needs
+            self.rollout.vllm.max_model_len = self.model.max_sequence_length
         if self.actor.logit_temperature is None:  # the actor's logprobs are those of the distribution sampled from
             sampled = self.rollout.temperature if self.rollout.temperature > 0 else 1.0
             self.actor.logit_temperature = 1.0 if self.trainer.mode == "dpo" else sampled

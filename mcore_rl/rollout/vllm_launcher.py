@@ -134,6 +134,38 @@ def check_model(hf_config: dict[str, Any], head_sizes: list[int] | None) -> None
         )
 
 
+#: the CPU KV cache's block size (vLLM's CPU backend allocates whole blocks of this many tokens)
+CPU_KV_BLOCK = 128
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_bytes_per_token(hf_config: dict[str, Any], dtype: str) -> int:
+    """K and V of one token over every layer: 2 x layers x KV heads x head_dim x the KV cache's element size."""
+    heads = hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    return 2 * hf_config["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+
+
+def check_kv_budget(hf_config: dict[str, Any], cfg: VLLMConfig, dtype: str) -> None:
+    """VLLMUnavailable where the CPU KV cache (rollout.vllm.cpu_kv_cache_bytes) cannot hold one sequence of the
+    engine's maximum length (rollout.vllm.max_model_len, else the model's max_position_embeddings): vLLM refuses to
+    start then, after loading the model, with the cause only in its own log."""
+    length = cfg.max_model_len or int(hf_config.get("max_position_embeddings") or 0)
+    if length <= 0:
+        return
+    blocks = -(-length // CPU_KV_BLOCK)
+    needed = blocks * CPU_KV_BLOCK * kv_bytes_per_token(hf_config, dtype)
+    if needed > cfg.cpu_kv_cache_bytes:
+        source = "rollout.vllm.max_model_len" if cfg.max_model_len else "the model's max_position_embeddings"
+        raise VLLMUnavailable(
+            f"vLLM's KV cache cannot hold one sequence of {length} tokens ({source}): that needs "
+            f"{needed / 2**20:.0f} MiB ({kv_bytes_per_token(hf_config, dtype)} bytes a token in {dtype}), and "
+            f"rollout.vllm.cpu_kv_cache_bytes={cfg.cpu_kv_cache_bytes} ({cfg.cpu_kv_cache_bytes / 2**20:.0f} MiB); "
+            f"raise rollout.vllm.cpu_kv_cache_bytes to at least {needed}, or lower rollout.vllm.max_model_len"
+        )
+
+
 def transfer_backend(device: str, placement: str) -> str:
     """vLLM's weight-transfer backend for engines on `device` (cpu | cuda) under trainer.placement `placement`: on
     CPU the plugin's gloo one; on CUDA `ipc` where an engine shares its GPUs with the actor (colocated: the tensor
@@ -236,7 +268,10 @@ class VLLMServer:
         self.python = vllm_python(cfg)
         found = probed[1] if probed is not None and probed[0] == _node_id() else probe(self.python)
         with open(os.path.join(model_dir, "config.json")) as f:
-            check_model(json.load(f), found["head_sizes"] if device == "cpu" else None)
+            hf_config = json.load(f)
+        check_model(hf_config, found["head_sizes"] if device == "cpu" else None)
+        if device == "cpu":
+            check_kv_budget(hf_config, cfg, dtype)
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="vllm-")
         self._proc: subprocess.Popen | None = None
         self._url: str | None = None
