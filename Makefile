@@ -12,7 +12,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH ?= torch==2.13.0
 
-.PHONY: run test lint setup clean constraints real-model
+.PHONY: run test test-long test-all lint setup clean constraints real-model
 
 $(STAMP): setup.py constraints.txt tools/fetch_sglang_contract.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,11 +36,20 @@ real-model: $(STAMP)
 # Two pytest-xdist workers (TEST_JOBS=0: one process); tests/conftest.py keeps each file, and files sharing
 # machine-wide state (the sandbox uid, vLLM), on one worker. Then, alone, the tests conftest marks `serial` (the
 # namespace-Slurm jobs, whose time limits assume an unshared machine; bench_sync's four-rank quick run).
-# Exit 5 = nothing selected (ARGS).
+# `make test` (what CI runs) leaves out the tests marked `long` (kill/resume/restart scenarios, every algorithm end to
+# end, whole jobs on vLLM: about 50 minutes of their own on 2 cores); `make test-long` runs just those, `make
+# test-all` both. Exit 5 = nothing selected (ARGS).
 TEST_JOBS ?= 2
+TIER ?= not long
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=40 -n $(TEST_JOBS) --dist loadgroup --no-loadscope-reorder -m "not serial" tests $(ARGS) || [ $$? = 5 ]
-	$(PY) -m pytest -q --durations=5 -m serial tests $(ARGS) || [ $$? = 5 ]
+	$(PY) -m pytest -q --durations=40 -n $(TEST_JOBS) --dist loadgroup --no-loadscope-reorder -m "not serial and ($(TIER))" tests $(ARGS) || [ $$? = 5 ]
+	$(PY) -m pytest -q --durations=5 -m "serial and ($(TIER))" tests $(ARGS) || [ $$? = 5 ]
+
+test-long: $(STAMP)
+	$(MAKE) test TIER=long
+
+test-all: $(STAMP)
+	$(MAKE) test TIER="long or not long"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

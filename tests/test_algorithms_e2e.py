@@ -39,6 +39,7 @@ def _train(run_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProcess,
     return out, lines
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides, expected_keys",
@@ -112,6 +113,7 @@ def test_algorithm_runs_through_the_loop(tmp_path: Path, overrides: list[str], e
         assert all(0 < r["filter/kept_groups"] <= 4 for r in lines)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_dynamic_sampling_that_cannot_fill_a_batch_is_refused(tmp_path: Path):
     reward = tmp_path / "constant.py"

@@ -338,6 +338,7 @@ def _start_run(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     raise AssertionError(f"the run never wrote a metrics line: {proc.communicate()[1][-3000:]}")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_ctrl_c_ends_with_one_line_exit_130_and_a_failed_marker(tmp_path) -> None:
     proc, run_dir = _start_run(tmp_path)
@@ -349,6 +350,7 @@ def test_ctrl_c_ends_with_one_line_exit_130_and_a_failed_marker(tmp_path) -> Non
     assert (run_dir / "FAILED").read_text().startswith("interrupted (Ctrl-C) after step")
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sigterm_of_a_real_run_exits_143_with_a_failed_marker(tmp_path) -> None:
     """What Slurm's scancel and time limit send: the run dir must not look like a finished run."""
@@ -380,6 +382,7 @@ def test_sigterm_of_a_real_run_exits_143_with_a_failed_marker(tmp_path) -> None:
     assert not alive()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_kill_9_of_the_driver_leaves_no_ray_process(tmp_path) -> None:
     import psutil

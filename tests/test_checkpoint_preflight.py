@@ -106,6 +106,7 @@ def _assert_refused_before_ray(res: subprocess.CompletedProcess, *needles: str) 
         assert needle in res.stderr, (needle, res.stderr[-3000:])
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "case",

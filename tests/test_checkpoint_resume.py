@@ -42,7 +42,7 @@ TINY = [
 ]  # fmt: skip (the reference is saved once and hard-linked)
 TP2 = ["actor.layout.tp=2", "actor.layout.ep=1", "actor.layout.sequence_parallel=true"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def _train(run_dir: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:

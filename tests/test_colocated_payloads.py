@@ -94,6 +94,7 @@ def _check(engines: list[list[str]], colocation, reference, pids, tmp_path: Path
 CASES = [("ep2", dict(ep=2)), ("tp2", dict(tp=2, sequence_parallel=True))]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("name, layout", CASES, ids=[c[0] for c in CASES])
 def test_each_engine_rank_opens_the_payload_of_its_colocated_actor_rank(tmp_path, name, layout) -> None:
@@ -185,6 +186,7 @@ def _cuda_rank(rank: int, port: int, urls: list[str], colocation: list[list[int]
         raise
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_transport_alone_two_gloo_ranks_one_leader(tmp_path) -> None:
     """The transport without Megatron: rank 0 leads every bucket, rank 1 makes engine 0's rank 0 payload and engine

@@ -47,6 +47,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess
     return run_dir, out
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_dpo_writes_tensorboard_events_and_checkpoints(straight: tuple[Path, subprocess.CompletedProcess]):
     run_dir, _ = straight
@@ -55,6 +56,7 @@ def test_dpo_writes_tensorboard_events_and_checkpoints(straight: tuple[Path, sub
     assert saved == ["step_00000002", "step_00000004"], saved
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_dpo_validates_through_the_engines(straight: tuple[Path, subprocess.CompletedProcess]):
     rows = _rows(straight[0])
@@ -62,6 +64,7 @@ def test_dpo_validates_through_the_engines(straight: tuple[Path, subprocess.Comp
     assert validated == [2, 4], validated
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_dpo_resume_continues_the_run_exactly(tmp_path: Path, straight: tuple[Path, subprocess.CompletedProcess]):
     run_dir = tmp_path / "resumed"
@@ -89,6 +92,7 @@ def test_dpo_refuses_the_keys_it_cannot_honour(tmp_path: Path, override: str, ke
     assert key in out.stderr and "trainer.mode=dpo" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_dpo_runs_pre_flight_before_anything_starts(straight: tuple[Path, subprocess.CompletedProcess]):
     """A new run whose saves would overwrite an earlier run's checkpoints is refused by pre-flight (exit 2), as in the

@@ -106,6 +106,7 @@ def test_qwen3_moe_passes_and_json_holds_every_figure(checkpoints, tmp_path):
     assert report["activation_quantization_modelled"] is False
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_megatron_checkpoint_gives_the_same_figures_as_its_hf_source(checkpoints, tmp_path):
     convert = TOOL.parent / "convert_checkpoint.py"

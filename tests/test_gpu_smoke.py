@@ -30,6 +30,7 @@ def test_dry_run_kernels_are_bit_exact_and_reported(tmp_path) -> None:
     assert "| kernels | ok |" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.long
 @pytest.mark.slow  # the nccl step starts two gloo ranks (ours and SGLang's)
 def test_dry_run_of_every_step(tmp_path) -> None:
     res, results = _dry(tmp_path)

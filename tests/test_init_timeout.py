@@ -19,7 +19,7 @@ from mcore_rl.controller.actor_group import ActorGroup
 from mcore_rl.controller.engine_pool import EnginePool
 from mcore_rl.controller.weight_sync import WeightSync
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 HF = tiny_qwen3_moe(initializer_range=0.5, max_position_embeddings=64)
 TIMEOUT_S = 8.0  # sync.timeout_s: the hung engine is given up after this (+ the grace for an answer to arrive)

@@ -47,6 +47,7 @@ def test_without_ray_ranks_meet_on_loopback() -> None:
     assert rendezvous_host() == "127.0.0.1"
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_local_runs_actor_ranks_listen_on_no_wildcard_address(tmp_path) -> None:
     import psutil

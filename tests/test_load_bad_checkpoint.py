@@ -71,6 +71,7 @@ def test_unexpected_tensor_is_named_and_exits_nonzero(checkpoint, tmp_path):
     assert "unexpected tensors not in the qwen3_moe weight map" in out.stderr and name in out.stderr
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_intact_checkpoint_trains_one_step(checkpoint, tmp_path):
     out = _train(checkpoint, tmp_path / "run")

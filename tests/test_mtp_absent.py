@@ -56,6 +56,7 @@ def test_resolve_mtp_modes() -> None:
     assert resolve_mtp(config, some, "off")[0]["num_nextn_predict_layers"] == 0
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_mtp_less_checkpoint_converts_and_exports_back(no_mtp, tmp_path) -> None:
     res = _convert("hf-to-mcore", "--hf", str(no_mtp), "--out", str(tmp_path / "mcore"))
@@ -101,6 +102,7 @@ def _actor_export(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in exported}
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_mtp_less_checkpoint_loads_into_the_actor(no_mtp, capfd) -> None:
     from mcore_rl.parallel.harness import run_on_ranks

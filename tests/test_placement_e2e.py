@@ -30,6 +30,7 @@ def train(run_dir: Path, *overrides: str, config: str = "default", timeout: int 
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_colocated_engines_release_memory_and_get_exact_weights_back(tmp_path: Path):
     rows = train(tmp_path / "run", "trainer.placement=colocated", "trainer.steps=2", *SMALL)
@@ -39,6 +40,7 @@ def test_colocated_engines_release_memory_and_get_exact_weights_back(tmp_path: P
     assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in rows)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_split_async_generates_one_step_ahead_within_the_bound(tmp_path: Path):
     rows = train(tmp_path / "run", "trainer.async_rollout=true", "trainer.steps=4", *SMALL)
@@ -48,6 +50,7 @@ def test_split_async_generates_one_step_ahead_within_the_bound(tmp_path: Path):
     assert any(r["async/stale_frac"] > 0 for r in rows[1:])  # later batches were generated while training
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_multiturn_tool_job_runs_with_tool_tokens_masked(tmp_path: Path):
     rows = train(tmp_path / "run", "trainer.steps=2", *SMALL, config="multiturn_tool")
@@ -76,6 +79,7 @@ def test_bad_placement_and_agent_settings_exit_2(overrides, message):
     assert out.returncode == 2 and message in out.stderr
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_multiturn_tool_job_learns_to_open_the_call(tmp_path: Path):
     # The multi-turn job's first 40 steps: from random tokens (about 1 episode in 16 starts a tool call) to an episode

@@ -24,7 +24,7 @@ from mcore_rl.controller import placement as placement_mod  # noqa: E402
 from mcore_rl.controller.gpu_plan import PlacementError  # noqa: E402
 from mcore_rl.controller.placement import make_placement, wait_scheduled  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 GPUS = 4
 
 

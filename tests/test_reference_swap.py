@@ -216,6 +216,7 @@ def test_cuda_host_reference_is_pinned_saves_device_memory_and_matches_resident(
     assert not torch.equal(host["policy1"], host["ref1"])
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_run_with_the_reference_on_the_host_and_overlap_resumes_like_a_plain_run(tmp_path) -> None:
     """The whole loop (Ray, rollouts, weight sync after each update), GRPO with a KL loss on the distributed optimizer:

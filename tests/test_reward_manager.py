@@ -1,7 +1,7 @@
 """Tests for loading user reward functions and for RewardManager's validation, threads and timeouts."""
 
-import mmap
 import math
+import mmap
 import re
 import textwrap
 import threading

@@ -89,6 +89,7 @@ def test_config_refuses_a_missing_reward_model_dir(tmp_path: Path):
     assert out.returncode == 2 and "reward.model_path=" in out.stderr and "config.json" in out.stderr, out.stderr
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_rl_loop_runs_with_the_reward_model(rm_dir: Path, tmp_path: Path):
     run_dir = tmp_path / "run"

@@ -20,7 +20,7 @@ from mcore_rl.config import RolloutConfig
 from mcore_rl.controller.engine_pool import EnginePool
 from mcore_rl.rollout.engine import HFRolloutEngine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 HF = tiny_qwen3_moe(initializer_range=0.5, max_position_embeddings=256, eos_token_id=99)
 PROMPTS = [[1 + i % 7, 2 + i % 5, 3 + i % 11, 4 + i] for i in range(24)]
@@ -111,6 +111,7 @@ def test_cache_aware_routing_keeps_a_prompt_on_one_engine(ray_session, tmp_path)
         pool.shutdown()
 
 
+@pytest.mark.long
 def test_engine_killed_mid_step_is_replaced_and_resynced(ray_session, tmp_path) -> None:
     pool = make_pool(tmp_path)
     try:

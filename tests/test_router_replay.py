@@ -97,6 +97,7 @@ def near_tie_setup(tmp_path_factory):
         ray.shutdown()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_router_drops_return_routed_experts_so_r3_goes_to_the_engines(near_tie_setup):
     _, pool = near_tie_setup
@@ -110,6 +111,7 @@ def test_router_drops_return_routed_experts_so_r3_goes_to_the_engines(near_tie_s
         assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, HF["num_hidden_layers"], 2)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_r3_training_forward_uses_the_rollout_experts_and_shrinks_the_logprob_gap(near_tie_setup):
     from mcore_rl.controller.actor_group import ActorGroup
@@ -138,6 +140,7 @@ def test_r3_training_forward_uses_the_rollout_experts_and_shrinks_the_logprob_ga
     assert gap_r3 < gap_free / 10
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["R2", "R3"])
 def test_replay_modes_run_through_the_loop(tmp_path: Path, mode: str):

@@ -179,6 +179,7 @@ def train(*overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
                           cwd=REPO)  # fmt: skip
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_lr_inf_stops_with_exit_1_naming_the_step(tmp_path) -> None:
     res = train("trainer.steps=4", "actor.optim.lr=inf", f"trainer.run_dir={tmp_path}")
@@ -187,6 +188,7 @@ def test_lr_inf_stops_with_exit_1_naming_the_step(tmp_path) -> None:
     assert (tmp_path / "FAILED").exists() and not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_reward_calling_sys_exit_is_the_rewards_failure(tmp_path) -> None:
     reward = tmp_path / "r.py"
@@ -243,6 +245,7 @@ def test_a_driver_that_ends_without_summary_or_marker_is_marked_failed_by_the_wa
     assert "exited without finishing" in failed.read_text() and not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_sigterm_to_the_whole_process_group_is_exit_143_and_failed(tmp_path) -> None:
     """What `timeout`, scancel and a Slurm time limit do: SIGTERM to every process of the run's group, Ray's included.
@@ -292,6 +295,7 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "target, needle, message",

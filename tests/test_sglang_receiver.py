@@ -49,10 +49,10 @@ def test_every_kept_file_has_the_pinned_wheel_hash():
 
 
 def test_pinned_hashes_are_the_wheels_record():
-    """The pins are the RECORD lines of the unpacked wheel, where one is on this machine (/tmp/sgl/full)."""
-    record = Path("/tmp/sgl/full/sglang-0.5.23.dist-info/RECORD")
-    if not record.is_file():
-        pytest.skip(f"{record} is not here (the unpacked wheel is only on the development machine)")
+    """The pins are the RECORD lines of the wheel set-up downloaded (kept beside the extracted files)."""
+    load_sglang_receiver()  # skips when set-up did not fetch
+    record = SGLANG_DIR / fetch.RECORD
+    assert record.is_file(), f"{record}: set-up keeps the wheel's RECORD beside its files (make setup)"
     listed = dict(line.split(",")[:2] for line in record.read_text().splitlines() if line.count(",") == 2)
     for name, pin in fetch.SHA256.items():
         assert listed[name] == f"sha256={pin}", name

@@ -99,6 +99,7 @@ def test_layout_that_cannot_fit_is_refused_with_figures() -> None:
     assert "#!/bin/bash" not in res.stdout
 
 
+@pytest.mark.long
 def test_smaller_gpu_memory_refuses_a_recipe() -> None:
     res = run_submit(*CLUSTER, "--dry-run", "--gpu-memory-gb", "40", "--", "--config-name", "deepseek_v3_671b_32n")
     assert res.returncode == 2 and "> --gpu-memory-gb 40 GiB" in res.stderr
@@ -135,6 +136,7 @@ def test_a_placement_that_cannot_work_is_refused_naming_the_keys(overrides: list
     assert message in res.stderr and "#!/bin/bash" not in res.stdout
 
 
+@pytest.mark.long
 def test_more_broadcast_groups_than_the_bound_are_refused() -> None:
     # split on 64 nodes with NCCL: 66 streams (2 stages x (dense + 32 EP ranks)), one group each on every engine GPU
     cluster = ["--nodes", "64", *CLUSTER[2:]]
@@ -293,6 +295,7 @@ def test_ports_differ_between_jobs_and_bash_matches_python() -> None:
         assert len(set(ports.values())) == len(ports)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_local_run_writes_metrics(tmp_path) -> None:
     run_dir = tmp_path / "run"
@@ -304,6 +307,7 @@ def test_local_run_writes_metrics(tmp_path) -> None:
     assert len(lines) == 2 and "critic/score/mean" in json.loads(lines[-1])
 
 
+@pytest.mark.long
 def test_uneven_pipeline_stages_reach_the_dry_run_estimate() -> None:
     """DeepSeek-V3's 61 layers on pp=4 need uneven stages (16+15+15+15); the dry run shows them and sizes the
     memory by the largest stage; the even split is refused naming the fields to set."""

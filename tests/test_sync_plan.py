@@ -250,6 +250,7 @@ def test_coverage_names_a_missing_or_duplicated_tensor(inventories) -> None:
     assert any("sent 2 times" in p for p in twice.check_coverage())
 
 
+@pytest.mark.long
 def test_plan_sync_tool_checks_a_1024_rank_deepseek_plan() -> None:
     import subprocess
     import sys

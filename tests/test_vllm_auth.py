@@ -20,7 +20,7 @@ from mcore_rl.rollout.client import RolloutClient
 from mcore_rl.rollout.vllm_config import VLLMConfig
 from mcore_rl.rollout.vllm_launcher import VLLMServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.long]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARAMS = {"max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "stop_token_ids": [], "no_stop_trim": True}
 KEY = f"run-key-{uuid.uuid4().hex}"

@@ -285,6 +285,7 @@ def test_real_buckets_go_through_vllms_ipc_engine_bit_exact(one_engine) -> None:
     _check_push(one_engine)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_two_gpu_engine_gets_each_gpus_own_handle(vllm_venv, tmp_path) -> None:

@@ -139,12 +139,13 @@ def test_an_engine_on_the_launchers_node_reuses_its_probe(tmp_path: Path, monkey
         launcher.VLLMServer(cfg, str(tmp_path), "float32", probed=("node-a", {"head_sizes": [16]}))
 
 
-def _run_config(**rollout: object) -> "object":
+def _run_config(**rollout: object) -> object:
     import yaml
 
     from mcore_rl.config import RLConfig
 
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "default.yaml")) as f:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "configs", "default.yaml")) as f:
         hf_config = yaml.safe_load(f)["model"]["hf_config"]
     cfg = RLConfig()
     cfg.model.hf_config = dict(hf_config, head_dim=32)
@@ -179,8 +180,9 @@ def test_a_kv_cache_that_cannot_hold_one_sequence_is_refused_naming_both_figures
     from mcore_rl.rollout.vllm_launcher import check_kv_budget, kv_bytes_per_token
 
     assert kv_bytes_per_token(SMOLLM2, "float32") == 2 * 30 * 3 * 64 * 4
-    with pytest.raises(VLLMUnavailable, match=r"8192 tokens \(the model's max_position_embeddings\).*360 MiB.*"
-                                              r"cpu_kv_cache_bytes=268435456 \(256 MiB\).*at least 377487360"):  # fmt: skip
+    expected = (r"8192 tokens \(the model's max_position_embeddings\).*360 MiB.*"
+                r"cpu_kv_cache_bytes=268435456 \(256 MiB\).*at least 377487360")  # fmt: skip
+    with pytest.raises(VLLMUnavailable, match=expected):
         check_kv_budget(SMOLLM2, VLLMConfig(), "float32")
     check_kv_budget(SMOLLM2, VLLMConfig(max_model_len=96), "float32")  # the run's own length fits
     check_kv_budget(SMOLLM2, VLLMConfig(cpu_kv_cache_bytes=377487360), "float32")
@@ -190,8 +192,9 @@ def test_a_kv_cache_that_cannot_hold_one_sequence_is_refused_naming_both_figures
 
 def test_the_cli_refuses_a_kv_budget_below_one_sequence_before_anything_starts(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "mcore_rl.train", "rollout.engine=vllm", f"rollout.vllm.python={fake_python(tmp_path, '0.32.0')}",
-         "rollout.vllm.cpu_kv_cache_bytes=1024", "model.hf_config.head_dim=32", f"trainer.run_dir={tmp_path}/run"],
+        [sys.executable, "-m", "mcore_rl.train", "rollout.engine=vllm",
+         f"rollout.vllm.python={fake_python(tmp_path, '0.32.0')}", "rollout.vllm.cpu_kv_cache_bytes=1024",
+         "model.hf_config.head_dim=32", f"trainer.run_dir={tmp_path}/run"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ, RAY_ADDRESS=""),
     )  # fmt: skip
     assert done.returncode == 2, done.stderr[-2000:]

@@ -229,6 +229,7 @@ def _wait_up(urls: list[str], side: subprocess.Popen, log: Any) -> None:
                 time.sleep(0.5)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_wired_push_lands_bit_exact_in_vllms_nccl_engine_with_its_version(wired) -> None:
@@ -245,6 +246,7 @@ def test_the_wired_push_lands_bit_exact_in_vllms_nccl_engine_with_its_version(wi
         assert engine["unique_id"] == wired["minted"][0]
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_a_bucket_refused_mid_push_leaves_no_engine_half_applied_under_the_new_version(wired) -> None:
@@ -263,6 +265,7 @@ def test_a_bucket_refused_mid_push_leaves_no_engine_half_applied_under_the_new_v
     assert wired["minted"][1] != wired["minted"][0]  # the retry rebuilt the group with a fresh id
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_rebuilding_the_group_destroys_the_engines_old_communicator(wired) -> None:

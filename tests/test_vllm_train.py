@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from _ray_cluster import ray_address_override, train_env
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.long]
 TRAIN = [sys.executable, "-m", "mcore_rl.train"]
 STEPS = 6
 KILL_AFTER = 2  #: the engine is killed once this many steps are in metrics.jsonl

@@ -341,6 +341,7 @@ def test_the_colocated_release_does_not_wait_on_vllms_slow_server_info() -> None
     assert ColocatedPlacement.to_training(None, actor, engines)["placement/engines_released"] == 0.0
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_the_default_job_runs_colocated_on_vllm(vllm_venv, tmp_path) -> None:

@@ -24,7 +24,7 @@ from mcore_rl.controller.actor_group import ActorGroup
 from mcore_rl.controller.engine_pool import EnginePool
 from mcore_rl.controller.weight_sync import SyncError, WeightSync
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 HF = tiny_qwen3_moe(initializer_range=0.5, max_position_embeddings=64)
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7]]
@@ -95,6 +95,7 @@ def test_push_moves_the_engine_to_the_new_version(ray_session, tmp_path) -> None
         actor.shutdown()
 
 
+@pytest.mark.long
 def test_sender_killed_mid_sync_keeps_old_weights(ray_session, tmp_path) -> None:
     actor, pool, sync = _setup(tmp_path)
     try:
@@ -139,6 +140,7 @@ def test_engine_of_another_model_is_refused(ray_session, tmp_path) -> None:
         _setup(tmp_path, dict(HF, num_hidden_layers=3))
 
 
+@pytest.mark.long
 def test_hung_engine_is_replaced_and_resynced_by_the_push(ray_session, tmp_path) -> None:
     """An engine SIGSTOPped between two pushes does not answer /begin_weight_update. The push goes on with
     the other engine, the hung one is replaced, and the replacement serves the pushed version once it is up."""

@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_weight_sync_fence import GREEDY, PROMPTS, _perturb, _setup, ray_session  # noqa: E402,F401
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def _gone(pid: int) -> bool:
