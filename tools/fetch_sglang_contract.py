@@ -66,6 +66,8 @@ SHA256 = {
     "sglang/srt/arg_groups/fields/spec.py": "P_EYdDTZ_vatbSkNkMAr4g2YmfhR7tXYefZcS1uNpfs",
 }  # fmt: skip
 FILES = tuple(SHA256)
+#: the wheel's list of its files and their sha256, kept beside them (tests check the pins against it)
+RECORD = f"sglang-{VERSION}.dist-info/RECORD"
 
 RECEIVER = "sglang_cpu_receiver.py"
 #: (kept file, its top-level definitions in the order they go into RECEIVER); a name is a def, a class or an
@@ -203,6 +205,9 @@ def extract(wheel: Path, dest: Path) -> list[str]:
                 for name in members:
                     check_pinned(name, archive.read(name))
                     archive.extract(name, staging)
+                if RECORD not in archive.namelist():
+                    raise FetchError(f"{wheel.name} has no {RECORD}: is this SGLang {VERSION}'s wheel?")
+                archive.extract(RECORD, staging)  # the wheel's own list of hashes, which the pins must be
         except zipfile.BadZipFile as err:
             raise FetchError(f"{wheel.name} is not a valid wheel: {err}") from err
         (staging / RECEIVER).write_text(build_receiver(staging), encoding="utf-8")
