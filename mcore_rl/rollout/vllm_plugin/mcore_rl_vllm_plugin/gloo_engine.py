@@ -8,8 +8,9 @@ trainer (stream leader, rank 0 of group G)             vLLM worker (rank rank_of
   broadcast(flat uint8 bucket)                   ===>  receive it, split it back to back (vLLM's packed_tensor
                                                        layout: one buffer = one bucket), check every name and
                                                        shape against the model's HF checkpoint, stage copies
-  POST /finish_weight_update {weight_version}    --->  load the staged tensors (layerwise reload), re-pack the CPU
-                                                       MoE experts (see `repack_cpu_moe`), or refuse: nothing applied
+  POST /finish_weight_update {weight_version}    --->  load the staged tensors (layerwise reload), re-pack a tied
+                                                       output layer (`refresh_tied_cpu_gemm`) and the CPU MoE
+                                                       experts (`repack_cpu_moe`), or refuse: nothing applied
 ```
 The group is the one `mcore_rl/parallel/update_group.py` builds (same store keys, same gloo options), so the
 project's `distributed` transport is the sender without a vLLM dependency on its side. None of vLLM 0.32's own
@@ -138,6 +139,33 @@ def repack_cpu_moe(model: torch.nn.Module) -> int:
     return count
 
 
+def refresh_tied_cpu_gemm(model: torch.nn.Module) -> int:
+    """Re-run the weight processing of every layer whose weight is another layer's (a tied output layer: SmolLM2,
+    Qwen2.5-0.5B, Llama-3.2-1B); the count refreshed.
+
+    On a CPU `UnquantizedEmbeddingMethod.process_weights_after_loading` gives the output layer a `cpu_linear` over a
+    oneDNN-packed copy of its weight. The actor sends a tied model's embedding only (there is no `lm_head.weight` to
+    send), so the layerwise reload processes the embedding and leaves the output layer's packed copy as it was at
+    start-up: random under --load-format dummy (logprobs 3.5 per token off on SmolLM2), the start-up weights under
+    auto. The embedding's new values are already in the shared weight; packing it again is what the first load did.
+    """
+    owners: dict[int, list[torch.nn.Module]] = {}
+    for layer in model.modules():
+        weight = getattr(layer, "weight", None)
+        if isinstance(weight, torch.Tensor) and not weight.is_meta and weight.numel() > 0:
+            owners.setdefault(weight.data_ptr(), []).append(layer)
+    count = 0
+    for layers in owners.values():
+        if len(layers) < 2:
+            continue
+        for layer in layers:
+            method = getattr(layer, "quant_method", None)
+            if hasattr(layer, "cpu_linear") and method is not None:
+                method.process_weights_after_loading(layer)
+                count += 1
+    return count
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
     """See the module docstring."""
 
@@ -216,6 +244,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         initialize_layerwise_reload(self.model)
         self.model.load_weights(iter(staged))
         finalize_layerwise_reload(self.model, self.model_config)
+        refresh_tied_cpu_gemm(self.model)
         if self.repack_moe:
             repack_cpu_moe(self.model)
 
