@@ -55,6 +55,7 @@ def _train(path: Path, run_dir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=300, env=train_env())
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_missing_tensor_is_named_and_exits_nonzero(checkpoint, tmp_path):
     name = "model.layers.1.mlp.experts.3.down_proj.weight"
@@ -63,6 +64,7 @@ def test_missing_tensor_is_named_and_exits_nonzero(checkpoint, tmp_path):
     assert f"HF tensor '{name}' is missing" in out.stderr
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_unexpected_tensor_is_named_and_exits_nonzero(checkpoint, tmp_path):
     name = "model.layers.7.mlp.experts.0.gate_proj.weight"  # layer 7 does not exist in a 2-layer model

@@ -53,6 +53,7 @@ def _direct_scores(path: Path, texts: list[str]) -> list[float]:
         return [float(model(**tok(t, return_tensors="pt", add_special_tokens=False)).logits[0, 0]) for t in texts]
 
 
+@pytest.mark.long
 def test_worker_scores_a_batch_and_mixes_with_the_rule_reward(rm_dir: Path):
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     scorer = RewardModelScorer(str(rm_dir), None, num_cpus=1)

@@ -11,6 +11,7 @@ from test_router_replay import HF
 from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_r2_update_replays_the_routing_recorded_by_the_old_logprob_pass():
     from mcore_rl.actor.batch import TrainBatch

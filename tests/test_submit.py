@@ -89,6 +89,7 @@ def test_dry_run_recipes_fit_32x8(recipe: str, model: str) -> None:
     assert "predicted sync:" in res.stdout and "generating (the actor offloaded):" in res.stdout
 
 
+@pytest.mark.long
 def test_layout_that_cannot_fit_is_refused_with_figures() -> None:
     res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "deepseek_v3_671b_32n",
                      "actor.layout.tp=1", "actor.layout.pp=1", "actor.layout.ep=1", "actor.layout.etp=1",
@@ -146,6 +147,7 @@ def test_more_broadcast_groups_than_the_bound_are_refused() -> None:
     assert "every engine GPU would join 66 broadcast groups" in res.stderr and "sync.max_update_groups=64" in res.stderr
 
 
+@pytest.mark.long
 def test_an_engine_layout_the_actor_cannot_feed_is_refused() -> None:
     # 24-way engines: 64 attention heads do not split over them (the plan would fail after every engine loaded)
     res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "qwen3_235b_a22b_32n", "rollout.num_engines=10",
@@ -157,6 +159,7 @@ def test_an_engine_layout_the_actor_cannot_feed_is_refused() -> None:
     assert "num_attention_heads=64 is not divisible by the engine's attention tp=24" in res.stderr
 
 
+@pytest.mark.long
 def test_deepseek_recipe_keeps_every_mla_pair_in_one_bucket() -> None:
     """The DeepSeek-V3 recipe's real plan at its bucket size and at the 2048 MB the issue reproduced with: no bucket
     splits a layer's q_a_proj / kv_a_proj_with_mqa (SGLang would drop the unpaired half). Without the family's rule
@@ -243,6 +246,7 @@ def test_a_failing_sinfo_is_noted_by_a_dry_run_and_refuses_a_submission(tmp_path
     assert not (tmp_path / "sbatch_ran").exists() and not (tmp_path / "run" / "t.sbatch").exists()
 
 
+@pytest.mark.long
 def test_dry_run_screen_holds_no_known_megatron_warning() -> None:
     res = run_submit(*CLUSTER, "--dry-run", "--", "--config-name", "qwen3_235b_a22b_32n")
     assert res.returncode == 0, res.stderr

@@ -27,6 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.long
 def test_default_job_with_its_engine_on_the_second_node(slurm2: None) -> None:  # noqa: F811
     run_dir = tempfile.mkdtemp(prefix="mcrl-slurm2e-", dir="/var/tmp")  # outside /tmp: each node has its own
     try:

@@ -80,6 +80,7 @@ def test_the_ppo_quickstart_passes_the_dry_run_on_one_gpu(world) -> None:
     assert "fits:" in res.stdout and "#SBATCH --nodes=1" in res.stdout
 
 
+@pytest.mark.long
 @pytest.mark.slow  # builds the 30B MoE's meta model for the sync plan
 def test_the_qwen3_30b_megatron_script_passes_with_sglang_engines(world) -> None:
     """verl's Qwen3-30B-A3B script (run_qwen3moe-30b_megatron_96gb.sh: EP 8, dynamic batches of 10240 tokens,
