@@ -1,5 +1,5 @@
 """The chosen engine's own settings decide its GPUs, its layout in the sync plan and its share of each GPU
-(controller/gpu_plan.py engine_shape), for the placement, the run's sync and the dry run alike. Issue 29 (review):
+(controller/gpu_plan.py engine_shape), for the placement, the run's sync and the dry run alike. Before,
 the count read one GPU per vLLM engine and the plan tp1, whatever rollout.vllm.tp and dp said.
 
 .venv/bin/python -m pytest -q tests/test_engine_shape.py

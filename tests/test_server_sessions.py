@@ -1,4 +1,4 @@
-"""The embedded server as an SGLang 0.5.23 double (issues 26 item 3, 30 item 4): weight-update sessions with one
+"""The embedded server as an SGLang 0.5.23 double: weight-update sessions with one
 owner, the abort route for a dead sender's session, when `weight_version` moves, `/health` and `/flush_cache`.
 
 Each behaviour is SGLang's as read in the pinned wheel (`srt/managers/scheduler_components/weight_updater.py`,

@@ -1,5 +1,5 @@
 """The embedded server serves weight-update requests one at a time, in arrival order, as SGLang 0.5.23 does
-(issue 26 item 3).
+(its tokenizer manager's queueing communicator).
 
 SGLang's tokenizer manager holds `model_update_lock` (or, while paused, `is_pause_cond`) around each
 `/update_weights_from_*` call, every control request goes through a FIFO `FanOutCommunicator`, and its one scheduler

@@ -123,7 +123,7 @@ def test_world_size_larger_than_the_allocation_is_refused() -> None:
         (["trainer.placement=split", "sync.transport=distributed"],
          "trainer.placement=split needs 512 GPUs (actor.world_size=256 + rollout.num_engines=16 x rollout.sglang.tp=16 "
          "= 256), but --nodes 32 x --gpus-per-node 8 has 256"),
-        # the critic's ranks are counted too (issue 28 item 6: the dry run counted none)
+        # the critic's ranks are counted too (the dry run once counted none)
         (["algorithm.adv_estimator=gae", "critic.enable=true", "critic.world_size=512",
           "critic.layout.tp=4", "critic.layout.pp=2", "critic.layout.sequence_parallel=true", "critic.mini_batches=1"],
          "critic.world_size=512 is more than the actor.world_size=256 GPUs it shares"),
@@ -169,7 +169,7 @@ def test_deepseek_recipe_keeps_every_mla_pair_in_one_bucket() -> None:
     split_at = run_on_ranks(_mla_pairs, 1, ())[0]
     assert split_at[1 << 30] == [] and split_at[2048 << 20] == []  # the recipe's 1 GiB, and 2048 MB
     split = sorted(int(key.split(".")[2]) for key in split_at["without the rule"])
-    assert split == [0, 9, 18, 27, 36, 45, 54], split  # the layers issue 26 found with the project's planner
+    assert split == [0, 9, 18, 27, 36, 45, 54], split  # the layers the project's planner gives
 
 
 def _mla_pairs(rank: int, world: int) -> dict:

@@ -315,8 +315,8 @@ def test_what_vllm_on_cuda_cannot_run_is_refused_naming_the_keys(over: dict, wor
 
 
 def test_a_moe_over_several_actor_ranks_is_no_longer_refused() -> None:
-    """The plan puts a stage's dense and expert streams on one leader for vLLM's one group (issue 29:
-    tests/test_vllm_one_leader.py checks the plan, the dry run and the ranks); it was refused from its config.
+    """The plan puts a stage's dense and expert streams on one leader for vLLM's one group
+    (tests/test_vllm_one_leader.py checks the plan, the dry run and the ranks); it was refused from its config.
     Pipeline stages and EP ranks still cannot share a sender."""
     moe = {"model_type": "qwen3_moe", "num_experts": 4}
     for world, tp in [(2, 1), (2, 2), (8, 4)]:

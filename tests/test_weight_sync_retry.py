@@ -1,4 +1,4 @@
-"""A failed weight push does not end the run (review of issue 26, "failed push recovery"): the engines keep their old
+"""A failed weight push does not end the run: the engines keep their old
 version, the push is retried once before anything generates, and only a second failure ends the run with a SyncError
 naming the step, the version and the engine (exit 1). Real actor ranks (Ray) and a real embedded engine; the fault is
 one engine refusing to commit the update (its /end_weight_update answering 500), injected at the fence's client.

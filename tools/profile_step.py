@@ -7,7 +7,7 @@ other in this process, and prints the median seconds of every phase (timing_s/*)
     python tools/profile_step.py --baseline               # adds a column: the same job as one plain PyTorch process
 
 Variants (name=override,override,...; the default job's config under each):
-    before   what the default job ran before issue 12 item 8: a reference model and a reference pass every step
+    before   the default job's old settings: a reference model and a reference pass every step
              (actor.use_ref=true, though kl_loss_coef is 0), 16-sample micro-batches in the logprob passes and the
              update
     after    the default job as configured now (configs/default.yaml)
