@@ -61,10 +61,22 @@ def check(cfg: RLConfig) -> None:
         if resumed is not None:
             check_resume_data(resumed, cfg)  # its data position under this run's data.seed, shuffle and files
     check_tokenizer(cfg)
+    check_api_key_env()
     check_ray_cpus(cfg)
     check_ray_address(cfg.trainer.ray_address)
     if cfg.model.path:
         check_checkpoint(cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
+
+
+def check_api_key_env() -> None:
+    """ConfigError if MCORE_RL_API_KEY is set to something that cannot be the run's API key (rollout/client.py)."""
+    from mcore_rl.rollout.client import API_KEY_ENV, api_key_problem
+
+    key = os.environ.get(API_KEY_ENV)
+    if key is not None:
+        problem = api_key_problem(key)
+        if problem is not None:
+            raise ConfigError(f"{API_KEY_ENV} (the run's API key for its engines and router) has {problem}")
 
 
 def check_recompute_on_cpu(cfg: RLConfig) -> None:

@@ -6,6 +6,7 @@ Also the CLI's answers to bad input: each names what is wrong and exits non-zero
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import pytest
 from _ray_cluster import ray_address_override, train_env
 
 TRAIN = [sys.executable, "-m", "mcore_rl.train"]
+#: the short job's API key (MCORE_RL_API_KEY), looked for in every file the run writes
+KEY = "k3y-0f-the-short-default-job-9f2c"
 
 
 def _train(*overrides: str, timeout: int = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -35,9 +38,21 @@ def short_default_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[subproc
     out = _train(
         "trainer.steps=3", f"trainer.run_dir={run_dir}", "data.batch_size=4", "rollout.n=4",
         "trainer.val_before_train=true", "trainer.val_every=2", f"data.val_files=[{val[0]},{val[1]}]",
-        "trainer.loggers=[console,jsonl,tensorboard]",
+        "trainer.loggers=[console,jsonl,tensorboard]", env=dict(os.environ, MCORE_RL_API_KEY=KEY),
     )  # fmt: skip
     return out, run_dir
+
+
+@pytest.mark.slow
+def test_the_api_key_reaches_no_file_the_run_writes_nor_its_output(short_default_job):
+    """The key that guards the engines and the router is in no file of the run dir (TensorBoard events, metrics,
+    logs, the config it saved) and not on its screen."""
+    out, run_dir = short_default_job
+    assert out.returncode == 0, out.stderr[-3000:]
+    files = [p for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink()]
+    assert any("tfevents" in p.name for p in files) and any(p.name == "metrics.jsonl" for p in files)
+    assert [str(p) for p in files if KEY.encode() in p.read_bytes()] == []
+    assert KEY not in out.stdout + out.stderr
 
 
 @pytest.mark.slow

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 from mcore_rl.config import RolloutConfig
 from mcore_rl.controller.engine_state import MEMORY_TAGS, EngineHealth, ReleasedMemory
 from mcore_rl.controller.placement import ray_wait, wait_scheduled
-from mcore_rl.rollout.client import RolloutClient
+from mcore_rl.rollout.client import RolloutClient, run_api_key
 from mcore_rl.rollout.router import Router
 from mcore_rl.rollout.sampling import Sample
 from mcore_rl.rollout.vllm_dialect import VLLMRouter
@@ -118,7 +117,9 @@ class EnginePool:
         self.dtype = dtype
         self.runtime = runtime
         self.init_seed = init_seed
-        self.api_key = secrets.token_hex(16)  # per run: engines and router answer nobody else
+        # per run: engines and router answer nobody else; MCORE_RL_API_KEY sets it (to call them while the run is
+        # live; pre-flight checks its form), never a config key, which the run dir and checkpoints would keep
+        self.api_key = run_api_key()
         self.weight_version: int | None = None  #: set by the weight sync after each push
         self.restarts = 0
         #: replacement engines up but not yet at the current weight version, kept out of the router

@@ -37,6 +37,27 @@ from mcore_rl.rollout.vllm_dialect import VLLMDialect
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+#: the environment variable that sets a run's API key (otherwise a fresh `secrets.token_hex(16)` per run)
+API_KEY_ENV = "MCORE_RL_API_KEY"
+
+
+def api_key_problem(key: str) -> str | None:
+    """Why `key` cannot be a run's API key (None if it can): 16 to 256 visible ASCII characters, so that it is hard to
+    guess and travels unchanged in an HTTP header, an environment variable and a command line."""
+    if not 16 <= len(key) <= 256:
+        return f"{len(key)} characters; expected 16 to 256"
+    if not all(33 <= ord(ch) <= 126 for ch in key):
+        return "a space, control or non-ASCII character; expected visible ASCII only"
+    return None
+
+
+def run_api_key() -> str:
+    """The run's API key: MCORE_RL_API_KEY where set (pre-flight checked its form), else a fresh random one."""
+    import os
+    import secrets
+
+    return os.environ.get(API_KEY_ENV) or secrets.token_hex(16)
+
 
 class RolloutRequestError(RuntimeError):
     """An engine or the router refused a request (4xx), or it kept failing after every retry."""
