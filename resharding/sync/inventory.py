@@ -68,13 +68,28 @@ def global_name(rule: Rule, local: dict[str, int], ctx: ShardContext) -> str:
     return rule.mcore.format(**fields)
 
 
-def hf_outputs(rule: Rule, weight_map: WeightMap, local: dict[str, int], ctx: ShardContext, shard: torch.Tensor,
-               num_shards: int) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:  # fmt: skip
-    """HF names and shapes a tensor exports to, computed on meta shards (no data moves)."""
-    meta = torch.empty(shard.shape, dtype=shard.dtype, device="meta")
-    values = rule.transform.to_hf([meta] * num_shards)
+def hf_outputs(
+    rule: Rule,
+    weight_map: WeightMap,
+    local: dict[str, int],
+    ctx: ShardContext,
+    shard: torch.Tensor,
+    num_shards: int,
+    shapes_seen: dict | None = None,
+) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+    """HF names and shapes a tensor exports to, computed on meta shards (no data moves). `shapes_seen` (a dict the
+    caller keeps for one inventory) remembers the transform's output shapes per input shape: a MoE model repeats one
+    expert's shapes thousands of times, and each meta `to_hf` costs a torch.cat decomposition."""
+    key = (id(rule.transform), tuple(shard.shape), shard.dtype, num_shards)
+    found = None if shapes_seen is None else shapes_seen.get(key)
+    if found is None:
+        meta = torch.empty(shard.shape, dtype=shard.dtype, device="meta")
+        found = (rule.transform, [tuple(v.shape) for v in rule.transform.to_hf([meta] * num_shards)])
+        if shapes_seen is not None:
+            shapes_seen[key] = found  # the transform is kept with its shapes, so its id is not reused meanwhile
+    values = found[1]
     names = weight_map.hf_names(rule, local, ctx) + weight_map.hf_names(rule, local, ctx, aliases=True)
-    shapes = [tuple(v.shape) for v in values] + [tuple(values[0].shape)] * len(rule.aliases)
+    shapes = list(values) + [values[0]] * len(rule.aliases)
     return tuple(names), tuple(shapes)
 
 
@@ -90,6 +105,7 @@ def local_sources(
     """The exported tensors of this rank's chunks (the same selection `export_hf_weights` makes). `keep_axis`
     records each tensor's split axis even where its group has one rank (the meta path builds at tp=1)."""
     out = []
+    shapes_seen: dict = {}
     for vstage, (chunk, ctx) in enumerate(zip(chunks, contexts)):
         order = 0
         for name, tensor in exported_tensors(chunk):
@@ -98,7 +114,7 @@ def local_sources(
                 continue
             axis = rule.transform.axis_for(tensor.shape)
             size = {"tp": tp_size, "etp": etp_size}.get(axis or "", 1)
-            names, shapes = hf_outputs(rule, weight_map, local, ctx, tensor, size)
+            names, shapes = hf_outputs(rule, weight_map, local, ctx, tensor, size, shapes_seen)
             out.append(
                 SourceTensor(
                     mcore=global_name(rule, local, ctx),
@@ -148,6 +164,7 @@ def meta_sources(
     whole = local_sources(chunks, contexts, weight_map, 0, 1, 1, keep_axis=True)
     out = []
     last = (actor_layout.pp - 1, vpp - 1)
+    shard_shapes: dict = {}  # (transform, HF shapes, dtype, shards) -> shard shape: experts repeat a few shapes
     for s in whole:
         rule, local = weight_map.match(s.mcore)
         if "layer" in local and s.mcore.startswith("decoder."):
@@ -158,8 +175,11 @@ def meta_sources(
             pp_rank, vstage = last
         ep_rank = local["expert"] // per_expert if rule.is_expert else None
         size = {"tp": actor_layout.tp, "etp": actor_layout.expert_tp}.get(s.axis or "", 1)
-        hf = [torch.empty(shape, dtype=getattr(torch, s.dtype), device="meta") for shape in s.hf_shapes]
-        shard = rule.transform.to_megatron(hf[: s.num_outputs], 0, size)
+        key = (id(rule.transform), s.hf_shapes[: s.num_outputs], s.dtype, size)
+        if key not in shard_shapes:
+            hf = [torch.empty(shape, dtype=getattr(torch, s.dtype), device="meta") for shape in s.hf_shapes]
+            shard_shapes[key] = (rule.transform, tuple(rule.transform.to_megatron(hf[: s.num_outputs], 0, size).shape))
+        shard_shape = shard_shapes[key][1]
         out.append(
             SourceTensor(
                 mcore=s.mcore,
@@ -167,7 +187,7 @@ def meta_sources(
                 vstage=vstage,
                 ep_rank=ep_rank,
                 axis=s.axis if size > 1 else None,
-                shard_shape=tuple(shard.shape),
+                shard_shape=shard_shape,
                 dtype=s.dtype,
                 hf=s.hf,
                 hf_shapes=s.hf_shapes,
