@@ -63,6 +63,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
     check(cfg)  # inputs that would fail later (files, run dir, checkpoint, Ray CPUs): refused before anything starts
 
     from mcore_rl._quiet import quiet_process
+    from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.checkpoint.manager import Checkpointer
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.advantage_stage import AdvantageStage, check_engine_agrees
@@ -195,7 +196,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
                     timer.lap_split("update_actor", "old_log_prob", logprob_seconds)
                     adv_metrics.update(advantages.correction(rollouts))  # the mismatch metrics (no weights)
                 else:
-                    per_rank = ActorGroup.gather_dp(actor.call("update", batch))
+                    per_rank = ActorGroup.gather_dp(actor.call(MegatronActor.update, batch))
                     timer.lap("update_actor")
                 update.update(reduce_rank_metrics(per_rank))
 

@@ -15,6 +15,7 @@ import torch
 from tiny_models import tiny_qwen3_moe_transformers
 
 from mcore_rl.actor.batch import TrainBatch
+from mcore_rl.actor.megatron_actor import MegatronActor
 from mcore_rl.algorithms import masked_whiten
 from mcore_rl.config import AlgorithmConfig, CriticConfig, LayoutConfig, ModelConfig, OptimConfig
 from mcore_rl.controller.actor_group import ActorGroup
@@ -75,7 +76,7 @@ def test_values_and_gae_equal_a_hand_computation(critic, checkpoint):
     torch.testing.assert_close(weights[0], weights[1], rtol=0, atol=0)  # replicated over TP, never sharded
     head = weights[0][0]
     batch = _batch()
-    values = ActorGroup.gather_dp(critic.call("values", batch))
+    values = ActorGroup.gather_dp(critic.call(MegatronActor.values, batch))
 
     expected = torch.zeros_like(values)
     with torch.no_grad():
@@ -99,13 +100,13 @@ def test_values_and_gae_equal_a_hand_computation(critic, checkpoint):
 
 def test_an_update_moves_the_values_towards_the_returns(critic):
     batch = _batch()
-    values = ActorGroup.gather_dp(critic.call("values", batch))
+    values = ActorGroup.gather_dp(critic.call(MegatronActor.values, batch))
     mask = batch.response_mask
     returns = (values + 1.0) * mask
     batch.tensors.update(values=values, returns=returns)
-    metrics = ActorGroup.gather_dp(critic.call("update", batch))
+    metrics = ActorGroup.gather_dp(critic.call(MegatronActor.update, batch))
     assert all(m["critic/update_ok"] == 1.0 for m in metrics)
-    after = ActorGroup.gather_dp(critic.call("values", batch))
+    after = ActorGroup.gather_dp(critic.call(MegatronActor.values, batch))
     before_err = float((((values - returns) * mask) ** 2).sum())
     after_err = float((((after - returns) * mask) ** 2).sum())
     assert after_err < 0.9 * before_err

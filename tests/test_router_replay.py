@@ -114,14 +114,15 @@ def test_router_drops_return_routed_experts_so_r3_goes_to_the_engines(near_tie_s
 @pytest.mark.long
 @pytest.mark.slow
 def test_r3_training_forward_uses_the_rollout_experts_and_shrinks_the_logprob_gap(near_tie_setup):
+    from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.controller.actor_group import ActorGroup
 
     actor, pool = near_tie_setup
     samples = pool.generate(PROMPTS, N, seed=0, stop_token_ids=[], return_routed_experts=True)
     batch, _ = samples_to_batch(samples, N)
     engine = batch.tensors["routed_experts"].sort(dim=-1).values
-    replayed = ActorGroup.gather_dp(actor.call("router_choices", batch))
-    free = ActorGroup.gather_dp(actor.call("router_choices", batch, replay=False))
+    replayed = ActorGroup.gather_dp(actor.call(MegatronActor.router_choices, batch))
+    free = ActorGroup.gather_dp(actor.call(MegatronActor.router_choices, batch, replay=False))
     flips = 0
     for i, s in enumerate(samples):
         routed = len(s.prompt_ids) + len(s.response_ids) - 1  # the positions the engine fed through the model
@@ -131,9 +132,9 @@ def test_r3_training_forward_uses_the_rollout_experts_and_shrinks_the_logprob_ga
 
     mask = batch.response_mask
     rollout = batch.tensors["rollout_logprobs"]
-    with_r3 = ActorGroup.gather_dp(actor.call("logprobs", batch))
+    with_r3 = ActorGroup.gather_dp(actor.call(MegatronActor.logprobs, batch))
     # the frozen reference holds the same weights and always routes by its own logits: the gap without replay
-    without = ActorGroup.gather_dp(actor.call("logprobs", batch, use_ref=True))
+    without = ActorGroup.gather_dp(actor.call(MegatronActor.logprobs, batch, use_ref=True))
     gap_r3 = float(masked_mean((with_r3 - rollout).abs(), mask))
     gap_free = float(masked_mean((without - rollout).abs(), mask))
     print(f"routing flips without replay: {flips}; |logprob gap| without R3 {gap_free:.3g}, with R3 {gap_r3:.3g}")

@@ -15,6 +15,7 @@ from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
 @pytest.mark.slow
 def test_r2_update_replays_the_routing_recorded_by_the_old_logprob_pass():
     from mcore_rl.actor.batch import TrainBatch
+    from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.controller.actor_group import ActorGroup
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -32,8 +33,8 @@ def test_r2_update_replays_the_routing_recorded_by_the_old_logprob_pass():
             responses=torch.randint(4, 90, (8, 3), generator=gen),
             response_mask=torch.ones(8, 3),
         )
-        before = ActorGroup.gather_dp(actor.call("router_choices", batch, replay=False))
-        actor.call("logprobs", batch)  # the step's first forward: records
+        before = ActorGroup.gather_dp(actor.call(MegatronActor.router_choices, batch, replay=False))
+        actor.call(MegatronActor.logprobs, batch)  # the step's first forward: records
 
         def reroute(self) -> None:  # what an update does to routing, made large: every router row reversed
             with torch.no_grad():
@@ -43,8 +44,9 @@ def test_r2_update_replays_the_routing_recorded_by_the_old_logprob_pass():
                             p.copy_(p.flip(0))
 
         ray.get([h.__ray_call__.remote(reroute) for h in actor.handles])
-        after = ActorGroup.gather_dp(actor.call("router_choices", batch, replay=False))
-        replayed = ActorGroup.gather_dp(actor.call("router_choices", batch))  # routes as the update's forwards do
+        after = ActorGroup.gather_dp(actor.call(MegatronActor.router_choices, batch, replay=False))
+        # routes as the update's forwards do
+        replayed = ActorGroup.gather_dp(actor.call(MegatronActor.router_choices, batch))
         valid = slice(0, 5 + 3 - 1)  # positions whose outputs are read
         assert not torch.equal(after[:, valid], before[:, valid])  # the new weights route differently ...
         assert torch.equal(replayed[:, valid], before[:, valid])  # ... but R2 replays the recorded routing

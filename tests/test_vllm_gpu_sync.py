@@ -111,7 +111,12 @@ def wired_weight_sync(actor: Any, urls: list[str]) -> Any:
     cfg, rollout = SyncConfig(timeout_s=60.0), RolloutConfig(engine="vllm")
     client = RolloutClient(urls[0], engine="vllm", timeout_s=60)
     ws = object.__new__(weight_sync.WeightSync)
-    ws.actor = SimpleNamespace(call=lambda method, *args: [getattr(actor, method)(*args)], handles=[_Handle(actor)])
+    handle = _Handle(actor)
+    ws.actor = SimpleNamespace(  # ActorGroup's calls, given MegatronActor methods
+        call=lambda method, *args: [getattr(actor, method.__name__)(*args)],
+        call_rank=lambda rank, method, *args: getattr(actor, method.__name__)(*args),
+        submit=lambda rank, method, *args: getattr(handle, method.__name__).remote(*args),
+    )
     ws.pool = SimpleNamespace(
         client=client, live_urls=list(urls), pending=set(), api_key=None, weight_version=None, engines=[],
         health=SimpleNamespace(quiet=lambda why: contextlib.nullcontext()), admit_pending=lambda: None,

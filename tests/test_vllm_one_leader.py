@@ -140,9 +140,9 @@ def _weight_sync_rank(rank: int, world: int, over: dict) -> dict[str, Any]:
     actor = MegatronActor(rank, world, cfg.model, cfg.actor)
     actor.initialize(("127.0.0.1", 0))
     weight_sync.ray = SimpleNamespace(get=lambda ref: ref)  # this rank process only
-    group = SimpleNamespace(
-        call=lambda method, *args: [getattr(actor, method)(*args)],
-        handles=[SimpleNamespace(sync_summary=SimpleNamespace(remote=actor.sync_summary))],
+    group = SimpleNamespace(  # ActorGroup's calls, given MegatronActor methods
+        call=lambda method, *args: [getattr(actor, method.__name__)(*args)],
+        call_rank=lambda rank, method, *args: getattr(actor, method.__name__)(*args),
     )
     pool = SimpleNamespace(
         client=SimpleNamespace(get=lambda url, path: (200, {"model_type": MOE["model_type"]})),

@@ -138,10 +138,12 @@ class Checkpointer:
             return new
         start = time.perf_counter()
         meta = store.read_meta(path)
-        results = actor.call("load_checkpoint", str(path))
+        from mcore_rl.actor.megatron_actor import MegatronActor
+
+        results = actor.call(MegatronActor.load_checkpoint, str(path))
         critic_results = []
         if critic is not None:  # its own world and layout; check_resume made sure the checkpoint holds one
-            critic_results = critic.group.call("load_checkpoint", str(path / CRITIC_DIR))
+            critic_results = critic.group.call(MegatronActor.load_checkpoint, str(path / CRITIC_DIR))
         try:
             state = type(new).from_dict(json.loads((path / store.LOOP_STATE).read_text()))
         except (ValueError, TypeError) as err:
@@ -198,8 +200,12 @@ class Checkpointer:
             linked = use_ref and self._reference is not None and self._reference.is_dir()
             if linked:
                 store.link_tree(self._reference, tmp / REFERENCE_DIR)
-            saved = actor.call("save_checkpoint", str(tmp), use_ref and not linked)[0]
-            critic_saved = critic.group.call("save_checkpoint", str(tmp / CRITIC_DIR))[0] if critic else None
+            from mcore_rl.actor.megatron_actor import MegatronActor
+
+            saved = actor.call(MegatronActor.save_checkpoint, str(tmp), use_ref and not linked)[0]
+            critic_saved = (
+                critic.group.call(MegatronActor.save_checkpoint, str(tmp / CRITIC_DIR))[0] if critic else None
+            )
             _pause_for_test(state.step, None)
             self._write_export_files(tmp / MODEL_DIR, saved)
             store.write_json(tmp / store.LOOP_STATE, state.to_dict())

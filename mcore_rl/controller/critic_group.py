@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mcore_rl.actor.batch import TrainBatch
+from mcore_rl.actor.megatron_actor import MegatronActor
 from mcore_rl.config import RLConfig
 from mcore_rl.controller.actor_group import ActorGroup
 from mcore_rl.controller.samples import reduce_rank_metrics
@@ -34,11 +35,11 @@ class CriticGroup:
 
     def values(self, batch: TrainBatch) -> torch.Tensor:
         """Per-token values [B, R] of the batch (0 on padding)."""
-        return ActorGroup.gather_dp(self.group.call("values", batch))
+        return ActorGroup.gather_dp(self.group.call(MegatronActor.values, batch))
 
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """One critic update over the batch (needs tensors `values` and `returns`); token-weighted mean metrics."""
-        return reduce_rank_metrics(ActorGroup.gather_dp(self.group.call("update", batch)))
+        return reduce_rank_metrics(ActorGroup.gather_dp(self.group.call(MegatronActor.update, batch)))
 
     def actor_trains(self, step: int) -> bool:
         """Whether the policy is updated at `step` (1-based): not during the critic's warm-up."""

@@ -75,6 +75,7 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
     check(cfg)  # run dir, loggers, tokenizer, checkpoints, Ray CPUs: refused before anything starts
 
     from mcore_rl._quiet import quiet_process
+    from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.checkpoint.manager import Checkpointer
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.engine_pool import EnginePool
@@ -131,11 +132,13 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
             timer = log.timer()
             pairs = next(loader)
             batch = pairs_to_batch(pairs)
-            batch.tensors["ref_logprobs"] = ActorGroup.gather_dp(actor.call("logprobs", batch, use_ref=True))
+            batch.tensors["ref_logprobs"] = ActorGroup.gather_dp(
+                actor.call(MegatronActor.logprobs, batch, use_ref=True)
+            )
             timer.lap("ref_log_prob")
             sync.weights_changing(step)
             update = reduce_rank_metrics(
-                ActorGroup.gather_dp(actor.call("dpo_update", batch, cfg.dpo.beta, cfg.dpo.loss_type))
+                ActorGroup.gather_dp(actor.call(MegatronActor.dpo_update, batch, cfg.dpo.beta, cfg.dpo.loss_type))
             )
             timer.lap("update_actor")
             state.weight_version += 1

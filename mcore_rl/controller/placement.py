@@ -269,7 +269,9 @@ class ColocatedPlacement(SplitPlacement):
             _, info = engines.client.get(url, "/server_info")
             states = (info or {}).get("internal_states") or [{}] if isinstance(info, dict) else [{}]
             released += bool(states[0].get("weights_released"))  # our server says so; SGLang's does not
-        moved = sum(r["bytes"] for r in actor.call("onload"))
+        from mcore_rl.actor.megatron_actor import MegatronActor
+
+        moved = sum(r["bytes"] for r in actor.call(MegatronActor.onload))
         return {"placement/onload_gib": moved / 2**30, "placement/engines_released": float(released)}
 
     def engine_ranks(self) -> list[list[int]]:
@@ -295,7 +297,9 @@ class ColocatedPlacement(SplitPlacement):
             # it never released)
             engines.resume_memory(["weights"])
             sync.push(version)
-            moved = sum(r["bytes"] for r in sync.actor.call("offload"))
+            from mcore_rl.actor.megatron_actor import MegatronActor
+
+            moved = sum(r["bytes"] for r in sync.actor.call(MegatronActor.offload))
             engines.resume_memory(["kv_cache", "cuda_graph"])
         return {"placement/offload_gib": moved / 2**30}
 

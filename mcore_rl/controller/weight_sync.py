@@ -35,6 +35,7 @@ from typing import Any
 
 import ray
 
+from mcore_rl.actor.megatron_actor import MegatronActor
 from mcore_rl.config import RolloutConfig, SyncConfig
 from mcore_rl.controller.actor_group import ActorGroup
 from mcore_rl.controller.engine_fence import CONTROL_TIMEOUT_S, UNREACHABLE, EngineFence, FenceError
@@ -104,11 +105,13 @@ class WeightSync:
         self.last_stats: list[dict[str, Any]] = []
         self._lock = threading.RLock()
         one_leader = one_sync_leader(rollout.engine, runtime, cfg.transport)  # as the dry run's plan
-        digests = set(actor.call("sync_plan", asdict(self.layout), cfg.bucket_bytes, cfg.mode, cfg.fp8, one_leader))
+        digests = set(
+            actor.call(MegatronActor.sync_plan, asdict(self.layout), cfg.bucket_bytes, cfg.mode, cfg.fp8, one_leader)
+        )
         if len(digests) != 1:
             raise SyncError(f"actor ranks computed different sync plans (digests {sorted(digests)})")
         self.digest = digests.pop()
-        self.summary = ray.get(actor.handles[0].sync_summary.remote())
+        self.summary = actor.call_rank(0, MegatronActor.sync_summary)
         if self.backend == "vllm_nccl" and cfg.transport == "distributed":
             check_vllm_streams(self.summary)
             self.groups_per_engine_gpu = 1  # every stream in the one group vLLM's worker holds
@@ -162,9 +165,9 @@ class WeightSync:
         forms, and a Ray actor joins one group at a time: with every group's init posted at once, two engines that
         see two groups in different orders each wait in a group the other never reaches. Each leader serves its
         rendezvous store from `sync_addresses` on (update_group.serve_store)."""
-        ray.get([h.sync_drop_groups.remote() for h in self.actor.handles])
+        self.actor.call(MegatronActor.sync_drop_groups)
         addresses: dict[str, tuple[int, tuple[str, int]]] = {}
-        for rank, found in enumerate(ray.get([h.sync_addresses.remote() for h in self.actor.handles])):
+        for rank, found in enumerate(self.actor.call(MegatronActor.sync_addresses)):
             for name, address in found.items():
                 addresses[name] = (rank, address)
         order = {name: i for i, name in enumerate(self.summary["stream_names"])}
@@ -179,7 +182,9 @@ class WeightSync:
         """Group `name`: its leader (actor rank `rank`) joins while every engine in `urls` posts its init; returns
         once all have answered. SyncError naming the group otherwise (_Unanswered naming the engines that did not
         answer within sync.timeout_s + INIT_GRACE_S, or could not be reached)."""
-        join = self.actor.handles[rank].sync_join.remote(name, host, port, world, self.backend, self.cfg.timeout_s)
+        join = self.actor.submit(
+            rank, MegatronActor.sync_join, name, host, port, world, self.backend, self.cfg.timeout_s
+        )
         calls = [
             self.pool.client.apost(
                 url, "/init_weights_update_group",
@@ -270,7 +275,7 @@ class WeightSync:
                     os.path.join(self.run_dir, "weights", f"v{version}") if self.cfg.transport == "disk" else None
                 )
                 self.last_stats = self.actor.call(
-                    "sync_send", version, self.cfg.transport, urls, self.pool.api_key, disk_dir,
+                    MegatronActor.sync_send, version, self.cfg.transport, urls, self.pool.api_key, disk_dir,
                     self.ranks_per_engine, self.cfg.timeout_s, self.cfg.keep_buffers, self._colocation_of(urls),
                     self.rollout.engine,
                 )  # fmt: skip
