@@ -83,7 +83,7 @@ def test_dense_family_parity_and_round_trip(tmp_path: Path, model_type: str, tie
         ("llama", "attention_bias", True),
         ("llama", "mlp_bias", True),
         ("llama", "hidden_act", "gelu"),
-        ("llama", "rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+        ("llama", "rope_parameters", {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}),
         ("qwen2", "use_sliding_window", True),
         ("qwen3", "layer_types", ["sliding_attention", "full_attention"]),
         ("qwen3", "attention_bias", True),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from mcore_rl.models.spec import te_in_use
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
 from mcore_rl.resharding.sync.plan import ReceiveTogether, ShardRule
 from mcore_rl.resharding.weight_map import WeightMap
+
+if TYPE_CHECKING:  # models/rope.py reads configs with HFConfig from here
+    from mcore_rl.models.rope import RopeScaling
 
 
 class UnsupportedModel(ValueError):
@@ -50,21 +53,6 @@ class HFConfig:
         ok = value in allowed if isinstance(allowed, (list, tuple, set)) else value == allowed
         if value is not None and not ok:
             raise UnsupportedModel(f"{self.model_type} config.json: {name}={value!r} is not supported ({why})")
-
-    def rope_theta(self) -> float:
-        """rope_theta from `rope_parameters` (transformers >= 5) or the older top-level field; refuses rope scaling."""
-        params = self.raw.get("rope_parameters") or {}
-        scaling = self.raw.get("rope_scaling") or {}
-        for source in (params, scaling):
-            kind = source.get("rope_type", source.get("type", "default"))
-            if kind not in ("default", None):
-                raise UnsupportedModel(
-                    f"{self.model_type} config.json: rope_type={kind!r} is not supported yet (only default RoPE)"
-                )
-        theta = params.get("rope_theta", self.raw.get("rope_theta"))
-        if theta is None:
-            raise UnsupportedModel(f"{self.model_type} config.json: rope_theta is missing")
-        return float(theta)
 
 
 #: How SGLang's loaders shard each HF tensor across an engine's ranks (first match wins; the rest is replicated):
@@ -120,6 +108,11 @@ class ModelFamily:
 
     def weight_map(self, hf: HFConfig, padded_vocab: int) -> WeightMap:
         """The HF <-> Megatron weight map for this config (tied embeddings, dense/MoE layers...)."""
+        raise NotImplementedError
+
+    def rope(self, hf: HFConfig) -> RopeScaling:
+        """The checkpoint's RoPE as this family reproduces it (models/rope.py `read_rope` with the rope types the
+        family supports); UnsupportedModel for the rest. The builder asks it for GPTModel's rotary arguments."""
         raise NotImplementedError
 
     def resolve_mtp(
@@ -195,16 +188,17 @@ def gqa_transformer_config(
     qk_layernorm: bool,
     add_qkv_bias: bool,
     overrides: dict[str, Any],
+    rope: RopeScaling,
     moe_fields: dict[str, Any] | None = None,
 ) -> Any:
     """The Megatron TransformerConfig of a GQA SwiGLU decoder: Llama / Qwen2 / Qwen3 differ only in the flags, and
-    Qwen3-MoE adds its router and expert fields (`moe_fields`)."""
+    Qwen3-MoE adds its router and expert fields (`moe_fields`). `rope` (the family's `rope(hf)`) sets what the
+    config carries of the rotary embedding: whether TE's fused rope can run it, and yarn's attributes."""
     from megatron.core.transformer import TransformerConfig
 
     hf.refuse_unless("hidden_act", "silu", "Megatron's SwiGLU here uses silu")
     hf.refuse_unless("mlp_bias", False, "Megatron adds MLP biases only together with attention output biases")
     hf.refuse_unless("pretraining_tp", (1, None), "pretraining_tp slices matmuls; it is an HF-only numerics switch")
-    hf.rope_theta()  # refuses rope scaling early
     heads = hf.req("num_attention_heads")
     kwargs: dict[str, Any] = dict(
         num_layers=hf.req("num_hidden_layers"),
@@ -226,11 +220,15 @@ def gqa_transformer_config(
         **megatron_common_fields(layout, dtype, runtime),
         **(moe_fields or {}),
     )
+    kwargs["apply_rope_fusion"] = kwargs["apply_rope_fusion"] and rope.fusion_allowed()
     kwargs.update(overrides)
     try:
-        return TransformerConfig(**kwargs)
+        config = TransformerConfig(**kwargs)
     except (AssertionError, ValueError) as err:
         raise UnsupportedModel(f"{hf.model_type}: Megatron refused the translated config: {err}") from err
+    for name, value in rope.config_attributes().items():
+        setattr(config, name, value)
+    return config
 
 
 def moe_backend_fields(runtime: str) -> dict[str, Any]:

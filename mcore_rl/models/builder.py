@@ -87,6 +87,7 @@ def build_gpt_chunks(
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     config = spec.transformer_config()
+    rope = spec.family.rope(spec.hf)
     layout = spec.layout
     spec.layout.validate(torch.distributed.get_world_size(), spec.family.shape(spec.hf))
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
@@ -108,13 +109,13 @@ def build_gpt_chunks(
             pre_process=pre,
             post_process=post,
             share_embeddings_and_output_weights=tied,
-            position_embedding_type="rope",
-            # MLA builds its own rotary embedding (rope or yarn) from the config; GQA families use rope_theta.
-            rotary_base=int(config.rotary_base) if config.multi_latent_attention else int(spec.hf.rope_theta()),
+            # rope / linear / llama3 / yarn for GQA families; MLA builds its own rotary embedding from the config.
+            **rope.gpt_model_arguments(config),
             mtp_block_spec=mtp_block_spec(config, block_spec, spec.runtime, vp_stage=vp_stage, pp_rank=pp_rank),
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )
+        rope.fit_rotary(model)  # llama3: the checkpoint's four values, which GPTModel's arguments cannot carry
         contexts.append(
             ShardContext(
                 tp_rank=pg_collection.tp.rank(),

@@ -37,7 +37,6 @@ ep_size) do not change the forward pass and are not translated.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +52,7 @@ from mcore_rl.models.base import (
     moe_backend_fields,
     register,
 )
+from mcore_rl.models.rope import RopeScaling, read_rope
 from mcore_rl.models.rules import dense_mlp_rules, embedding_rules, expert_rules
 from mcore_rl.models.spec import te_in_use
 from mcore_rl.parallel.layout import LayoutError, ModelShape, ParallelLayout
@@ -117,46 +117,31 @@ def rope_permutation(rows_before: int, rope_dim: int, groups: int, rows_after: i
     return tuple(out)
 
 
-def rope_fields(hf: HFConfig) -> dict[str, Any]:
-    """MLATransformerConfig rope fields from rope_parameters (transformers >= 5) or rope_scaling (older configs)."""
-    params = {**(hf.raw.get("rope_scaling") or {}), **(hf.raw.get("rope_parameters") or {})}
-    kind = params.get("rope_type", params.get("type", "default"))
-    theta = params.get("rope_theta", hf.raw.get("rope_theta"))
-    if theta is None:
-        raise UnsupportedModel(f"{hf.model_type} config.json: rope_theta is missing")
-    if kind == "default":
+#: rope types Megatron's MLA reproduces
+MLA_ROPE_TYPES = ("default", "yarn")
+
+
+def rope_fields(rope: RopeScaling) -> dict[str, Any]:
+    """MLATransformerConfig rope fields for the model's RoPE (models/rope.py reads both config.json forms)."""
+    where = f"{rope.model_type} config.json"
+    if rope.rope_type == "default":
         # mscale_all_dim=0 keeps MLA's softmax scale at 1/sqrt(qk head dim), as HF's default rope does.
-        return dict(rope_type="rope", rotary_base=float(theta), mscale=1.0, mscale_all_dim=0.0)
-    if kind != "yarn":
-        raise UnsupportedModel(f"{hf.model_type} config.json: rope_type={kind!r} is not supported (default or yarn)")
-    original = params.get("original_max_position_embeddings")
-    if original is None:
-        raise UnsupportedModel(f"{hf.model_type} config.json: yarn needs original_max_position_embeddings")
-    factor = params.get("factor") or hf.req("max_position_embeddings") / original
-    if params.get("truncate", True) is False:
-        raise UnsupportedModel(f"{hf.model_type} config.json: yarn truncate=false is not supported (Megatron rounds)")
-    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        return dict(rope_type="rope", rotary_base=rope.theta, mscale=1.0, mscale_all_dim=0.0)
+    if not rope.truncate:
+        raise UnsupportedModel(f"{where}: yarn truncate=false is not supported (Megatron rounds)")
+    mscale, mscale_all = rope.mscale, rope.mscale_all_dim
     if mscale_all and not mscale:
-        raise UnsupportedModel(
-            f"{hf.model_type} config.json: yarn mscale_all_dim={mscale_all} without mscale has no Megatron equivalent"
-        )
+        raise UnsupportedModel(f"{where}: yarn mscale_all_dim={mscale_all} without mscale has no Megatron equivalent")
     if not (mscale and mscale_all):
         # HF then scales cos/sin by mscale(factor) and leaves the softmax scale alone: Megatron's mscale=1, all=0.
         mscale, mscale_all = 1.0, 0.0
-
-    def get_mscale(scale: float, m: float) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    explicit = params.get("attention_factor")
-    if explicit is not None and not math.isclose(explicit, get_mscale(factor, mscale) / get_mscale(factor, mscale_all)):
-        raise UnsupportedModel(f"{hf.model_type} config.json: yarn attention_factor={explicit} is not supported")
     return dict(
         rope_type="yarn",
-        rotary_base=float(theta),
-        rotary_scaling_factor=float(factor),
-        original_max_position_embeddings=int(original),
-        beta_fast=float(params.get("beta_fast") or 32),
-        beta_slow=float(params.get("beta_slow") or 1),
+        rotary_base=rope.theta,
+        rotary_scaling_factor=rope.factor,
+        original_max_position_embeddings=rope.original_max_position_embeddings,
+        beta_fast=rope.beta_fast,
+        beta_slow=rope.beta_slow,
         mscale=float(mscale),
         mscale_all_dim=float(mscale_all),
     )
@@ -367,7 +352,7 @@ class DeepseekV3Family(ModelFamily):
                 "sigmoid top-k weights)"
             )
         groups, group_topk = routing_groups(hf)
-        rope = rope_fields(hf)
+        rope = rope_fields(self.rope(hf))
         q_lora, kv_lora, qk_rope = hf.get("q_lora_rank"), hf.req("kv_lora_rank"), hf.req("qk_rope_head_dim")
         shared = hf.get("n_shared_experts", 0) * hf.req("moe_intermediate_size")
         te = te_in_use(runtime)
@@ -430,6 +415,9 @@ class DeepseekV3Family(ModelFamily):
             return MLATransformerConfig(**kwargs)
         except (AssertionError, ValueError, NotImplementedError) as err:
             raise UnsupportedModel(f"deepseek_v3: Megatron refused the translated config: {err}") from err
+
+    def rope(self, hf: HFConfig) -> RopeScaling:
+        return read_rope(hf, MLA_ROPE_TYPES)
 
     def weight_map(self, hf: HFConfig, padded_vocab: int) -> WeightMap:
         rules = embedding_rules_with_mtp_copies(hf, padded_vocab) + attention_rules(hf) + mlp_rules() + mtp_rules(hf)

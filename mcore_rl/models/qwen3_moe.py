@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mcore_rl.models.base import HFConfig, ModelFamily, gqa_transformer_config, moe_backend_fields, register
+from mcore_rl.models.rope import RopeScaling, read_rope
 from mcore_rl.models.rules import H, L, attention_rules, dense_mlp_rules, embedding_rules, expert_rules, qk_norm_rules
 from mcore_rl.parallel.layout import ModelShape, ParallelLayout
 from mcore_rl.resharding.transforms import Replicated
@@ -78,8 +79,12 @@ class Qwen3MoeFamily(ModelFamily):
             qk_layernorm=True,
             add_qkv_bias=False,
             overrides=overrides,
+            rope=self.rope(hf),
             moe_fields=moe_fields,
         )
+
+    def rope(self, hf: HFConfig) -> RopeScaling:
+        return read_rope(hf)
 
     def weight_map(self, hf: HFConfig, padded_vocab: int) -> WeightMap:
         rules = embedding_rules(hf, padded_vocab) + attention_rules(hf) + qk_norm_rules() + dense_mlp_rules()
