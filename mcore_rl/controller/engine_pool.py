@@ -35,6 +35,9 @@ from mcore_rl.rollout.router import Router
 from mcore_rl.rollout.sampling import Sample
 from mcore_rl.rollout.vllm_dialect import VLLMRouter
 
+#: a router that dies more often than this in one run ends it (ProcessDied naming it): something kills it on purpose
+MAX_ROUTER_RESTARTS = 3
+
 log = logging.getLogger(__name__)
 #: an embedded engine's Ray actor builds its server (the model) in its constructor; the wait for its URL ends here
 ENGINE_BUILD_TIMEOUT_S = 1200.0
@@ -127,6 +130,7 @@ class EnginePool:
         #: called with a replacement engine's URL; True if it synced it (then it joins the router at once)
         self.on_engine_started: Any = None
         self._lock = threading.Lock()
+        self._router_lock = threading.Lock()
         self._check_lock: asyncio.Lock | None = None
         self._restarting: dict[int, threading.Thread] = {}
         self.log_dir = log_dir
@@ -357,10 +361,36 @@ class EnginePool:
         if self._check_lock is None:
             self._check_lock = asyncio.Lock()
         async with self._check_lock:
+            await asyncio.to_thread(self.check_router)
             with self._lock:
                 engines = {e.url: e for e in self.engines if e.index not in self._restarting}
             for url in await self.health.dead(engines):
                 await asyncio.to_thread(self.replace, url, "it failed its /health probes")
+
+    def check_router(self) -> None:
+        """A router that died is launched again at its address with the engines that are live (the client keeps its
+        URL; its failed requests are retried on the new one). ProcessDied naming it after MAX_ROUTER_RESTARTS, or
+        when it cannot start again. The vLLM pool's router is in this process and cannot die alone."""
+        died = getattr(self.router, "died", None)
+        why = died() if died is not None else None
+        if why is None:
+            return
+        from mcore_rl.errors import ProcessDied
+
+        with self._router_lock:
+            if self.router.died() is None:  # another caller restarted it meanwhile
+                return
+            if self.router.restarts >= MAX_ROUTER_RESTARTS:
+                raise ProcessDied(f"{why}; it was started again {self.router.restarts} times already this run")
+            with self._lock:
+                busy = set(self.pending) | {e.url for e in self.engines if e.index in self._restarting}
+                live = [e.url for e in self.engines if e.url not in busy]
+            log.warning("%s: starting it again at %s with engines %s", why, self.router.url, ", ".join(live))
+            try:
+                self.router.restart(live)
+            except (RuntimeError, TimeoutError, OSError) as err:
+                raise ProcessDied(f"{why}; starting it again failed: {err}") from None
+            log.warning("the router is back at %s (restart %d)", self.router.url, self.router.restarts)
 
     def replace(self, url: str, why: str) -> bool:
         """Take the engine at `url` out of the router and restart it in the background; it joins the router once

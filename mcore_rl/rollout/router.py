@@ -97,6 +97,7 @@ class Router:
         self.log_path = os.path.join(self.log_dir, f"router-{self.port}.log")
         self.request_timeout_s = request_timeout_s
         self._proc: subprocess.Popen | None = None
+        self.restarts = 0  #: times `restart` launched it again
 
     def command(self) -> list[str]:
         """The launch_router command line. The API key is not on it (/proc/<pid>/cmdline is readable by every local
@@ -146,6 +147,16 @@ class Router:
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"sglang-router did not come up within {timeout_s:.0f} s:\n{self._log_tail()}")
+
+    def restart(self, worker_urls: list[str], timeout_s: float = 120.0) -> str:
+        """Launch the router again at the same address, so its clients keep their URL, with `worker_urls` (the
+        engines that are live now; those restarting join later through add_worker). The process that died is reaped
+        first, and one that lingers is killed. The router keeps no state a run needs beyond its worker list: its
+        cache-aware policy's prefix trees fill again from the next requests."""
+        self._terminate()
+        self.worker_urls = list(worker_urls)
+        self.restarts += 1
+        return self.start(timeout_s)
 
     def workers(self) -> list[dict[str, Any]]:
         """The router's worker list (`GET /workers`): dicts with id, url, is_healthy, load, ..."""
