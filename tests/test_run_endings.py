@@ -350,6 +350,47 @@ def test_a_killed_rank_ends_the_run_naming_it_and_a_killed_router_is_started_aga
     assert re.match(message, (run_dir / "FAILED").read_text())
 
 
+@pytest.mark.long
+@pytest.mark.slow
+def test_a_rank_killed_inside_a_weight_push_ends_the_run_naming_it(tmp_path) -> None:
+    """Actor rank 1 stops inside the push of weight version 2 (sync_sender's test hook: after the fence paused the
+    engines, while rank 0 pushes or waits for it in the push's collectives) and is killed there. The run must end
+    promptly, not hang in a collective with the dead rank: exit 1, one line naming the rank, FAILED, no traceback,
+    and no process of the run left."""
+    import psutil
+
+    run_dir, marker = tmp_path / "run", tmp_path / "pushing"
+    env = {**os.environ, "MCORE_RL_TEST_PAUSE_PUSH": f"2:1:{marker}"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mcore_rl.train", "data.batch_size=2", "rollout.n=2", "actor.mini_batches=1",
+         "trainer.steps=4", f"trainer.run_dir={run_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True, env=env,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 480
+        while proc.poll() is None and not (marker.exists() and marker.read_text()) and time.time() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None and marker.exists(), proc.stderr.read()[-3000:]
+        rank = int(marker.read_text())
+        run = [p for p in psutil.Process(proc.pid).children(recursive=True)]
+        os.kill(rank, signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)  # a hang in the push's collectives would wait out the gloo timeout
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    message = rf"error: actor rank 1 \(pid {rank}\) died"
+    assert re.search(message, err), err[-3000:]
+    assert re.match(message, (run_dir / "FAILED").read_text())
+    deadline = time.time() + 60  # Ray's own processes end within their grace period after the driver
+    left = [p for p in run if _alive(p)]
+    while left and time.time() < deadline:
+        time.sleep(0.5)
+        left = [p for p in left if _alive(p)]
+    assert not left, f"left running: {[p.pid for p in left]}"
+
+
 # ------------------------------------------------------------------------------------------------ read-only run dir
 def test_a_run_dir_made_read_only_mid_run_is_exit_2_naming_the_file(tmp_path) -> None:
     """A run dir that became read-only mid-run ended with exit 1 and a traceback; a full disk already got a named exit

@@ -12,6 +12,8 @@ is the same on every rank; `resharding/sync/execute.py` does the gathering, pack
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -30,6 +32,22 @@ from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
 from mcore_rl.resharding.sync.order import InGlobalOrder, global_order
 from mcore_rl.resharding.sync.plan import EngineLayout, SyncPlan, build_plan
 from mcore_rl.resharding.sync.transports import DiskTransport, DistributedTransport, TensorTransport
+
+#: a test's hook, "<version>:<rank>:<marker file>": that rank writes its pid to the marker file and stops inside the
+#: push of that version, after the fence paused the engines and while its peers wait for it in the push's collectives
+#: (tests/test_run_endings.py kills it there)
+PAUSE_ENV = "MCORE_RL_TEST_PAUSE_PUSH"
+
+
+def _pause_for_test(version: int, rank: int) -> None:
+    wanted = os.environ.get(PAUSE_ENV)
+    if not wanted:
+        return
+    at_version, at_rank, marker = wanted.split(":", 2)
+    if (int(at_version), int(at_rank)) == (version, rank):
+        with open(marker, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(3600)
 
 
 class SyncSender:
@@ -186,6 +204,7 @@ class SyncSender:
             sink = DiskTransport(disk_dir)
         else:
             raise ValueError(f"unknown sync transport {transport!r}; expected distributed, tensor or disk")
+        _pause_for_test(version, self.actor.rank)
         try:
             stats = self.executor.run(sink)
         finally:
