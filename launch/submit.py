@@ -294,58 +294,28 @@ def check_config(cfg: Any, nodes: int, gpus_per_node: int, gpu_memory_gb: float)
 
 
 def _micro_batch(cfg: Any, group: Any) -> int:
-    """Samples of full length in one micro-batch of a worker group: micro_batch_size, or fewer where a token budget
-    (max_tokens_per_microbatch, verl's use_dynamic_bsz + ppo_max_token_len_per_gpu) caps it (one sample at least)."""
-    budget = getattr(group, "max_tokens_per_microbatch", None)
-    if not budget:
-        return group.micro_batch_size
-    return max(1, min(group.micro_batch_size, budget // cfg.model.max_sequence_length))
+    """Samples of full length in one micro-batch of a worker group (controller/memory_estimate.py)."""
+    from mcore_rl.controller.memory_estimate import micro_batch_samples
+
+    return micro_batch_samples(cfg, group)
 
 
 def actor_estimate(cfg: Any) -> Any:
-    """The actor's per-rank estimate on cfg's own runtime with the attention its ranks build (Transformer Engine's
-    where it is in use, else the local spec's): what the dry run prints for a CPU recipe and what
-    tools/bench_memory_estimate.py compares with the ranks."""
-    from mcore_rl.models.spec import te_in_use
+    """The actor's per-rank estimate as the dry run prints it for a CPU recipe (controller/memory_estimate.py; what
+    tools/bench_memory_estimate.py compares with the ranks)."""
+    from mcore_rl.controller.memory_estimate import actor_estimate as estimate
 
-    fused = te_in_use(cfg.trainer.runtime)
-    return _estimate(cfg, cfg.actor, _hf_dict(cfg), None, cfg.actor.use_ref, fused_attention=fused)
+    return estimate(cfg, _hf_dict(cfg))
 
 
 def _estimate(
     cfg: Any, group: Any, hf: dict[str, Any], engine: Any, use_ref: bool, fused_attention: bool = True
 ) -> Any:
-    """models/estimate.py's per-GPU figures of one worker group (the actor, or the critic) at its own layout, with
-    Transformer Engine's fused attention (the GPU set's) unless told otherwise."""
-    from mcore_rl.actor.optimizer import optimizer_plan
-    from mcore_rl.actor.reference import resolve_placement
-    from mcore_rl.models.estimate import estimate_memory, rank_params
+    """The per-GPU figures of one worker group (the actor, or the critic): controller/memory_estimate.py's
+    group_estimate, parameters per rank from the meta-device model."""
+    from mcore_rl.controller.memory_estimate import group_estimate
 
-    lay = group.layout
-    recompute = getattr(group, "recompute", None) or cfg.actor.recompute
-    return estimate_memory(
-        hf,
-        group.world_size,
-        tp=lay.tp,
-        pp=lay.pp,
-        cp=lay.cp,
-        ep=lay.ep,
-        etp=lay.etp,
-        vpp=lay.vpp,
-        first_stage_layers=lay.first_stage_layers,
-        last_stage_layers=lay.last_stage_layers,
-        micro_batch=_micro_batch(cfg, group),
-        seq_len=cfg.model.max_sequence_length,
-        plan=optimizer_plan(group.optim, cfg.model.dtype, cfg.trainer.runtime),
-        recompute=recompute,
-        use_ref=use_ref,
-        ref_placement=resolve_placement(getattr(group, "ref_placement", None), cfg.trainer.runtime),
-        params=rank_params(hf, lay.to_layout(), cfg.model.make_vocab_size_divisible_by, cfg.model.dtype),
-        engine=engine,
-        fused_attention=fused_attention,
-        runtime=cfg.trainer.runtime,
-        logprob_micro_batch=getattr(group, "logprob_micro_batch_size", None),
-    )
+    return group_estimate(cfg, group, hf, engine, use_ref, fused_attention=fused_attention)
 
 
 # ------------------------------------------------------------------------------------------------- the sbatch script

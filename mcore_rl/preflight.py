@@ -18,6 +18,10 @@ exits with code 2 and one message instead of failing minutes later inside a Ray 
                      safe_open, the loader the engines read it with, which refuses overlapping or gapped tensor
                      offsets) and every tensor's name and shape against the family's weight map, from the
                      meta-device model (expected_hf_tensors)
+    host memory      trainer.runtime=cpu with a local Ray: the run's estimated host memory (controller/
+                     memory_estimate.py host_memory_parts: the dry run's per-rank estimate x the actor and critic ranks,
+                     plus the engines) x trainer.host_memory_margin fits what this host has available (MemAvailable,
+                     or the cgroup's limit if lower); trainer.host_memory_check=false turns it off
 
 `python -m mcore_rl.preflight <model.path> <make_vocab_size_divisible_by> [mtp]` runs the checkpoint check alone, in a
 child process, so the driver never initialises torch.distributed or Megatron itself.
@@ -66,6 +70,7 @@ def check(cfg: RLConfig) -> None:
     check_ray_address(cfg.trainer.ray_address)
     if cfg.model.path:
         check_checkpoint(cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
+    check_host_memory(cfg)  # last: every input above is known good, so the estimate reads a valid model
 
 
 def check_api_key_env() -> None:
@@ -77,6 +82,70 @@ def check_api_key_env() -> None:
         problem = api_key_problem(key)
         if problem is not None:
             raise ConfigError(f"{API_KEY_ENV} (the run's API key for its engines and router) has {problem}")
+
+
+def host_available_bytes() -> tuple[int, str]:
+    """(bytes, where the figure comes from): what this host can still give a new run, the smaller of the kernel's
+    MemAvailable (/proc/meminfo: free memory plus the caches it can reclaim) and, inside a cgroup with a memory limit
+    (a container, a Slurm job), that limit minus the cgroup's usage (v2: memory.max - memory.current; v1:
+    memory.limit_in_bytes - memory.usage_in_bytes)."""
+    figures: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    figures.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+    except OSError:
+        pass
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" (v2) or a near-2^63 number (v1): no limit
+            figures.append((max(0, int(limit) - usage), f"the cgroup's limit minus its usage ({limit_file})"))
+        break
+    if not figures:
+        return -1, "unknown"
+    return min(figures)
+
+
+def check_host_memory(cfg: RLConfig, available: tuple[int, str] | None = None) -> None:
+    """trainer.runtime=cpu with a local Ray (trainer.ray_address=null): refuse a run whose estimated host memory
+    (controller/memory_estimate.py host_memory_parts) x trainer.host_memory_margin exceeds `available` ((bytes, source);
+    None: this host's, `host_available_bytes`). Skipped with trainer.host_memory_check=false, on trainer.runtime=cuda
+    (the model lives in GPU memory, which `launch/submit.py --dry-run` checks), on a cluster (trainer.ray_address
+    set: Ray places the ranks on other hosts too), and where this host's figure cannot be read."""
+    if not cfg.trainer.host_memory_check or cfg.trainer.runtime != "cpu" or cfg.trainer.ray_address is not None:
+        return
+    from mcore_rl.checkpoint.manager import hf_config_of
+    from mcore_rl.controller.memory_estimate import host_memory_parts
+
+    have, source = available if available is not None else host_available_bytes()
+    if have < 0:
+        return
+    parts = host_memory_parts(cfg, hf_config_of(cfg))
+    total = sum(nbytes for _, nbytes in parts)
+    margin = cfg.trainer.host_memory_margin
+    need = total * margin
+    if need <= have:
+        return
+    gib = 1024**3
+    raise ConfigError(
+        f"host memory: the run needs an estimated {need / gib:.2f} GiB ("
+        + "; ".join(f"{what} = {nbytes / gib:.2f} GiB" for what, nbytes in parts)
+        + f"; total {total / gib:.2f} GiB x trainer.host_memory_margin={margin:g}), but this host has "
+        f"{have / gib:.2f} GiB available ({source}); expected at most {have / gib:.2f} GiB: shrink the run "
+        "(actor.world_size, actor.micro_batch_size, model.max_sequence_length or data.max_prompt_length + "
+        "rollout.max_new_tokens, rollout.num_engines, rollout.max_running_requests, a smaller model), free memory on "
+        "this host, or set trainer.host_memory_check=false (launch/submit.py --dry-run prints the per-rank figures)"
+    )
 
 
 def check_recompute_on_cpu(cfg: RLConfig) -> None:
@@ -222,8 +291,13 @@ def check_tokenizer(cfg: RLConfig) -> None:
 
     if cfg.model.tokenizer:
         where = f"model.tokenizer={cfg.model.tokenizer!r}"
+        from mcore_rl.resharding.hf_io import not_readable_as, unreadable_entry
+
         if not os.path.isdir(cfg.model.tokenizer):
-            raise ConfigError(f"{where}: no such directory")
+            raise ConfigError(f"{where}: {not_readable_as(cfg.model.tokenizer, want_dir=True) or 'no such directory'}")
+        problem = unreadable_entry(cfg.model.tokenizer)  # transformers would block on a FIFO, read /dev/zero forever
+        if problem is not None:
+            raise ConfigError(f"{where}: {problem}")
         from transformers import AutoTokenizer
 
         try:

@@ -153,7 +153,7 @@ def _config(**groups) -> RLConfig:
             "algorithm.filter_groups.on_unfilled='retry' is invalid: expected error or shrink",
         ),
         (
-            {"reward__overlong_buffer__enable": True, "reward__overlong_buffer__len": 9},
+            {"reward__overlong_buffer__enable": True, "reward__overlong_buffer__len": 9, "rollout__max_new_tokens": 8},
             "reward.overlong_buffer.len=9 is invalid: expected in [1, rollout.max_new_tokens=8]",
         ),
         (

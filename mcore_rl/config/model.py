@@ -93,7 +93,8 @@ class OptimConfig:
     """Megatron's Adam, its distributed optimizer and its learning-rate schedule (mcore_rl/actor/optimizer.py decides
     what the ranks build from these, and `launch/submit.py --dry-run` counts the same)."""
 
-    lr: float = 1e-3  #: peak learning rate (after warmup)
+    #: peak learning rate (after warmup); verl's actor default, for a pretrained model (the CPU demo jobs set theirs)
+    lr: float = 1e-6
     weight_decay: float = 0.0  #: decoupled weight decay
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -379,7 +380,7 @@ class CriticConfig:
     path: str | None = None  #: HF checkpoint dir of the trunk; null = the policy's (model.path, or its random init)
     world_size: int = 1  #: number of Megatron ranks of the critic (its own torch.distributed world)
     layout: LayoutConfig = field(default_factory=LayoutConfig)
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-2))
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))  #: lr: verl's critic default
     micro_batch_size: int = 16  #: samples per micro-batch on one data-parallel rank (at most)
     max_tokens_per_microbatch: int | None = None  #: token budget per micro-batch; null = off
     mini_batches: int = 2  #: optimizer steps per RL step

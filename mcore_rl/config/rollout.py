@@ -70,7 +70,7 @@ class RolloutConfig:
     request_grouping: str = "prompt"
     temperature: float = 1.0
     top_p: float = 1.0
-    max_new_tokens: int = 8
+    max_new_tokens: int = 512  #: tokens per response; 512 as verl's data.max_response_length (the demo jobs set theirs)
     max_running_requests: int = 256  #: embedded server: sequences decoded together (continuous batching)
     request_timeout_s: float = 600.0  #: client: seconds before one /generate attempt is given up and retried
     max_retries: int = 3  #: client: retries of a failed /generate (engine died, timeout) before the step fails

@@ -20,7 +20,8 @@ class DataConfig:
     synthetic_task: str = "copy_digit"  #: task written into the run dir when train_files is empty
     synthetic_num_prompts: int = 512
     batch_size: int = 8  #: prompts per RL step
-    max_prompt_length: int = 64  #: longer prompts are refused (overlong=error), dropped, or cut (left/right)
+    #: longer prompts are refused (overlong=error), dropped, or cut (left/right); 512 as verl's (the demo jobs set 64)
+    max_prompt_length: int = 512
     #: a prompt longer than max_prompt_length: error (refused, naming file and row) | drop | left (keep its last
     #: max_prompt_length tokens, verl's truncation=left) | right (keep its first ones)
     overlong: str = "error"
@@ -78,6 +79,14 @@ class TrainerConfig:
     #: steps in a row whose loss or grad norm may be NaN/inf before the run stops with exit 1 naming the step and the
     #: metric (metrics/logger.py); 0 = stop at the first
     max_nonfinite_steps: int = 0
+    #: trainer.runtime=cpu with a local Ray: before Ray starts, refuse (exit 2) a run whose estimated host memory (its
+    #: actor and critic ranks, its engines: the dry run's per-rank estimate) exceeds what this host has available
+    #: (MemAvailable, or the cgroup's limit if lower); false = no check. On GPU runs the model lives in GPU memory,
+    #: which the dry run (launch/submit.py --dry-run) checks instead
+    host_memory_check: bool = True
+    #: the estimate is multiplied by this before it is compared: above 1 leaves room for what it does not count (the
+    #: driver, Ray's own processes, other jobs on the host), below 1 lets a run start that the estimate says is tight
+    host_memory_margin: float = 1.0
 
     def validate(self) -> None:
         from mcore_rl.config.names import LOGGERS, PLACEMENTS
@@ -120,6 +129,7 @@ class TrainerConfig:
         )  # fmt: skip
         _check(self.resume is None or bool(str(self.resume).strip()), "trainer.resume", self.resume,
                "auto, a checkpoint directory, or null")  # fmt: skip
+        _check(self.host_memory_margin > 0, "trainer.host_memory_margin", self.host_memory_margin, "> 0")
 
     @property
     def validates(self) -> bool:

@@ -9,8 +9,9 @@ meaning, such as `*.fsdp_config.*`). Values arrive parsed by Hydra's override gr
 keys only mean something together (ppo_mini_batch_size against train_batch_size, the GPUs against the rollout's TP):
 those are `Derived` here and computed once every key is read (config/verl_cli.py's `derive`).
 
-`VERL_DEFAULTS` holds verl's defaults for the fields where ours differ; they apply to every command that uses a verl
-key, below what the command sets. This module imports nothing above the config layer.
+`VERL_DEFAULTS` holds verl's defaults for the fields where ours differ or are set by verl's own value (lr, prompt and
+response length: ours are verl's today, pinned here so a verl command keeps them); they apply to every command that
+uses a verl key, below what the command sets. This module imports nothing above the config layer.
 """
 
 from __future__ import annotations
@@ -539,7 +540,9 @@ PREFIXES: dict[str, Rule] = {
     "reward_manager.": Ignore("rule rewards are scored per response (verl's naive manager)"),
 }
 
-#: verl's defaults where ours differ (our key -> (value, the verl key it comes from)); below the command's own keys
+#: verl's defaults where ours differ, and where ours are verl's value (actor and critic lr, prompt and response length:
+#: pinned, so a verl command keeps verl's whatever ours become): our key -> (value, the verl key); applied below the
+#: command's own keys
 VERL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "algorithm.adv_estimator": ("gae", "algorithm.adv_estimator"),
     "actor.clip_ratio_high": (0.2, f"{AR}.actor.clip_ratio_high"),
@@ -662,7 +665,7 @@ def markdown_table() -> str:
             "as the key is read. A list-of-strings field takes one plain string as a list of one",
             "(`data.train_files=/x.parquet`, `trainer.logger=console`), for verl's keys and ours alike.",
             "",
-            "## verl's defaults that apply to a verl command (where ours differ)",
+            "## verl's defaults that apply to a verl command (where ours differ, or are the same value, pinned)",
             "",
             "| our key | value | verl key |",
             "| --- | --- | --- |",
