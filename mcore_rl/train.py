@@ -1,4 +1,4 @@
-"""Train: Hydra entry point and the RL loop, read top to bottom.
+"""Train: the RL loop, read top to bottom (the command line that starts it: mcore_rl/cli.py).
 
     python -m mcore_rl.train                                  # the default tiny CPU job (configs/default.yaml)
     python -m mcore_rl.train trainer.steps=3 rollout.n=4      # any field of mcore_rl/config/, by dotted name
@@ -19,14 +19,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from typing import Any
 
-import hydra
-from omegaconf import DictConfig
-
-from mcore_rl.config import RLConfig, register_schema, to_config
+from mcore_rl.config import RLConfig
 
 
 def setup_data(cfg: RLConfig) -> tuple[Any, Any, str]:
@@ -283,70 +279,7 @@ def _engine_model(cfg: RLConfig) -> Any:
     return cfg.model.path if cfg.model.path else dict(cfg.model.hf_config)
 
 
-register_schema()
+if __name__ == "__main__":  # `python -m mcore_rl.train ...`: the command line is mcore_rl/cli.py's
+    from mcore_rl.cli import main
 
-
-@hydra.main(config_path="pkg://mcore_rl.configs", config_name="default", version_base=None)
-def main(dcfg: DictConfig) -> None:
-    """Exit codes, the FAILED marker and Ctrl-C handling: mcore_rl/lifecycle.py."""
-    try:
-        cfg = to_config(dcfg)
-    except ValueError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        sys.exit(2)
-    start(cfg)
-
-
-def start(cfg: RLConfig) -> None:
-    """The RL loop, or the DPO loop, under lifecycle's exit codes."""
-    from mcore_rl.lifecycle import run_guarded
-
-    if PRINT_CONFIG:
-        from omegaconf import OmegaConf
-
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
-        return
-    if cfg.trainer.mode == "dpo":
-        from mcore_rl.controller.dpo_loop import run_dpo
-
-        run_guarded(cfg, run_dpo)
-    else:
-        run_guarded(cfg, run)
-
-
-PRINT_CONFIG = False  #: --print-config: print the validated config in our keys and stop
-
-
-def command_line(argv: list[str]) -> None:
-    """`python -m mcore_rl.train [--print-config] overrides...`: our keys go to Hydra over configs/default.yaml; a
-    command with verl's keys is translated (mcore_rl/config/verl.py) over verl's defaults instead. Every unknown or
-    refused key of the command is reported at once (exit 2)."""
-    global PRINT_CONFIG
-    from mcore_rl.config.verl_cli import SCHEMA_BASE_NOTE, compose_command, resolve
-    from mcore_rl.lifecycle import cli
-
-    PRINT_CONFIG = "--print-config" in argv
-    args = [a for a in argv if a != "--print-config"]
-    t = resolve(args)  # the decision launch/submit.py --dry-run makes too
-    for line in t.lines:
-        print(f"verl: {line}")
-    if not t.verl and not t.errors:
-        if len(t.hydra_args) > len(args):  # base_of put the schema's defaults under it
-            print(SCHEMA_BASE_NOTE)
-        sys.argv = [sys.argv[0], *t.hydra_args]
-        cli(main)
-        return
-    try:
-        cfg = compose_command(args, t)
-    except ValueError as err:  # ConfigError, and models' LayoutError from to_config
-        for error in str(err).splitlines():
-            print(f"config error: {error}", file=sys.stderr)
-        sys.exit(2)
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)  # Hydra's job_logging=stdout
-    start(cfg)
-
-
-if __name__ == "__main__":
-    command_line(sys.argv[1:])
+    main(run)
