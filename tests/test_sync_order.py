@@ -185,6 +185,10 @@ def test_global_order_every_engine_receives_the_same_sequence(cluster) -> None:
 
 
 class _Closed:
+    """A transport (base.Transport) that is only ever closed."""
+
+    memory, every_rank = "cpu", False
+
     def close(self) -> None:
         pass
 

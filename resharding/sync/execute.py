@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,24 +42,8 @@ from mcore_rl.kernels.fp8_blockwise import quantize_blockwise
 from mcore_rl.resharding.sync.blocks import blocks_of, trace_outputs
 from mcore_rl.resharding.sync.inventory import global_name
 from mcore_rl.resharding.sync.plan import FP8_BLOCK, Bucket, Stream, SyncPlan
+from mcore_rl.resharding.sync.transports.base import Transport
 from mcore_rl.resharding.weight_map import Rule, ShardContext, WeightMap, exported_tensors
-
-
-class Transport(Protocol):
-    """Where buckets go (see resharding/sync/transports/). At most one bucket is in flight: `send` returns once the
-    previous bucket's send has completed (the receiver has its bytes) and may return before this one's has; its
-    buffer stays untouched until the next `send` or `wait()` returns. `memory` names where `allocate` puts buffers
-    (e.g. "cpu", "cpu-shared", "cuda:0"): buffers are reused while it stays the same."""
-
-    memory: str
-    # Optional `every_rank` (read with getattr): True when `send` is collective over the actor's ranks, called on
-    # every rank for every bucket of the plan in one global order, with None as the buffer where it does not lead.
-
-    def allocate(self, nbytes: int) -> torch.Tensor: ...
-
-    def send(self, stream: Stream, bucket: Bucket, buffer: torch.Tensor) -> None: ...
-
-    def wait(self) -> None: ...
 
 
 @dataclass
@@ -218,7 +202,7 @@ class SyncExecutor:
         with self.alloc._lock:  # this run's peak, not the largest of every run so far
             self.alloc.peak = self.alloc.current
         start = time.perf_counter()
-        every_rank = getattr(transport, "every_rank", False)
+        every_rank = transport.every_rank
         for stream, bucket in self._every_schedule if every_rank else self._schedule:
             buffer = self._bucket_buffer(bucket.nbytes, transport) if stream.leader == self.rank else None
             for chunk in self._chunks.get((stream.index, bucket.index), []):

@@ -55,7 +55,7 @@ class InGlobalOrder:
     ) -> None:
         self.inner, self.store, self.prefix, self.timeout_s = inner, store, prefix, timeout_s
         self.position = {item: p for p, item in enumerate(order)}
-        self.memory = getattr(inner, "memory", None)
+        self.memory, self.every_rank = inner.memory, inner.every_rank  # the inner transport's (base.Transport)
         self._mine = [p for (stream, _), p in self.position.items() if stream in streams]
         self._marked: set[int] = set()
         self._last = -1

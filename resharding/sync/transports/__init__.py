@@ -1,5 +1,5 @@
-"""Sync transports: where a packed bucket goes. One small interface (`Transport` in execute.py): `allocate`,
-`send` (may run in the background, one bucket in flight), `wait`.
+"""Sync transports: where a packed bucket goes. One small interface (`Transport` in base.py): `memory`,
+`every_rank`, `allocate`, `send` (may run in the background, one bucket in flight), `wait`, `close`.
 
 - distributed: /update_weights_from_distributed + a broadcast in a group of the stream's leader and every engine
   rank (gloo on CPU, NCCL on GPU). The default; any placement.
@@ -9,7 +9,7 @@
 - inprocess: a Python callable. Tests.
 """
 
-from mcore_rl.resharding.sync.transports.base import BackgroundSender, http_post
+from mcore_rl.resharding.sync.transports.base import BackgroundSender, Transport, http_post
 from mcore_rl.resharding.sync.transports.disk import DiskTransport
 from mcore_rl.resharding.sync.transports.distributed import DistributedTransport
 from mcore_rl.resharding.sync.transports.inprocess import InProcessTransport
@@ -25,6 +25,7 @@ __all__ = [
     "DistributedTransport",
     "InProcessTransport",
     "TensorTransport",
+    "Transport",
     "encode_payload",
     "flatten",
     "http_post",

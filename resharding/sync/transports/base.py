@@ -1,4 +1,5 @@
-"""What the transports share: a one-deep background sender (double buffering) and a JSON POST."""
+"""What the transports share: the `Transport` interface the executor drives, a one-deep background sender (double
+buffering) and a JSON POST."""
 
 from __future__ import annotations
 
@@ -8,9 +9,42 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from mcore_rl.resharding.sync.plan import Bucket, Stream
+
+
+class Transport(Protocol):
+    """Where packed buckets go (execute.py's SyncExecutor drives it; distributed.py, tensor.py, disk.py and
+    inprocess.py implement it). At most one bucket is in flight: `send` returns once the previous bucket's send has
+    completed (the receiver has its bytes) and may return before this one's has; its buffer stays untouched until the
+    next `send` or `wait()` returns."""
+
+    #: where `allocate` puts buffers ("cpu", "cpu-shared", "cuda:0"): the executor reuses them while it stays the same
+    memory: str
+    #: True when `send` is collective over the actor's ranks: called on every rank for every bucket of the plan in
+    #: one global order, with None as the buffer where the rank does not lead the stream (the colocated tensor
+    #: transport); False when only stream leaders send
+    every_rank: bool
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A bucket buffer of `nbytes` in this transport's memory (shared memory, pinned, device)."""
+        ...
+
+    def send(self, stream: Stream, bucket: Bucket, buffer: torch.Tensor) -> None:
+        """Deliver `bucket` of `stream` (its bytes in `buffer`, HF layout at the planned offsets)."""
+        ...
+
+    def wait(self) -> None:
+        """Return once every bucket sent so far has been delivered (raises the first failure)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the background sender and free what the transport holds (after `wait`, or on an error)."""
+        ...
 
 
 class TransportError(RuntimeError):

@@ -15,6 +15,7 @@ from mcore_rl.resharding.sync.transports.base import BackgroundSender
 
 class DiskTransport:
     memory = "cpu"  #: where allocate puts buffers (the executor reuses them while this stays the same)
+    every_rank = False  #: only stream leaders send
 
     def __init__(self, directory: str) -> None:
         self.directory = directory

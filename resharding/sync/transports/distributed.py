@@ -28,6 +28,8 @@ from mcore_rl.resharding.sync.transports.base import BackgroundSender, Transport
 class DistributedTransport:
     """See the module docstring. `groups` maps stream names to the leader's joined update groups."""
 
+    every_rank = False  #: only stream leaders send (each in its stream's broadcast group)
+
     def __init__(
         self,
         groups: dict[str, UpdateGroup],

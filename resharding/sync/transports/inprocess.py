@@ -11,6 +11,7 @@ from mcore_rl.resharding.sync.plan import Bucket, Stream
 
 class InProcessTransport:
     memory = "cpu"  #: where allocate puts buffers (the executor reuses them while this stays the same)
+    every_rank = False  #: only stream leaders send
 
     def __init__(self, receive: Callable[[Stream, Bucket, torch.Tensor], None]) -> None:
         self.receive = receive
