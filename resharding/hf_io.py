@@ -20,10 +20,12 @@ The safetensors format: 8-byte little-endian header length N, N bytes of JSON
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import shutil
+import stat
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,6 +86,55 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+#: names with these endings are files a loader opens (weights, configs, tokenizer files, templates, remote code)
+_FILE_SUFFIXES = (".safetensors", ".json", ".jinja", ".txt", ".model", ".tiktoken", ".py", ".bin", ".pt")
+
+
+def not_readable_as(path: str | Path, want_dir: bool = False) -> str | None:
+    """Why `path` cannot be read as a regular file (a directory with `want_dir`), or None when it can or does not
+    exist at all (the caller names a missing file in its own words). Symbolic links are followed wherever they point,
+    as HF's cache links a snapshot's files to its blobs; a link to a FIFO, a device or a socket (whose reading would
+    block or never end), a dangling link and a loop are named, with the link's target."""
+    path = str(path)
+    expected = "a directory" if want_dir else "a regular file"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as err:
+        if not os.path.islink(path):
+            return None
+        what = "a loop of symbolic links" if err.errno == errno.ELOOP else f"not there ({err.strerror})"
+        return f"{path} is a symbolic link to {os.readlink(path)!r}, which is {what}; expected {expected}"
+    if stat.S_ISDIR(mode) if want_dir else stat.S_ISREG(mode):
+        return None
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    via = f" (a symbolic link to {os.readlink(path)!r})" if os.path.islink(path) else ""
+    return f"{path}{via} is {kind}; expected {expected}"
+
+
+def unreadable_entry(directory: str | Path) -> str | None:
+    """The first entry of `directory` (a model, tokenizer or checkpoint directory; hidden entries aside) that a loader
+    could not read: not_readable_as for each file (a name with a loader's file suffix is a file, even where it is a
+    directory), each other sub-directory must be one. None when all are readable."""
+    directory = str(directory)
+    for name in sorted(os.listdir(directory)):
+        if name.startswith("."):
+            continue
+        path = os.path.join(directory, name)
+        folder = os.path.isdir(path) and not name.endswith(_FILE_SUFFIXES)
+        problem = not_readable_as(path, want_dir=folder)
+        if problem is not None:
+            return problem
+    return None
+
+
 def read_header(path: str | Path) -> dict[str, dict[str, Any]]:
     """Parse and validate a safetensors header against the file size; {name: {dtype, shape, data_offsets}}.
 
@@ -142,7 +193,10 @@ class HFCheckpointReader:
     def __init__(self, path: str | Path, remap_bytes: int = 512 << 20) -> None:
         self.dir = Path(path)
         if not self.dir.is_dir():
-            raise CheckpointError(f"{self.dir}: not a directory")
+            raise CheckpointError(not_readable_as(self.dir, want_dir=True) or f"{self.dir}: not a directory")
+        problem = unreadable_entry(self.dir)
+        if problem is not None:
+            raise CheckpointError(problem)
         config_path = self.dir / "config.json"
         if not config_path.is_file():
             raise CheckpointError(f"{config_path}: missing (an HF checkpoint needs config.json)")

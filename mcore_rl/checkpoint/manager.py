@@ -65,6 +65,7 @@ def check_resume(cfg: RLConfig) -> Path | None:
     """The checkpoint this run resumes from (None: a new run), checked against the config before anything starts;
     also refuses a new run whose saves would overwrite another run's checkpoints."""
     root = store.checkpoints_root(cfg.trainer.run_dir)
+    store.check_root(root)
     trainer = cfg.trainer
     if trainer.resume is None:
         earlier = store.latest(root)
@@ -177,7 +178,9 @@ class Checkpointer:
         kept = [line for line in lines if _logged_step(line) is not None and _logged_step(line) <= step]
         if len(kept) != len(lines):
             tmp = self.metrics_path.with_name(self.metrics_path.name + ".tmp")
-            tmp.write_text("".join(kept))
+            tmp.unlink(missing_ok=True)  # never written through a link left there
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
+                f.write("".join(kept))
             os.replace(tmp, self.metrics_path)
 
     # -------------------------------------------------------------------------------------------------- save
@@ -192,6 +195,7 @@ class Checkpointer:
         """Write a complete checkpoint of `state`, the actor ranks and the critic's (if any, under critic/); publish
         it atomically; prune."""
         start = time.perf_counter()
+        store.check_root(self.root)  # also here: a link put in place after the run's pre-flight
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f"{store.TMP_PREFIX}{store.step_name(state.step)}-{uuid.uuid4().hex[:8]}"
         try:

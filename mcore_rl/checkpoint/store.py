@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -31,9 +32,11 @@ from typing import Any
 
 from mcore_rl.checkpoint.rank_io import CRITIC_DIR, MODEL_DIR, OPTIMIZER_DIR, REFERENCE_DIR, RNG_DIR
 from mcore_rl.resharding.hf_io import CheckpointError as _UnusableCheckpoint
+from mcore_rl.resharding.hf_io import not_readable_as
 
 FORMAT, VERSION = "mcore_rl training checkpoint", 1
 ROOT_NAME, LATEST, META, LOOP_STATE, TMP_PREFIX = "checkpoints", "latest", "meta.json", "loop_state.json", ".tmp-"
+STEP_NAME = re.compile(r"step_\d+")
 #: HF config keys that do not change the model (names, versions, the dtype is checked as model.dtype)
 COSMETIC_KEYS = {"architectures", "transformers_version", "_name_or_path", "name_or_path", "torch_dtype", "dtype"}
 
@@ -58,31 +61,67 @@ def step_of(path: Path) -> int | None:
 
 
 def half_written(root: Path) -> list[Path]:
-    """Temporary directories of saves that did not finish."""
-    return sorted(p for p in root.glob(TMP_PREFIX + "*") if p.is_dir()) if root.is_dir() else []
+    """Temporary directories of saves that did not finish (a symbolic link is none: never removed through)."""
+    return sorted(p for p in root.glob(TMP_PREFIX + "*") if p.is_dir() and not p.is_symlink()) if root.is_dir() else []
+
+
+def check_root(root: Path) -> None:
+    """The run's own checkpoints directory is not a symbolic link: its saves, and trainer.keep_last's pruning, would
+    change the checkpoints of whatever it points to (another run's, when a run dir was copied with its links)."""
+    if root.is_symlink():
+        raise CheckpointError(
+            f"{root} is a symbolic link to {os.readlink(root)!r}; a run reads and writes its checkpoints only in a "
+            "directory of its own in trainer.run_dir (its saves and trainer.keep_last's pruning would change what the "
+            "link points to): remove the link, or set trainer.run_dir to a directory on that disk (trainer.resume="
+            "<a checkpoint directory> resumes from one elsewhere)"
+        )
+
+
+def _no_link_out(path: Path, root: Path) -> None:
+    """A step directory of `root` is one the run wrote, never a symbolic link: resume does not follow one out of it."""
+    if path.is_symlink():
+        raise CheckpointError(
+            f"{path} is a symbolic link to {os.readlink(path)!r}; the checkpoints in {root} are directories the run "
+            "wrote itself, and resume does not follow a link out of it: remove the link, or resume from that "
+            "checkpoint with trainer.resume=<its path>"
+        )
 
 
 def newest_complete(root: Path) -> Path | None:
     """The published `step_<n>` directory of the highest step (one holding meta.json, which a save writes last,
-    before the rename), or None."""
+    before the rename), or None. A `step_<n>` that is a symbolic link is refused (_no_link_out)."""
     if not root.is_dir():
         return None
-    complete = [p for p in root.iterdir() if step_of(p) is not None and (p / META).is_file()]
+    steps = [p for p in root.iterdir() if step_of(p) is not None]
+    for path in steps:
+        _no_link_out(path, root)
+    complete = [p for p in steps if (p / META).is_file()]
     return max(complete, key=step_of, default=None)
 
 
 def latest(root: Path) -> Path | None:
     """The newest complete checkpoint of `root`: the one `root/latest` names, or a complete `step_<n>` directory of a
     later step, which a save killed after its rename and before `latest` moved leaves (on the first save, with no
-    `latest` at all); None when there is neither."""
+    `latest` at all); None when there is neither. `latest` must be the regular file a save writes, holding the name
+    of a step directory of `root` (not a path, not a symbolic link): resume never follows it out of `root`."""
     newest = newest_complete(root)
     pointer = root / LATEST
-    if not pointer.is_file():
+    if not os.path.lexists(pointer):
         return newest
-    name = pointer.read_text().strip()
-    if step_of(Path(name)) is None:
-        raise CheckpointError(f"{pointer}: expected a checkpoint name such as step_00000040, found {name!r}")
+    if pointer.is_symlink() or not pointer.is_file():
+        why = not_readable_as(pointer) or f"{pointer} is a symbolic link to {os.readlink(pointer)!r}"
+        raise CheckpointError(
+            f"{why}; `{LATEST}` is a regular file a save writes, naming a step directory beside it: remove it (the "
+            "newest complete checkpoint is then found without it)"
+        )
+    with open(pointer, "rb") as f:
+        name = f.read(64).decode(errors="replace").strip()
+    if not STEP_NAME.fullmatch(name):
+        raise CheckpointError(
+            f"{pointer}: expected a checkpoint name such as step_00000040 (a directory beside it), found {name[:40]!r}"
+        )
     target = root / name
+    _no_link_out(target, root)
     if not target.is_dir():
         raise CheckpointError(f"{pointer}: names {name}, which does not exist in {root}")
     if newest is not None and step_of(newest) > step_of(target):
@@ -108,8 +147,27 @@ def resolve(resume: str, root: Path) -> Path | None:
     return path
 
 
+def check_tree(path: Path) -> None:
+    """Every file of checkpoint `path` is readable as one: symbolic links are followed (a copy of a checkpoint may
+    link to its files), but one to a FIFO, a device or a socket (a rank's read would block or never end), a dangling
+    one and a loop are refused, naming the file."""
+    seen = set()
+    for folder, dirs, files in os.walk(path, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back to a directory already walked
+            dirs[:] = []
+            continue
+        seen.add(real)
+        for name in dirs + files:  # os.walk puts dangling links, FIFOs and devices among the files
+            problem = not_readable_as(os.path.join(folder, name), want_dir=name in dirs)
+            if problem is not None:
+                raise CheckpointError(f"{problem} (in the checkpoint {path}, which resume reads whole)")
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """meta.json of a complete checkpoint, after checking every part is there (names the missing file)."""
+    if path.is_dir():
+        check_tree(path)
     meta_path = path / META
     if not meta_path.is_file():
         raise CheckpointError(
@@ -276,7 +334,9 @@ def publish(tmp: Path, root: Path, step: int, pause: Callable[[str], None] | Non
     if pause is not None:
         pause("published")
     pointer = root / f"{TMP_PREFIX}{LATEST}-{os.getpid()}"
-    with open(pointer, "w") as f:
+    # a killed save's leftover, or a link put there: removed, and the pointer created anew (never written through)
+    pointer.unlink(missing_ok=True)
+    with os.fdopen(os.open(pointer, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
         f.write(final.name + "\n")
         f.flush()
         os.fsync(f.fileno())
@@ -291,7 +351,8 @@ def prune(root: Path, keep_last: int | None, keep: Path) -> list[Path]:
     """Delete all but the newest `keep_last` checkpoints (never `keep`) and leftover temporary directories."""
     removed = half_written(root)
     if keep_last is not None:
-        published = sorted((p for p in root.iterdir() if p.is_dir() and step_of(p) is not None), key=step_of)
+        published = [p for p in root.iterdir() if p.is_dir() and not p.is_symlink() and step_of(p) is not None]
+        published.sort(key=step_of)
         removed += [p for p in published[: max(0, len(published) - keep_last)] if p != keep]
     pointers = [p for p in root.glob(f"{TMP_PREFIX}{LATEST}-*") if p.is_file()]  # a kill while `latest` was written
     for path in removed:

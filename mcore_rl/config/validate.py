@@ -172,7 +172,10 @@ def check_model(cfg: RLConfig) -> None:
     if cfg.model.path:
         config_path = os.path.join(cfg.model.path, "config.json")
         if not os.path.isfile(config_path):
-            raise ConfigError(f"model.path={cfg.model.path!r}: {config_path} does not exist")
+            from mcore_rl.resharding.hf_io import not_readable_as
+
+            why = not_readable_as(config_path) or not_readable_as(cfg.model.path, want_dir=True)
+            raise ConfigError(f"model.path={cfg.model.path!r}: {why or config_path + ' does not exist'}")
         try:
             with open(config_path) as f:
                 raw = json.load(f)
