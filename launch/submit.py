@@ -472,6 +472,11 @@ cleanup() {{
   trap - EXIT TERM INT
   echo "submit: stopping Ray (exit code $rc)"
   [ -n "$TRAIN_PID" ] && kill -TERM "$TRAIN_PID" 2>/dev/null || true
+  # The driver's SIGTERM handling (write FAILED, stop its engines and ranks, exit 143) takes up to
+  # mcore_rl.lifecycle.TERM_CLEANUP_S (15 s): wait for it, under Slurm's KillWait (30 s). Once this script exits,
+  # slurmstepd SIGKILLs every process left in the batch step, and a driver killed there left no FAILED marker (its
+  # handler runs in the main thread, which may be inside a blocking Ray call until Ray's processes go).
+  for _ in $(seq 25); do [ -n "$TRAIN_PID" ] && kill -0 "$TRAIN_PID" 2>/dev/null || break; sleep 1; done
   # srun forwards SIGTERM to its `ray start --block` tasks, which stop the Ray processes they started. No `ray stop`:
   # it would kill every Ray of this user on the node, including other jobs sharing it.
   for pid in $WORKERS_PID $HEAD_PID; do kill -TERM "$pid" 2>/dev/null || true; done

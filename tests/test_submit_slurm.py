@@ -105,3 +105,67 @@ def test_scancel_stops_ray(slurm: None, tmp_path) -> None:
     while f"/tmp/ray_j{job_id}" in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout:
         assert time.time() < deadline, f"Ray processes of job {job_id} still running after scancel"
         time.sleep(2)
+
+
+# ------------------------------------------------------------------------------------ SIGTERM as Slurm sends it
+def _submit(run_dir, job_name: str, time_limit: str, *overrides: str) -> int:  # noqa: ANN001
+    res = subprocess.run(
+        [sys.executable, SUBMIT, "--nodes", "1", "--gpus-per-node", "0", "--ray-num-cpus", "4",
+         "--partition", "debug", "--time", time_limit, "--job-name", job_name, "--run-dir", str(run_dir),
+         "--", f"trainer.run_dir={run_dir}", *overrides],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    return int(re.search(r"submitted job (\d+)", res.stdout).group(1))
+
+
+def _wait_for_steps(run_dir, job_id: int, steps: int, deadline_s: float) -> None:  # noqa: ANN001
+    metrics, deadline = run_dir / "metrics.jsonl", time.time() + deadline_s
+    while time.time() < deadline and _job_state(job_id) in ("PENDING", "RUNNING", "CONFIGURING"):
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        time.sleep(2)
+    log = run_dir / f"slurm-{job_id}.out"
+    text = log.read_text()[-4000:] if log.exists() else ""
+    raise AssertionError(f"job {job_id} never trained {steps} steps:\n{text}")
+
+
+def _job_processes(run_dir, job_id: int) -> list[str]:  # noqa: ANN001
+    """Processes of the job still alive: its driver and watchdog (their arguments name the run dir) and Ray's."""
+    rows = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [r for r in rows if (str(run_dir) in r or f"/tmp/ray_j{job_id}" in r) and "ps -eo" not in r]
+
+
+def _assert_ended_by_sigterm(run_dir, job_id: int) -> None:  # noqa: ANN001
+    """The run's FAILED marker says SIGTERM, the driver printed its one line and no traceback, the job's script
+    exited 143, and no process of the job is left."""
+    failed, log = run_dir / "FAILED", run_dir / f"slurm-{job_id}.out"
+    deadline = time.time() + 150  # Slurm's KillWait (30 s) and the run's clean-up, with room for a loaded machine
+    while time.time() < deadline and (
+        _job_state(job_id) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING") or _job_processes(run_dir, job_id)
+    ):
+        time.sleep(2)
+    text = log.read_text()
+    assert not _job_processes(run_dir, job_id), _job_processes(run_dir, job_id)
+    assert failed.exists(), text[-4000:]
+    assert failed.read_text().startswith("terminated (SIGTERM) after step "), failed.read_text()
+    assert "Traceback" not in text, text[-4000:]
+    assert "submit: stopping Ray (exit code 143)" in text, text[-4000:]
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_scancel_after_the_first_step_ends_the_run_with_143_and_a_failed_marker(slurm: None, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    job_id = _submit(run_dir, "term", "10:00", "trainer.steps=100000")
+    _wait_for_steps(run_dir, job_id, 1, 240)
+    subprocess.run(["scancel", str(job_id)], check=True)
+    _assert_ended_by_sigterm(run_dir, job_id)
+
+
+def test_a_time_limit_that_expires_mid_run_ends_it_with_143_and_a_failed_marker(slurm: None, tmp_path) -> None:
+    """--time 1 (Slurm's minimum, a minute): at the limit Slurm sends SIGTERM to every step of the job, then SIGKILL
+    after KillWait. The job is in state TIMEOUT."""
+    run_dir = tmp_path / "run"
+    job_id = _submit(run_dir, "limit", "1", "trainer.steps=100000")
+    _assert_ended_by_sigterm(run_dir, job_id)
+    assert _job_state(job_id) in ("TIMEOUT", "UNKNOWN")  # UNKNOWN: slurmctld forgot the job (MinJobAge)
