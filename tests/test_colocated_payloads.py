@@ -50,7 +50,12 @@ def _sync_rank(rank: int, world: int, urls: list[str], layout: dict, colocation:
     )
     actor.initialize(("127.0.0.1", 0))
     actor.sync_plan(dict(num_engines=len(urls), tp=len(colocation[0])), 1 << 14, "full")
-    stats = actor.sync_send(3, "tensor", urls, None, None, len(colocation[0]), TIMEOUT_S, True, colocation)
+    from mcore_rl.actor.sync_sender import PushRequest
+
+    request = PushRequest(
+        3, "tensor", urls, ranks_per_engine=len(colocation[0]), timeout_s=TIMEOUT_S, colocation=colocation
+    )
+    stats = actor.sync_send(request)
     reference = {
         n: t.detach().cpu().clone()
         for n, t in export_hf_weights(actor.chunks, actor.contexts, actor.weight_map, actor.pg.tp, actor.pg.expt_tp)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from types import SimpleNamespace
+from typing import Any
 
 from _http_double import serve
 from aiohttp import web
@@ -84,8 +85,8 @@ class DiskWriter:
 
     handles: list = []
 
-    def call(self, method: str, version: int, transport: str, *args) -> list[dict]:
-        assert (method, transport) == ("sync_send", "disk")
+    def call(self, method: Any, request: Any) -> list[dict]:  # ActorGroup.call(MegatronActor.sync_send, request)
+        assert (method.__name__, request.transport) == ("sync_send", "disk")
         return [{"bytes": 0}]
 
 

@@ -288,12 +288,14 @@ class BucketSender:
         self.client, self.on_failure = client, on_failure
         self.handles: list[Any] = []
 
-    def call(self, method: str, *args: Any) -> list[dict]:
-        if method == "offload":  # the colocated actor moves its state to host memory
+    def call(self, method: Any, *args: Any) -> list[dict]:  # ActorGroup.call, given a MegatronActor method
+        if method.__name__ == "offload":  # the colocated actor moves its state to host memory
             return [{"bytes": 0}]
+        assert method.__name__ == "sync_send", method
         return self.sync_send(*args)
 
-    def sync_send(self, version: int, transport: str, urls: list[str], *args: Any) -> list[dict]:
+    def sync_send(self, request: Any) -> list[dict]:
+        version, transport, urls = request.version, request.transport, request.engine_urls
         assert transport == "tensor"
         try:
             for url in urls:

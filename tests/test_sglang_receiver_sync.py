@@ -72,7 +72,9 @@ def _sync_rank(rank: int, world: int, urls: list[str], transport: str, layout: d
             for call in calls:
                 call.join()
             dist.barrier()
-    actor.sync_send(version, transport, urls, None, None, 1, TIMEOUT_S)
+    from mcore_rl.actor.sync_sender import PushRequest
+
+    actor.sync_send(PushRequest(version, transport, urls, timeout_s=TIMEOUT_S))
     reference = {
         n: t.clone()
         for n, t in export_hf_weights(actor.chunks, actor.contexts, actor.weight_map, actor.pg.tp, actor.pg.expt_tp)

@@ -145,7 +145,9 @@ def _push_rank(rank: int, world: int, url: str, transport: str, disk_dir: str):
             actor.sync_join(name, host, port, 2, "gloo", 60)
             call.join()
         dist.barrier()
-    actor.sync_send(7, transport, [url], None, disk_dir, 1, 60)
+    from mcore_rl.actor.sync_sender import PushRequest
+
+    actor.sync_send(PushRequest(7, transport, [url], disk_dir=disk_dir, timeout_s=60))
     ids = torch.arange(2, 22).reshape(2, 10) % MOE["vocab_size"]
     logits = actor.forward_logits(ids)
     held = [None] * world

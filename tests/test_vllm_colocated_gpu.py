@@ -216,7 +216,12 @@ def _ipc_rank(rank: int, world: int, hf: dict, bucket_bytes: int) -> Any:
     shared: dict[str, torch.Tensor] = {}
     tensor_module._vllm_ipc_share = _stand_in_share(rank, shared)
     # what WeightSync asks every actor rank for (controller/weight_sync.py), rollout.engine included
-    actor.sync_send(7, "tensor", ["http://engine0"], None, None, world, 300.0, True, [list(range(world))], "vllm")
+    from mcore_rl.actor.sync_sender import PushRequest
+
+    request = PushRequest(
+        7, "tensor", ["http://engine0"], ranks_per_engine=world, colocation=[list(range(world))], engine="vllm"
+    )
+    actor.sync_send(request)
     reference = {n: t.clone() for n, t in export_hf_weights(actor.chunks, actor.contexts, actor.weight_map,
                                                             actor.pg.tp, actor.pg.expt_tp)}  # fmt: skip
     return posts, shared, reference

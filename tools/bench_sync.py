@@ -320,7 +320,9 @@ def _fence(actor, rank: int, url: str, transport: str, version: int, disk_dir: s
     dist.barrier()
     t1 = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_SELF)
-    stats = actor.sync_send(version, transport, [url], None, disk_dir, 1, TIMEOUT_S)
+    from mcore_rl.actor.sync_sender import PushRequest
+
+    stats = actor.sync_send(PushRequest(version, transport, [url], disk_dir=disk_dir, timeout_s=TIMEOUT_S))
     stats.update(_usage_since(before))
     dist.barrier()
     t2 = time.perf_counter()

@@ -23,7 +23,7 @@ import pickle
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from mcore_rl.actor.schedule import run_schedule
 from mcore_rl.actor.step_losses import policy_loss, sum_metrics, value_loss
 from mcore_rl.config import ActorConfig, ModelConfig
 from mcore_rl.models.base import HFConfig
+
+if TYPE_CHECKING:
+    from mcore_rl.actor.sync_sender import PushRequest
 from mcore_rl.models.builder import ModelSpec, build_gpt_chunks
 from mcore_rl.parallel.cpu_runtime import mode_suspended
 from mcore_rl.parallel.groups import init_distributed, initialize_model_parallel
@@ -498,25 +501,9 @@ class MegatronActor:
     def sync_drop_groups(self) -> None:
         self._sender().drop_groups()
 
-    def sync_send(
-        self,
-        version: int,
-        transport: str,
-        engine_urls: list[str],
-        api_key: str | None,
-        disk_dir: str | None = None,
-        ranks_per_engine: int = 1,
-        timeout_s: float = 300.0,
-        keep_buffers: bool = True,
-        colocation: list[list[int]] | None = None,
-        engine: str = "sglang",
-    ) -> dict[str, Any]:
-        """Send this rank's part of the plan (collective within each stream's gather group); the sync buffers stay
-        resident for the next one unless `keep_buffers` is false. `colocation`, `engine`: see SyncSender.send."""
-        return self._sender().send(
-            version, transport, engine_urls, api_key, disk_dir, ranks_per_engine, timeout_s, keep_buffers, colocation,
-            engine,
-        )  # fmt: skip
+    def sync_send(self, request: PushRequest) -> dict[str, Any]:
+        """Send this rank's part of the plan (collective within each stream's gather group): actor/sync_sender.py."""
+        return self._sender().send(request)
 
     def offload(self) -> dict[str, int]:
         """Colocated placement: training state to host memory while the engines generate (actor/offload.py)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -32,6 +32,25 @@ from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
 from mcore_rl.resharding.sync.order import InGlobalOrder, global_order
 from mcore_rl.resharding.sync.plan import EngineLayout, SyncPlan, build_plan
 from mcore_rl.resharding.sync.transports import DiskTransport, DistributedTransport, TensorTransport
+
+
+@dataclass(frozen=True)
+class PushRequest:
+    """One weight push as the controller asks it of every actor rank (MegatronActor.sync_send)."""
+
+    version: int  #: the weight version the engines commit
+    transport: str  #: sync.transport: "distributed" | "tensor" | "disk"
+    engine_urls: list[str]  #: the engines pushed to, in the order of the plan's engine ranks
+    api_key: str | None = None  #: the run's engine key
+    disk_dir: str | None = None  #: the disk transport's directory for this version
+    ranks_per_engine: int = 1  #: engine ranks behind each URL (its TP x DP)
+    timeout_s: float = 300.0  #: sync.timeout_s: one bucket's delivery
+    keep_buffers: bool = True  #: sync.keep_buffers: the executor's buffers stay resident for the next push
+    #: tensor transport: colocation[i][r] is the actor rank on the GPU of engine i's TP rank r; given, every rank takes
+    #: part in every bucket and makes the payloads of the engine ranks beside it (transports/tensor.py)
+    colocation: list[list[int]] | None = None
+    engine: str = "sglang"  #: rollout.engine: the tensor transport's wire format (vllm: vLLM's ipc update_info)
+
 
 #: a test's hook, "<version>:<rank>:<marker file>": that rank writes its pid to the marker file and stops inside the
 #: push of that version, after the fence paused the engines and while its peers wait for it in the push's collectives
@@ -159,31 +178,19 @@ class SyncSender:
                 close()
         self.groups.clear()
 
-    def send(
-        self,
-        version: int,
-        transport: str,
-        engine_urls: list[str],
-        api_key: str | None,
-        disk_dir: str | None = None,
-        ranks_per_engine: int = 1,
-        timeout_s: float = 300.0,
-        keep_buffers: bool = True,
-        colocation: list[list[int]] | None = None,
-        engine: str = "sglang",
-    ) -> dict[str, Any]:
-        """Run this rank's part of the plan through `transport` (collective within each stream's gather group).
-        The executor's bucket and gather buffers stay for the next sync unless `keep_buffers` is false.
-        `colocation[i][r]` (tensor transport): the actor rank on the GPU of `engine_urls[i]`'s TP rank r; given, every
-        rank takes part in every bucket and makes the payloads of the engine ranks beside it (transports/tensor.py).
-        `engine` (rollout.engine): the tensor transport's wire format (vllm: vLLM's ipc update_info; else SGLang's)."""
+    def send(self, request: PushRequest) -> dict[str, Any]:
+        """Run this rank's part of the plan through the request's transport (collective within each stream's gather
+        group). The executor's bucket and gather buffers stay for the next sync unless `request.keep_buffers` is
+        false."""
+        r = request
         if self.executor is None:
             raise RuntimeError("weight sync has no plan yet: call sync_plan first")
         device = torch.device("cuda", torch.cuda.current_device()) if self.actor.runtime == "cuda" else "cpu"
         self._sends += 1
-        if transport == "distributed":
+        version = str(r.version)
+        if r.transport == "distributed":
             sink: Any = DistributedTransport(
-                self.groups, engine_urls, api_key=api_key, weight_version=str(version), timeout_s=timeout_s,
+                self.groups, r.engine_urls, api_key=r.api_key, weight_version=version, timeout_s=r.timeout_s,
                 device=device,
             )  # fmt: skip
             # the leaders take turns in one global order of buckets: engines serve update requests one at a time,
@@ -191,25 +198,25 @@ class SyncSender:
             plan = self._plan()
             led = {s.index for s in plan.streams if s.leader == self.actor.rank}
             store = dist.distributed_c10d._get_default_store()
-            sink = InGlobalOrder(sink, global_order(plan), led, store, f"mcore_rl_sync/{self._sends}", timeout_s)
-        elif transport == "tensor":
+            sink = InGlobalOrder(sink, global_order(plan), led, store, f"mcore_rl_sync/{self._sends}", r.timeout_s)
+        elif r.transport == "tensor":
             sink = TensorTransport(
-                engine_urls, api_key=api_key, weight_version=str(version), ranks_per_engine=ranks_per_engine,
-                timeout_s=timeout_s, device=device, colocation=colocation, rank=self.actor.rank,
-                engine=engine,  # rollout.engine: vllm posts vLLM's ipc update_info (transports/tensor.py)
+                r.engine_urls, api_key=r.api_key, weight_version=version, ranks_per_engine=r.ranks_per_engine,
+                timeout_s=r.timeout_s, device=device, colocation=r.colocation, rank=self.actor.rank,
+                engine=r.engine,  # rollout.engine: vllm posts vLLM's ipc update_info (transports/tensor.py)
             )  # fmt: skip
-        elif transport == "disk":
-            if disk_dir is None:
+        elif r.transport == "disk":
+            if r.disk_dir is None:
                 raise ValueError("the disk transport needs a directory")
-            sink = DiskTransport(disk_dir)
+            sink = DiskTransport(r.disk_dir)
         else:
-            raise ValueError(f"unknown sync transport {transport!r}; expected distributed, tensor or disk")
-        _pause_for_test(version, self.actor.rank)
+            raise ValueError(f"unknown sync transport {r.transport!r}; expected distributed, tensor or disk")
+        _pause_for_test(r.version, self.actor.rank)
         try:
             stats = self.executor.run(sink)
         finally:
             sink.close()
-            if not keep_buffers:
+            if not r.keep_buffers:
                 self.executor.release()
         out = asdict(stats)
         out["resident_bytes"] = self.executor.resident_bytes  # what stays for the next sync (0 once released)

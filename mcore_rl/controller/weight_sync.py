@@ -36,6 +36,7 @@ from typing import Any
 import ray
 
 from mcore_rl.actor.megatron_actor import MegatronActor
+from mcore_rl.actor.sync_sender import PushRequest
 from mcore_rl.config import RolloutConfig, SyncConfig
 from mcore_rl.controller.actor_group import ActorGroup
 from mcore_rl.controller.engine_fence import CONTROL_TIMEOUT_S, UNREACHABLE, EngineFence, FenceError
@@ -274,11 +275,13 @@ class WeightSync:
                 disk_dir = (
                     os.path.join(self.run_dir, "weights", f"v{version}") if self.cfg.transport == "disk" else None
                 )
-                self.last_stats = self.actor.call(
-                    MegatronActor.sync_send, version, self.cfg.transport, urls, self.pool.api_key, disk_dir,
-                    self.ranks_per_engine, self.cfg.timeout_s, self.cfg.keep_buffers, self._colocation_of(urls),
-                    self.rollout.engine,
+                request = PushRequest(
+                    version=version, transport=self.cfg.transport, engine_urls=urls, api_key=self.pool.api_key,
+                    disk_dir=disk_dir, ranks_per_engine=self.ranks_per_engine, timeout_s=self.cfg.timeout_s,
+                    keep_buffers=self.cfg.keep_buffers, colocation=self._colocation_of(urls),
+                    engine=self.rollout.engine,
                 )  # fmt: skip
+                self.last_stats = self.actor.call(MegatronActor.sync_send, request)
                 self.fence.commit(urls)
                 if disk_dir is not None:
                     # After the session, not inside it: SGLang's /end_weight_update post-processes the weights again
