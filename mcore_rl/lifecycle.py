@@ -27,7 +27,6 @@ import dataclasses
 import errno
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -38,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mcore_rl.config import ConfigError, RLConfig
+from mcore_rl.controller.ray_oom import oom_message, ray_oom_kills
 from mcore_rl.errors import ProcessDied
 
 FAILED = "FAILED"
@@ -147,7 +147,8 @@ def run_guarded(cfg: RLConfig, run: Callable[[RLConfig], dict[str, float]]) -> N
         sys.exit(1)
     except Exception as err:  # noqa: BLE001 - every ending is reported and marked
         user = _user_error(err, ray)
-        kills = [] if user else ray_oom_kills()  # Ray still up: the run's own clean-up has not shut it down
+        # Ray still up: the run's own clean-up has not shut it down
+        kills = [] if user else ray_oom_kills(since=_STARTED)
         message = f"error: {_user_message(err)}" if user else traceback.format_exc()
         if kills:  # the cause is in raylet.out alone: say it, not the traceback of what it broke
             message = f"error: {oom_message(kills)} (what it broke: {type(err).__name__}: {_first_line(err)})"
@@ -207,60 +208,6 @@ def _install_signal_handlers(cfg: RLConfig) -> None:
     watchdog.keep_sigterm_handler(on_term)  # ray.init replaces it; controller/placement.py puts it back
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave an ignored SIGINT ignored
         signal.signal(signal.SIGINT, on_int)
-
-
-_KILL_LINE = re.compile(
-    r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ .*Killing \d+ worker\(s\), kill details: Memory on the node "
-    r"\(IP: [^,]*, ID: \w+\) was ([\d.]+)GB used / ([\d.]+)GB limit"
-)
-_SELECTED = re.compile(r"task name=([^,]*), .*?pid=(\d+), actual memory used=([\d.]+)GB")
-
-
-def oom_kills(raylet_log: str, since: float = 0.0) -> list[str]:
-    """One line per worker Ray's memory monitor killed, read from a raylet.out (its OOM report spans several lines:
-    the kill line with the node's memory, then "Selected to kill: (... task name=..., pid=..., actual memory used=...)",
-    ray 2.60); kills logged before `since` (a time.time(), the log's local time) are left out."""
-    found = []
-    lines = raylet_log.splitlines()
-    for at, line in enumerate(lines):
-        kill = _KILL_LINE.match(line)
-        if kill is None or time.mktime(time.strptime(kill.group(1), "%Y-%m-%d %H:%M:%S")) < int(since):
-            continue
-        for follow in lines[at + 1 : at + 200]:
-            if follow.startswith("["):  # the next log record: this report is over
-                break
-            for task, pid, used in _SELECTED.findall(follow):
-                named, _, method = task.rpartition(":")  # "engine-0:Engine.__init__", or "MegatronActor.call_packed"
-                name = f"{named} ({method.split('.')[0]})" if named else method.split(".")[0]
-                found.append(
-                    f"Ray's memory monitor killed {name}, pid {pid}, using {used} GB, when the node's memory was at "
-                    f"{kill.group(2)} GB of {kill.group(3)} GB (above Ray's kill threshold, RAY_memory_usage_threshold)"
-                )
-    return found
-
-
-def ray_oom_kills() -> list[str]:
-    """oom_kills of this driver's Ray session since the run started (empty without a local raylet log or Ray)."""
-    try:
-        import ray
-
-        node = ray._private.worker._global_node
-        if node is None:
-            return []
-        path = os.path.join(node.get_session_dir_path(), "logs", "raylet.out")
-        with open(path, errors="replace") as f:
-            return oom_kills(f.read(), since=_STARTED)
-    except (ImportError, AttributeError, OSError):
-        return []
-
-
-def oom_message(kills: list[str]) -> str:
-    """The one line for a run that failed after Ray's memory monitor killed its processes."""
-    return (
-        f"{'; '.join(kills)}: the run cannot go on without it. Give the run more memory (fewer runs on this machine), "
-        f"or make it smaller: rollout.max_running_requests, actor.micro_batch_size, data.max_prompt_length, "
-        f"rollout.max_new_tokens"
-    )
 
 
 def _user_error(err: BaseException, ray: Any) -> bool:

@@ -17,7 +17,6 @@ wandb: metrics/backends.py); the run ends with a `summary:` line.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Any
@@ -58,23 +57,17 @@ def run(cfg: RLConfig) -> dict[str, float]:
 
     check(cfg)  # inputs that would fail later (files, run dir, checkpoint, Ray CPUs): refused before anything starts
 
-    from mcore_rl._quiet import quiet_process
     from mcore_rl.actor.megatron_actor import MegatronActor
-    from mcore_rl.checkpoint.manager import Checkpointer
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.advantage_stage import AdvantageStage, check_engine_agrees
     from mcore_rl.controller.async_producer import make_producer
-    from mcore_rl.controller.critic_group import CriticGroup
-    from mcore_rl.controller.engine_pool import EnginePool
-    from mcore_rl.controller.placement import init_ray, make_placement
     from mcore_rl.controller.producer import dump_rollouts
     from mcore_rl.controller.samples import reduce_rank_metrics
-    from mcore_rl.controller.state import LoopState
+    from mcore_rl.controller.session import RunSession, hf_config
     from mcore_rl.controller.validation import Validator
-    from mcore_rl.controller.weight_sync import SyncError, WeightSync
+    from mcore_rl.controller.weight_sync import SyncError
     from mcore_rl.lifecycle import TrainingDiverged
     from mcore_rl.metrics.compute import FlopsModel, step_metrics
-    from mcore_rl.metrics.logger import MetricsLogger
     from mcore_rl.reward.manager import RewardManager
     from mcore_rl.reward.reward_model import build_reward
 
@@ -105,47 +98,17 @@ def run(cfg: RLConfig) -> dict[str, float]:
         num_threads=cfg.reward.num_threads,
         timeout_s=cfg.reward.timeout_s,
     )
-    quiet_process()
-    init_ray(cfg)  # trainer.ray_address, or a local Ray sized by what the run's actors reserve
-    placement = make_placement(cfg)  # split pools, or colocated taking turns (controller/placement.py)
-    actor = ActorGroup(
-        cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed, options=placement.actor_options
-    )  # the ranks start (build, load) while the engines start below, unless they share a GPU
-    engines = critic = producer = None
-    try:
-        if not placement.overlap_startup:
-            actor.ready()
-        critic = CriticGroup(cfg, options=placement.critic_options) if cfg.critic.enable else None
-        engines = EnginePool(
-            cfg.rollout,
-            model=_engine_model(cfg),
-            tokenizer=tokenizer_dir,
-            dtype=cfg.model.dtype,
-            runtime=cfg.trainer.runtime,
-            log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
-            engine_options=placement.engine_options,
-            return_routed_experts=cfg.actor.router_replay_mode == "R3",  # SGLang answers routed_experts only then
-            fp8=cfg.sync.fp8,  # SGLang engines with FP8 parameters for the blockwise e4m3 weights the push sends
-        )
-        actor.ready()
-        sync = WeightSync(
-            actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, _hf_config(cfg)
-        )
-        ckpt = Checkpointer(cfg)  # trainer.resume: actor ranks, data position and metric history restored
-        state = ckpt.resume(actor, loader, LoopState(), critic)
-        placement.sync_weights(sync, state.weight_version)  # the engines start from the actor's (restored) weights
+    # Ray, placement, actor ranks (+ critic), engines and weight sync, stopped in reverse: controller/session.py
+    with RunSession(cfg, tokenizer_dir) as session:
+        actor, critic, engines, sync = session.actor, session.critic, session.engines, session.sync
+        placement, ckpt = session.placement, session.ckpt
+        state = session.resume(loader)  # trainer.resume restored; the engines start from the actor's weights
         producer = make_producer(cfg, loader, engines, reward, tokenizer, state)  # single-turn | agent, sync | async
+        if hasattr(producer, "close"):  # the async producer's generation thread stops before the engines
+            session.close_first(producer.close)
         advantages = AdvantageStage(cfg.algorithm, state.controllers)
-        log = MetricsLogger(
-            os.path.join(cfg.trainer.run_dir, "metrics.jsonl"),
-            history=state.rewards,
-            loggers=cfg.trainer.loggers,
-            total_steps=cfg.trainer.steps,
-            first_step=state.step + 1,
-            wandb=_wandb_settings(cfg),
-            max_nonfinite_steps=cfg.trainer.max_nonfinite_steps,  # a NaN loss stops the run (exit 1)
-        )
-        flops = FlopsModel.for_run(cfg, _hf_config(cfg), actor.ranks[0].get("device_name"))
+        log = session.logger(state)  # metrics.jsonl and trainer.loggers; a NaN loss stops the run (exit 1)
+        flops = FlopsModel.for_run(cfg, hf_config(cfg), actor.ranks[0].get("device_name"))
         validator = Validator.from_config(cfg, tokenizer, engines, producer.score, reward)
         if validator is not None and cfg.trainer.val_before_train and state.step == 0:
             log.write(0, validator.run(seed=0))
@@ -226,57 +189,6 @@ def run(cfg: RLConfig) -> dict[str, float]:
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
             ckpt.after_step(actor, state, critic)  # every trainer.save_every steps and after the last
         return log.summary(seconds=time.time() - start)
-    except Exception as err:
-        _name_what_died(err, actor, critic, engines)  # a killed rank or router: one line naming it, not Ray's trace
-        raise
-    finally:  # also on errors: no engine, router or rank outlives the run
-        if hasattr(producer, "close"):
-            producer.close()
-        actor.shutdown()
-        if critic is not None:
-            critic.shutdown()
-        if engines is not None:
-            engines.shutdown()
-        placement.shutdown()
-
-
-def _name_what_died(err: Exception, actor: Any, critic: Any, engines: Any) -> None:
-    """Raise ProcessDied naming what died, if anything did (`err` chained as its cause): a process Ray's memory
-    monitor killed (an engine, a rank: the cause is only in raylet.out), the router, or actor ranks."""
-    from mcore_rl.errors import ProcessDied
-    from mcore_rl.lifecycle import oom_message, ray_oom_kills
-
-    kills = ray_oom_kills()
-    if kills and not isinstance(err, ProcessDied):
-        raise ProcessDied(oom_message(kills)) from err
-    died = []
-    router_died = getattr(getattr(engines, "router", None), "died", None)
-    if router_died is not None and router_died():
-        died.append(router_died())
-    for group in (actor, getattr(critic, "group", None)):
-        if group is not None:
-            died += group.dead_ranks()
-    if died and not isinstance(err, ProcessDied):
-        raise ProcessDied("; ".join(died)) from err
-
-
-def _wandb_settings(cfg: RLConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    t = cfg.trainer
-    return {"project": t.project_name, "name": t.experiment_name, "mode": t.wandb_mode, "config": asdict(cfg)}
-
-
-def _hf_config(cfg: RLConfig) -> dict[str, Any]:
-    if cfg.model.path:
-        with open(os.path.join(cfg.model.path, "config.json")) as f:
-            return json.load(f)
-    return dict(cfg.model.hf_config)
-
-
-def _engine_model(cfg: RLConfig) -> Any:
-    """What the rollout engine is built from: the HF checkpoint dir, or the same HF config the actor uses."""
-    return cfg.model.path if cfg.model.path else dict(cfg.model.hf_config)
 
 
 if __name__ == "__main__":  # `python -m mcore_rl.train ...`: the command line is mcore_rl/cli.py's

@@ -422,7 +422,7 @@ RAYLET_OOM = REPO / "tests/fixtures/ray_logs/raylet_oom_kill.out"  # ray 2.60's 
 
 
 def test_a_memory_monitor_kill_is_read_from_the_raylet_log() -> None:
-    from mcore_rl.lifecycle import oom_kills
+    from mcore_rl.controller.ray_oom import oom_kills
 
     text = RAYLET_OOM.read_text()
     (line,) = oom_kills(text)

@@ -74,17 +74,11 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
 
     check(cfg)  # run dir, loggers, tokenizer, checkpoints, Ray CPUs: refused before anything starts
 
-    from mcore_rl._quiet import quiet_process
     from mcore_rl.actor.megatron_actor import MegatronActor
-    from mcore_rl.checkpoint.manager import Checkpointer
     from mcore_rl.controller.actor_group import ActorGroup
-    from mcore_rl.controller.engine_pool import EnginePool
-    from mcore_rl.controller.placement import init_ray
     from mcore_rl.controller.samples import reduce_rank_metrics
-    from mcore_rl.controller.state import LoopState
+    from mcore_rl.controller.session import RunSession
     from mcore_rl.controller.validation import Validator
-    from mcore_rl.controller.weight_sync import WeightSync
-    from mcore_rl.metrics.logger import MetricsLogger
     from mcore_rl.reward.loader import build_reward_fn
     from mcore_rl.reward.manager import RewardManager
 
@@ -95,33 +89,11 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
         num_threads=cfg.reward.num_threads,
         timeout_s=cfg.reward.timeout_s,
     )
-    quiet_process()
-    init_ray(cfg)
-    actor = ActorGroup(cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed)
-    engines = None
-    try:
-        hf_config = _hf_config(cfg)
-        engines = EnginePool(
-            cfg.rollout,
-            model=cfg.model.path or hf_config,
-            tokenizer=tokenizer_dir,
-            dtype=cfg.model.dtype,
-            runtime=cfg.trainer.runtime,
-            log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
-        )
-        sync = WeightSync(actor, engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir, hf_config)
-        ckpt = Checkpointer(cfg)
-        state = ckpt.resume(actor, loader, LoopState())
-        sync.push(state.weight_version)  # the engines start from the actor's (restored) weights
-        log = MetricsLogger(
-            os.path.join(cfg.trainer.run_dir, "metrics.jsonl"),
-            history=state.rewards,
-            loggers=cfg.trainer.loggers,
-            total_steps=cfg.trainer.steps,
-            first_step=state.step + 1,
-            wandb=_wandb_settings(cfg),
-            max_nonfinite_steps=cfg.trainer.max_nonfinite_steps,
-        )
+    # Ray, placement, actor ranks, engines and weight sync, stopped in reverse: controller/session.py
+    with RunSession(cfg, tokenizer_dir) as session:
+        actor, engines, sync, ckpt = session.actor, session.engines, session.sync, session.ckpt
+        state = session.resume(loader)  # trainer.resume restored; the engines start from the actor's weights
+        log = session.logger(state)
         eos = [tokenizer.eos_token_id]
         producer = RolloutProducer(cfg, None, engines, reward, tokenizer)
         validator = Validator.from_config(cfg, tokenizer, engines, producer.score, reward)
@@ -163,10 +135,6 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
             ckpt.after_step(actor, state)  # every trainer.save_every steps and after the last
         return log.summary(seconds=time.time() - start)
-    finally:  # also on errors: no engine, router or rank outlives the run
-        actor.shutdown()
-        if engines is not None:
-            engines.shutdown()
 
 
 def _score_policy(  # the RL loop's scoring (controller/producer.py), so both report the same figure
@@ -178,19 +146,3 @@ def _score_policy(  # the RL loop's scoring (controller/producer.py), so both re
     samples = engines.generate([p["prompt_token_ids"] for p in pairs], n, seed, eos)
     scores = producer.score(pairs, samples, n)
     return {SCORE: float(scores.mean())}
-
-
-def _wandb_settings(cfg: RLConfig) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    t = cfg.trainer
-    return {"project": t.project_name, "name": t.experiment_name, "mode": t.wandb_mode, "config": asdict(cfg)}
-
-
-def _hf_config(cfg: RLConfig) -> dict[str, Any]:
-    if cfg.model.path:
-        import json
-
-        with open(os.path.join(cfg.model.path, "config.json")) as f:
-            return json.load(f)
-    return dict(cfg.model.hf_config)

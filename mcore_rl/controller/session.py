@@ -1,0 +1,164 @@
+"""One run's machinery, started in order and stopped in reverse, for every loop (the RL loop in train.py, the DPO
+loop in controller/dpo_loop.py):
+
+    with RunSession(cfg, tokenizer_dir) as s:  # Ray, placement, actor ranks (+ critic), engines, sync, checkpointer
+        state = s.resume(loader)                 # trainer.resume restored; the engines get the actor's weights
+        log = s.logger(state)                    # metrics.jsonl and trainer.loggers, from the restored step on
+        s.close_first(producer.close)            # what the loop started on top: stopped before the engines
+        ...the loop...
+
+Start-up order: the actor ranks start building while the engines start (unless they share a device: the placement
+says so); the weight sync is planned once both are up. An exception from inside names what died (a rank, the router,
+a process Ray's memory monitor killed) instead of Ray's traceback, and on every exit the loop's own closers, the
+ranks, the critic, the engines and router, and the placement groups stop, so nothing outlives the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+from mcore_rl.config import RLConfig
+
+
+class RunSession:
+    """See the module docstring. Attributes are set by `__enter__`: placement, actor, critic (None without
+    critic.enable), engines, sync, ckpt."""
+
+    def __init__(self, cfg: RLConfig, tokenizer_dir: str) -> None:
+        self.cfg, self.tokenizer_dir = cfg, tokenizer_dir
+        self.placement: Any = None
+        self.actor: Any = None
+        self.critic: Any = None
+        self.engines: Any = None
+        self.sync: Any = None
+        self.ckpt: Any = None
+        self._closers: list[Callable[[], None]] = []
+        self._started = 0.0
+
+    def __enter__(self) -> RunSession:
+        from mcore_rl._quiet import quiet_process
+        from mcore_rl.checkpoint.manager import Checkpointer
+        from mcore_rl.controller.actor_group import ActorGroup
+        from mcore_rl.controller.critic_group import CriticGroup
+        from mcore_rl.controller.engine_pool import EnginePool
+        from mcore_rl.controller.placement import init_ray, make_placement
+        from mcore_rl.controller.weight_sync import WeightSync
+
+        cfg = self.cfg
+        self._started = time.time()  # Ray OOM kills before it are another run's
+        quiet_process()
+        init_ray(cfg)  # trainer.ray_address, or a local Ray sized by what the run's actors reserve
+        self.placement = make_placement(cfg)  # split pools, or colocated taking turns (controller/placement.py)
+        try:
+            self.actor = ActorGroup(
+                cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed, options=self.placement.actor_options
+            )  # the ranks start (build, load) while the engines start below, unless they share a device
+            if not self.placement.overlap_startup:
+                self.actor.ready()
+            if cfg.critic.enable:
+                self.critic = CriticGroup(cfg, options=self.placement.critic_options)
+            self.engines = EnginePool(
+                cfg.rollout,
+                model=cfg.model.path or dict(cfg.model.hf_config),  # the HF checkpoint dir, or the actor's HF config
+                tokenizer=self.tokenizer_dir,
+                dtype=cfg.model.dtype,
+                runtime=cfg.trainer.runtime,
+                log_dir=os.path.join(cfg.trainer.run_dir, "rollout"),
+                engine_options=self.placement.engine_options,
+                return_routed_experts=cfg.actor.router_replay_mode == "R3",  # SGLang answers routed_experts only then
+                fp8=cfg.sync.fp8,  # SGLang engines with FP8 parameters for the blockwise e4m3 weights the push sends
+            )
+            self.actor.ready()
+            self.sync = WeightSync(
+                self.actor, self.engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir,
+                hf_config(cfg),
+            )  # fmt: skip
+            self.ckpt = Checkpointer(cfg)  # trainer.resume: ranks, data position and metric history restored
+        except BaseException as err:
+            self.__exit__(type(err), err, err.__traceback__)
+            raise
+        return self
+
+    def resume(self, loader: Any) -> Any:
+        """The loop's state: trainer.resume's checkpoint restored into the ranks, the loader and a LoopState (a new
+        one without); then the engines get the actor's weights at its version."""
+        from mcore_rl.controller.state import LoopState
+
+        state = self.ckpt.resume(self.actor, loader, LoopState(), self.critic)
+        self.placement.sync_weights(self.sync, state.weight_version)
+        return state
+
+    def logger(self, state: Any) -> Any:
+        """The run's MetricsLogger from the restored step on: metrics.jsonl, trainer.loggers, the reward history."""
+        from mcore_rl.metrics.logger import MetricsLogger
+
+        t = self.cfg.trainer
+        return MetricsLogger(
+            os.path.join(t.run_dir, "metrics.jsonl"),
+            history=state.rewards,
+            loggers=t.loggers,
+            total_steps=t.steps,
+            first_step=state.step + 1,
+            wandb={
+                "project": t.project_name,
+                "name": t.experiment_name,
+                "mode": t.wandb_mode,
+                "config": asdict(self.cfg),
+            },
+            max_nonfinite_steps=t.max_nonfinite_steps,  # a NaN loss stops the run (exit 1)
+        )
+
+    def close_first(self, close: Callable[[], None]) -> None:
+        """Call `close` on exit before anything of the session stops (the loop's producer and its threads)."""
+        self._closers.append(close)
+
+    def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> bool:
+        try:
+            if isinstance(err, Exception):
+                name_what_died(err, self.actor, self.critic, self.engines, self._started)
+        finally:  # also on errors: no engine, router or rank outlives the run
+            try:
+                for close in reversed(self._closers):
+                    close()
+            finally:
+                if self.actor is not None:
+                    self.actor.shutdown()
+                if self.critic is not None:
+                    self.critic.shutdown()
+                if self.engines is not None:
+                    self.engines.shutdown()
+                self.placement.shutdown()
+        return False
+
+
+def name_what_died(err: Exception, actor: Any, critic: Any, engines: Any, since: float) -> None:
+    """Raise ProcessDied naming what died, if anything did (`err` chained as its cause): a process Ray's memory
+    monitor killed since `since` (an engine, a rank: the cause is only in raylet.out), the router, or actor ranks."""
+    from mcore_rl.controller.ray_oom import oom_message, ray_oom_kills
+    from mcore_rl.errors import ProcessDied
+
+    kills = ray_oom_kills(since)
+    if kills and not isinstance(err, ProcessDied):
+        raise ProcessDied(oom_message(kills)) from err
+    died = []
+    router_died = getattr(getattr(engines, "router", None), "died", None)
+    if router_died is not None and router_died():
+        died.append(router_died())
+    for group in (actor, getattr(critic, "group", None)):
+        if group is not None:
+            died += group.dead_ranks()
+    if died and not isinstance(err, ProcessDied):
+        raise ProcessDied("; ".join(died)) from err
+
+
+def hf_config(cfg: RLConfig) -> dict[str, Any]:
+    """The model's HF config: model.path's config.json, or model.hf_config (the built-in tiny model)."""
+    if cfg.model.path:
+        with open(os.path.join(cfg.model.path, "config.json")) as f:
+            return json.load(f)
+    return dict(cfg.model.hf_config)
