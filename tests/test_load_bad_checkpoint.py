@@ -50,6 +50,7 @@ def _train(path: Path, run_dir: Path) -> subprocess.CompletedProcess:
         f"trainer.run_dir={run_dir}",
         "data.batch_size=2",
         "rollout.n=2",
+        "rollout.max_new_tokens=2",  # the tiny checkpoint's 128 positions: the schema's 512 would not fit
         ray_address_override(),
     ]
     return subprocess.run(args, capture_output=True, text=True, timeout=300, env=train_env())
