@@ -46,13 +46,26 @@ def set_version(client: RolloutClient, url: str, version: int) -> None:
     client.post(url, "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
 
-def wait_running(client: RolloutClient, url: str) -> None:
-    for _ in range(2000):
+def wait_decoding(client: RolloutClient, url: str, rows: int, steps: int = 2) -> None:
+    """Until all `rows` sequences run on the server and it has decoded `steps` steps since: every sequence then holds
+    tokens of the version now served, whatever the machine's load (a fixed sleep left a loaded machine's sequences
+    without a token, their first span on the next version)."""
+    state = {}
+    for _ in range(60_000):
         _, info = client.get(url, "/server_info")
-        if info["internal_states"][0]["num_running_reqs"] > 0:
+        state = info["internal_states"][0]
+        if state["num_running_reqs"] == rows and state["num_waiting_reqs"] == 0:
+            break
+        time.sleep(0.001)
+    else:
+        raise AssertionError(f"the {rows} sequences never ran together: {state}")
+    first = state["decode_steps"]
+    for _ in range(60_000):
+        _, info = client.get(url, "/server_info")
+        if info["internal_states"][0]["decode_steps"] >= first + steps:
             return
         time.sleep(0.001)
-    raise AssertionError("no request started")
+    raise AssertionError(f"no {steps} decode steps after all {rows} sequences ran")
 
 
 @pytest.mark.parametrize("groups", [0, 1], ids=["per-prompt", "one-batched-request"])
@@ -66,8 +79,7 @@ def test_in_flight_samples_continue_on_new_weights_tagged_with_both_versions(ser
     worker = threading.Thread(target=lambda: out.append(client.generate_samples(prompts, 4, params, 0, groups)))
     continued = client.stats["continued_after_abort"]
     worker.start()
-    wait_running(client, thread.url)
-    time.sleep(0.05)  # some tokens on version 1
+    wait_decoding(client, thread.url, rows=len(prompts) * 4)  # every sequence has tokens on version 1
     if pause_mode == "abort":  # SGLang's way: in-flight requests end as "abort"; the client resubmits them
         client.post(thread.url, "/pause_generation", {"mode": "abort"})
     set_version(client, thread.url, 2)
