@@ -73,7 +73,10 @@ def weight_sync(leaders: list[Any], client: Any, backend: str, streams: list[str
         pending=set(), urls=[],
     )  # fmt: skip
     sync = WeightSync.__new__(WeightSync)
-    sync.actor = SimpleNamespace(handles=leaders)
+    sync.actor = SimpleNamespace(  # ActorGroup's calls over the Ray actors, given MegatronActor methods
+        call=lambda method, *args: ray.get([getattr(h, method.__name__).remote(*args) for h in leaders]),
+        submit=lambda rank, method, *args: getattr(leaders[rank], method.__name__).remote(*args),
+    )
     sync.pool, sync.cfg, sync.rollout = pool, SyncConfig(timeout_s=timeout_s), RolloutConfig(engine="sglang")
     sync.backend, sync.ranks_per_engine = backend, 1
     sync.summary = {"stream_names": streams}
