@@ -154,6 +154,7 @@ def _assert_ended_by_sigterm(run_dir, job_id: int) -> None:  # noqa: ANN001
     assert not (run_dir / "summary.json").exists()
 
 
+@pytest.mark.long  # a whole job ended by Slurm (2-3 minutes on 2 cores): the long tier
 def test_scancel_after_the_first_step_ends_the_run_with_143_and_a_failed_marker(slurm: None, tmp_path) -> None:
     run_dir = tmp_path / "run"
     job_id = _submit(run_dir, "term", "10:00", "trainer.steps=100000")
@@ -162,6 +163,7 @@ def test_scancel_after_the_first_step_ends_the_run_with_143_and_a_failed_marker(
     _assert_ended_by_sigterm(run_dir, job_id)
 
 
+@pytest.mark.long  # a whole job ended by Slurm (2-3 minutes on 2 cores): the long tier
 def test_a_time_limit_that_expires_mid_run_ends_it_with_143_and_a_failed_marker(slurm: None, tmp_path) -> None:
     """--time 1 (Slurm's minimum, a minute): at the limit Slurm sends SIGTERM to every step of the job, then SIGKILL
     after KillWait. The job is in state TIMEOUT."""
