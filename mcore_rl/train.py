@@ -58,12 +58,13 @@ def run(cfg: RLConfig) -> dict[str, float]:
     check(cfg)  # inputs that would fail later (files, run dir, checkpoint, Ray CPUs): refused before anything starts
 
     from mcore_rl.actor.megatron_actor import MegatronActor
+    from mcore_rl.checkpoint.manager import hf_config_of
     from mcore_rl.controller.actor_group import ActorGroup
     from mcore_rl.controller.advantage_stage import AdvantageStage, check_engine_agrees
     from mcore_rl.controller.async_producer import make_producer
     from mcore_rl.controller.producer import dump_rollouts
     from mcore_rl.controller.samples import reduce_rank_metrics
-    from mcore_rl.controller.session import RunSession, hf_config
+    from mcore_rl.controller.session import RunSession
     from mcore_rl.controller.validation import Validator
     from mcore_rl.controller.weight_sync import SyncError
     from mcore_rl.lifecycle import TrainingDiverged
@@ -108,7 +109,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             session.close_first(producer.close)
         advantages = AdvantageStage(cfg.algorithm, state.controllers)
         log = session.logger(state)  # metrics.jsonl and trainer.loggers; a NaN loss stops the run (exit 1)
-        flops = FlopsModel.for_run(cfg, hf_config(cfg), actor.ranks[0].get("device_name"))
+        flops = FlopsModel.for_run(cfg, hf_config_of(cfg), actor.ranks[0].get("device_name"))
         validator = Validator.from_config(cfg, tokenizer, engines, producer.score, reward)
         if validator is not None and cfg.trainer.val_before_train and state.step == 0:
             log.write(0, validator.run(seed=0))

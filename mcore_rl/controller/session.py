@@ -15,7 +15,6 @@ ranks, the critic, the engines and router, and the placement groups stop, so not
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -42,7 +41,7 @@ class RunSession:
 
     def __enter__(self) -> RunSession:
         from mcore_rl._quiet import quiet_process
-        from mcore_rl.checkpoint.manager import Checkpointer
+        from mcore_rl.checkpoint.manager import Checkpointer, hf_config_of
         from mcore_rl.controller.actor_group import ActorGroup
         from mcore_rl.controller.critic_group import CriticGroup
         from mcore_rl.controller.engine_pool import EnginePool
@@ -76,7 +75,7 @@ class RunSession:
             self.actor.ready()
             self.sync = WeightSync(
                 self.actor, self.engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir,
-                hf_config(cfg),
+                hf_config_of(cfg),
             )  # fmt: skip
             self.ckpt = Checkpointer(cfg)  # trainer.resume: ranks, data position and metric history restored
         except BaseException as err:
@@ -154,11 +153,3 @@ def name_what_died(err: Exception, actor: Any, critic: Any, engines: Any, since:
             died += group.dead_ranks()
     if died and not isinstance(err, ProcessDied):
         raise ProcessDied("; ".join(died)) from err
-
-
-def hf_config(cfg: RLConfig) -> dict[str, Any]:
-    """The model's HF config: model.path's config.json, or model.hf_config (the built-in tiny model)."""
-    if cfg.model.path:
-        with open(os.path.join(cfg.model.path, "config.json")) as f:
-            return json.load(f)
-    return dict(cfg.model.hf_config)
