@@ -129,10 +129,10 @@ class CheckReport:
 
 def compose_config(overrides: list[str]) -> Any:
     """The run's validated config, composed by the function `python -m mcore_rl.train <overrides>` composes it with
-    (mcore_rl/config/verl_cli.py: compose_command): verl's keys translated over verl's defaults (each translated key
+    (mcore_rl/compat/verl/cli.py: compose_command): verl's keys translated over verl's defaults (each translated key
     printed, as train prints it), ours over configs/<recipe>, or over the schema's defaults when the command names
     model.path without a recipe. Every problem of the command in one SubmitError (exit 2)."""
-    from mcore_rl.config.verl_cli import SCHEMA_BASE_NOTE, compose_command, resolve
+    from mcore_rl.compat.verl.cli import SCHEMA_BASE_NOTE, compose_command, resolve
 
     t = resolve(overrides)
     for line in t.lines:

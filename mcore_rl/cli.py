@@ -1,7 +1,7 @@
 """The command line: `python -m mcore_rl.train [--print-config] [--config-name NAME] overrides...`.
 
 ```
-main(argv) -> resolve(argv): our keys or verl's (config/verl_cli.py; the dry run makes the same decision)
+main(argv) -> resolve(argv): our keys or verl's (compat/verl/cli.py; the dry run makes the same decision)
    our keys  -> Hydra over configs/<name>.yaml -> to_config -> start
    verl keys -> compose_command (verl's defaults, translated) -> start
 start(cfg) -> --print-config: the validated config, then stop | trainer.mode=dpo: run_dpo | else: train.run
@@ -42,7 +42,7 @@ def start(cfg: RLConfig, run: RunLoop, print_config: bool = False) -> None:
 def main(run: RunLoop, argv: list[str] | None = None) -> None:
     """Parse the command (our keys over configs/default.yaml through Hydra, or verl's keys over verl's defaults),
     then `start` the run."""
-    from mcore_rl.config.verl_cli import SCHEMA_BASE_NOTE, compose_command, resolve
+    from mcore_rl.compat.verl.cli import SCHEMA_BASE_NOTE, compose_command, resolve
 
     argv = sys.argv[1:] if argv is None else argv
     print_config = "--print-config" in argv

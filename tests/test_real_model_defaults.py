@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from mcore_rl.compat.verl.cli import compose_command
+from mcore_rl.compat.verl.keys import VERL_DEFAULTS
 from mcore_rl.config import RLConfig
-from mcore_rl.config.verl import VERL_DEFAULTS
-from mcore_rl.config.verl_cli import compose_command
 
 #: a small dense Qwen2 config.json, shaped as a pretrained checkpoint's
 QWEN2 = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "intermediate_size": 128,

@@ -1,6 +1,6 @@
-"""verl's key tree on `python -m mcore_rl.train`: each verl key is mapped, explained or refused (config/verl.py), verl's
-defaults apply under a verl command and the tiny CPU job's settings do not, values come in verl's forms, every problem
-of a command is reported at once (exit 2), and the config layer imports nothing above it."""
+"""verl's key tree on `python -m mcore_rl.train`: each verl key is mapped, explained or refused (compat/verl/keys.py),
+verl's defaults apply under a verl command and the tiny CPU job's settings do not, values come in verl's forms, every
+problem of a command is reported at once (exit 2), and the config layer imports nothing above it."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from mcore_rl.compat.verl.cli import compose, translate
 from mcore_rl.config import to_config
-from mcore_rl.config.verl_cli import compose, translate
 
 AR = "actor_rollout_ref"
 
@@ -154,7 +154,7 @@ def test_the_config_layer_imports_nothing_above_it() -> None:
     code = (
         "import sys\n"
         "from mcore_rl.config import RLConfig\n"
-        "import mcore_rl.config.verl, mcore_rl.config.verl_cli, mcore_rl.config.verl_derive\n"
+        "import mcore_rl.compat.verl.keys, mcore_rl.compat.verl.cli, mcore_rl.compat.verl.derive\n"
         "cfg = RLConfig(); cfg.model.hf_config = {'model_type': 'qwen2', 'hidden_size': 64, 'intermediate_size': 128,"
         " 'num_hidden_layers': 2, 'num_attention_heads': 4, 'num_key_value_heads': 2, 'vocab_size': 64}\n"
         "cfg.trainer.save_every = 1; cfg.trainer.resume = 'auto'; cfg.trainer.loggers = ['console', 'wandb']\n"
@@ -168,8 +168,8 @@ def test_the_config_layer_imports_nothing_above_it() -> None:
 
 
 def test_a_checker_gets_the_config_of_a_verl_command_or_none(model_dir: str) -> None:
+    from mcore_rl.compat.verl.cli import config_of_verl_command
     from mcore_rl.config import ConfigError
-    from mcore_rl.config.verl_cli import config_of_verl_command
 
     assert config_of_verl_command(["trainer.steps=3"]) is None  # ours: Hydra composes it over configs/
     assert config_of_verl_command(_verl(model_dir)).critic.enable
@@ -178,11 +178,11 @@ def test_a_checker_gets_the_config_of_a_verl_command_or_none(model_dir: str) -> 
 
 
 def test_the_key_table_in_the_docs_is_the_code_s() -> None:
-    from mcore_rl.config.verl import markdown_table
+    from mcore_rl.compat.verl.keys import markdown_table
 
     path = os.path.join(os.path.dirname(__file__), "..", "docs", "verl_keys.md")
     with open(path) as f:
-        assert f.read() == markdown_table(), "regenerate: python -m mcore_rl.config.verl > docs/verl_keys.md"
+        assert f.read() == markdown_table(), "regenerate: python -m mcore_rl.compat.verl.keys > docs/verl_keys.md"
 
 
 def test_engine_knobs_go_to_the_chosen_engine(model_dir: str) -> None:

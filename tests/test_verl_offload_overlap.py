@@ -1,4 +1,4 @@
-"""verl's reference offload and DDP overlap keys on `python -m mcore_rl.train` (config/verl.py, verl_derive.py).
+"""verl's reference offload and DDP overlap keys on `python -m mcore_rl.train` (compat/verl/keys.py, derive.py).
 
 - `actor_rollout_ref.ref.megatron.param_offload` (verl's default: actor.megatron.param_offload's; an FSDP reference:
   ref.fsdp_config.param_offload): true = actor.ref_placement=host, false = resident; none given = ours (null).
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
+from mcore_rl.compat.verl.cli import compose, translate
 from mcore_rl.config import ConfigError, to_config
-from mcore_rl.config.verl_cli import compose, translate
 
 AR = "actor_rollout_ref"
 DDP = f"{AR}.actor.megatron.override_ddp_config"

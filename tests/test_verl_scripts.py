@@ -46,8 +46,8 @@ def _vllm_accepted() -> bool:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_a_verl_script_passes_the_config_check(world: str, script: str) -> None:
+    from mcore_rl.compat.verl.cli import compose, translate
     from mcore_rl.config import to_config
-    from mcore_rl.config.verl_cli import compose, translate
 
     args = script_args(script, world)
     t = translate(args)
@@ -80,8 +80,8 @@ def test_the_cli_prints_the_translation_and_the_config_in_our_keys(world: str) -
 def test_the_moe_script_keeps_its_deepep_dispatcher(world: str) -> None:
     """verl's Qwen3-30B script asks for DeepEP (flex dispatcher) and fused permutes: they are settings here, which
     pre-flight checks against the machine (TE, CUDA, deep_ep), not knobs silently dropped."""
+    from mcore_rl.compat.verl.cli import compose, translate
     from mcore_rl.config import to_config
-    from mcore_rl.config.verl_cli import compose, translate
 
     t = translate(script_args("grpo_qwen3moe_30b_megatron", world))
     if t.errors:  # rollout.engine without vllm here

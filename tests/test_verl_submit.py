@@ -1,4 +1,4 @@
-"""launch/submit.py --dry-run composes a command as `python -m mcore_rl.train` does (mcore_rl/config/verl_cli.py:
+"""launch/submit.py --dry-run composes a command as `python -m mcore_rl.train` does (mcore_rl/compat/verl/cli.py:
 compose_command): verl's launch scripts are translated and checked on the cluster they name (trainer.nnodes x
 trainer.n_gpus_per_node), and a command of ours naming model.path is composed over the schema's defaults, not the
 tiny CPU job's. Also: pre-flight refuses actor.recompute on trainer.runtime=cpu.

@@ -106,8 +106,8 @@ def test_cpu_and_gpu_commands() -> None:
 def test_a_cpu_vllm_run_with_a_transport_vllm_cpu_cannot_take_is_refused(transport: str) -> None:
     """On CPU the gloo plugin is vLLM's only way in: the tensor transport failed at the first push (no colocation
     map), disk at /update_weights_from_disk (no vLLM counterpart); now the config refuses them before anything."""
+    from mcore_rl.compat.verl.cli import compose_command, resolve
     from mcore_rl.config import ConfigError
-    from mcore_rl.config.verl_cli import compose_command, resolve
 
     def compose(overrides: list[str]) -> object:  # the default job, composed as `python -m mcore_rl.train` does
         return compose_command(overrides, resolve(overrides))

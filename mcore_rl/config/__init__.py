@@ -10,9 +10,7 @@ does not exist is refused by name. `to_config(cfg)` turns the composed DictConfi
 The groups live in this package's modules, by meaning: checks.py (ConfigError and the checks), model.py (model,
 layout, optimizer, actor, critic), rollout.py (engines, weight sync, agent episodes), algorithm.py (advantages, KL,
 DAPO, rollout correction, reward, DPO), trainer.py (data, trainer); validate.py holds the checks that span groups.
-verl.py is verl's key tree as one table (verl key -> our field, or why it is ignored or refused), verl_derive.py the
-verl keys that only mean something together, and verl_cli.py reads a command line with them
-(docs/coming_from_verl.md).
+verl's keys are read into this tree by mcore_rl/compat/verl/ (docs/coming_from_verl.md).
 Every public name is importable from `mcore_rl.config` itself.
 """
 

@@ -1,4 +1,4 @@
-"""verl keys that mean something only together (config/verl.py's `Derived` rules), turned into our fields.
+"""verl keys that mean something only together (compat/verl/keys.py's `Derived` rules), turned into our fields.
 
     derive(given, settings, megatron) -> (our key -> value, one line per derived field, errors)
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mcore_rl.config import verl as V
+from mcore_rl.compat.verl import keys as V
 
 AR = V.AR
 TRUNCATIONS = ("error", "left", "right")
@@ -390,7 +390,7 @@ def _ref_placement(d: _Derivation, megatron: bool) -> None:
     """verl's param_offload of the reference (its weights on the host between its passes, loaded onto the GPU for
     each) is actor.ref_placement=host; false keeps them on the GPU: resident. ref.megatron.param_offload defaults to
     actor.megatron.param_offload in verl's Megatron config; an FSDP reference has its own fsdp_config.param_offload.
-    None given: our default (null: host on CUDA; config/verl.py KEPT_DEFAULTS)."""
+    None given: our default (null: host on CUDA; compat/verl/keys.py KEPT_DEFAULTS)."""
     keys = [f"{AR}.ref.megatron.param_offload", f"{AR}.ref.fsdp_config.param_offload"]
     actor_key = f"{AR}.actor.megatron.param_offload"
     if actor_key in d.given:

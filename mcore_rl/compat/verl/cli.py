@@ -1,4 +1,4 @@
-"""Reading a command line: our keys as they are, verl's through the table in config/verl.py, every problem at once.
+"""Reading a command line: our keys as they are, verl's through the table in compat/verl/keys.py, every problem at once.
 
     translate(argv)   -> Translation: our settings (key -> value), one line per verl key, every error
     compose(t)        -> the DictConfig of the run (schema <- verl's defaults <- the command), to_config's input
@@ -20,8 +20,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from mcore_rl.config import verl as V
-from mcore_rl.config.verl_derive import derive
+from mcore_rl.compat.verl import keys as V
+from mcore_rl.compat.verl.derive import derive
 
 
 @dataclass
@@ -200,7 +200,7 @@ def _suggest(key: str) -> str:
     candidates = [*V.VERL_KEYS, *our_keys()]
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.75)
     if not close:
-        return "expected a field of mcore_rl/config/ or a verl key of config/verl.py (docs/coming_from_verl.md)"
+        return "expected a field of mcore_rl/config/ or a verl key of compat/verl/keys.py (docs/coming_from_verl.md)"
     match = close[0]
     rule = V.VERL_KEYS.get(match)
     if rule is not None and not schema_field(match):

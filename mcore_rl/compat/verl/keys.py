@@ -1,13 +1,13 @@
 """verl's key tree, translated: one declarative table from each verl key to our field (with a value converter), or the
 reason it is ignored here, or what would be lost (then it is refused).
 
-    python -m mcore_rl.train <verl's overrides, as in verl's launch scripts>     # translated by config/verl_cli.py
+    python -m mcore_rl.train <verl's overrides, as in verl's launch scripts>     # translated by compat/verl/cli.py
     python -m mcore_rl.train --print-config <overrides>                         # the translated config, our keys
 
 A key is looked up exactly first, then by the longest matching prefix (`PREFIXES`: whole verl sub-trees with one
 meaning, such as `*.fsdp_config.*`). Values arrive parsed by Hydra's override grammar, as verl parses them. Some verl
 keys only mean something together (ppo_mini_batch_size against train_batch_size, the GPUs against the rollout's TP):
-those are `Derived` here and computed once every key is read (config/verl_cli.py's `derive`).
+those are `Derived` here and computed once every key is read (compat/verl/cli.py's `derive`).
 
 `VERL_DEFAULTS` holds verl's defaults for the fields where ours differ or are set by verl's own value (lr, prompt and
 response length: ours are verl's today, pinned here so a verl command keeps them); they apply to every command that
@@ -36,7 +36,7 @@ class Map:
 
 @dataclass(frozen=True)
 class Derived:
-    """Read now, turned into our fields once every key is known (config/verl_cli.py's `derive`)."""
+    """Read now, turned into our fields once every key is known (compat/verl/cli.py's `derive`)."""
 
     ours: str  #: the fields it ends up in, for the printout and the docs
 
@@ -388,7 +388,7 @@ VERL_KEYS: dict[str, Rule] = {
     f"{AR}.rollout.top_p": Map("rollout.top_p"),
     f"{AR}.rollout.top_k": Ignore("no top-k truncation", _top_k_off, "top-k sampling (not wired: expected -1 or 0)"),
     f"{AR}.rollout.do_sample": Ignore("training rollouts sample", _is(True), "greedy training rollouts"),
-    # the engine's own settings: rollout.sglang.* or rollout.vllm.*, by rollout.name (config/verl_derive.py)
+    # the engine's own settings: rollout.sglang.* or rollout.vllm.*, by rollout.name (compat/verl/derive.py)
     f"{AR}.rollout.tensor_model_parallel_size": Derived("rollout.{sglang,vllm}.tp, rollout.num_engines"),
     f"{AR}.rollout.data_parallel_size": Derived("rollout.{sglang,vllm}.dp"),
     f"{AR}.rollout.expert_parallel_size": Derived("rollout.sglang.ep | rollout.vllm.enable_expert_parallel"),
@@ -638,13 +638,13 @@ def lookup(key: str) -> Rule | None:
 
 
 def markdown_table() -> str:
-    """The table above as markdown (docs/verl_keys.md is this output: `python -m mcore_rl.config.verl`)."""
+    """The table above as markdown (docs/verl_keys.md is this output: `python -m mcore_rl.compat.verl.keys`)."""
 
     def row(key: str, rule: Rule) -> str:
         if isinstance(rule, Map):
             return f"| `{key}` | `{rule.ours}` | mapped{': ' + rule.note if rule.note else ''} |"
         if isinstance(rule, Derived):
-            return f"| `{key}` | `{rule.ours}` | computed with other keys (config/verl_derive.py) |"
+            return f"| `{key}` | `{rule.ours}` | computed with other keys (compat/verl/derive.py) |"
         if isinstance(rule, Ignore):
             refused = f"; refused when it asks for {rule.lost}" if rule.accept is not None and rule.lost else ""
             return f"| `{key}` | ignored | {rule.reason}{refused} |"
@@ -656,8 +656,9 @@ def markdown_table() -> str:
         [
             "# verl keys on `python -m mcore_rl.train`",
             "",
-            "Generated from `mcore_rl/config/verl.py` by `python -m mcore_rl.config.verl > docs/verl_keys.md` (a test",
-            "checks that this file is its output). How to use it: docs/coming_from_verl.md.",
+            "Generated from `mcore_rl/compat/verl/keys.py` by",
+            "`python -m mcore_rl.compat.verl.keys > docs/verl_keys.md` (a test checks that this file is its output).",
+            "How to use it: docs/coming_from_verl.md.",
             "",
             "A command may mix verl's keys with ours. A verl key mapped to one of our keys and that key itself",
             "(`rollout.n` and `actor_rollout_ref.rollout.n`) are one setting: two different values are refused, naming",
