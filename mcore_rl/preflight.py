@@ -55,9 +55,11 @@ def check(cfg: RLConfig) -> None:
     for path in cfg.data.train_files:
         check_parquet(path)
     check_loggers(list(cfg.trainer.loggers))
+    from mcore_rl.compat.verl.shim import WITHOUT_SCORER
     from mcore_rl.reward.sources import check_data_sources
 
-    check_data_sources(cfg)  # every data_source of the train and val files has a scorer (or reward.path is set)
+    # every data_source of the train and val files has a scorer (or reward.path is set); verl's unscored ones say why
+    check_data_sources(cfg, WITHOUT_SCORER)
     if cfg.trainer.resume is not None or cfg.trainer.save_every:
         from mcore_rl.checkpoint.manager import check_resume
 

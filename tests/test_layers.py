@@ -75,9 +75,11 @@ KNOWN: dict[tuple[str, str], str] = {
     # the run's exit classes live in the top-level runner; they move to mcore_rl/errors.py
     ("mcore_rl.metrics.logger", "mcore_rl.lifecycle"): "TrainingDiverged; moves to mcore_rl/errors.py",
     ("mcore_rl.reward.manager", "mcore_rl.lifecycle"): "sigint_received; moves to mcore_rl/errors.py",
+    # the reward loader's built-in table holds verl's data sources, and a user's reward file may import verl's
+    # reward_score: both are read from compat/verl/shim.py on first use, never when reward/ is imported; the edge stays
+    # while verl's scorers are built-ins of every run
+    ("mcore_rl.reward.loader", "mcore_rl.compat.verl.shim"): "verl's data sources and reward_score shim, read lazily",
     # cycles inside one folder or between two neighbours
-    ("mcore_rl.reward.loader", "mcore_rl.reward.verl_shim"): "verl's shim; both move to compat/verl/",
-    ("mcore_rl.reward.verl_shim", "mcore_rl.reward.loader"): "verl's shim; both move to compat/verl/",
     ("mcore_rl.controller.placement", "mcore_rl.preflight"): "placement asks pre-flight's device checks",
     ("mcore_rl.preflight", "mcore_rl.controller.placement"): "pre-flight sizes the placement",
 }

@@ -64,7 +64,7 @@ def test_load_from_file_spec_and_verl_path_name(user_file):
 
 
 def test_load_from_module_spec_and_reward_kwargs(user_file):
-    fn = load_reward_function("mcore_rl.reward.verl_scores:gsm8k_score", reward_kwargs={"method": "flexible"})
+    fn = load_reward_function("mcore_rl.compat.verl.scores:gsm8k_score", reward_kwargs={"method": "flexible"})
     assert fn(data_source="openai/gsm8k", solution_str="it is 12", ground_truth="12") == 1.0
     bonus = build_reward_fn(user_file, "with_kwargs", {"bonus": 0.5})
     assert bonus(data_source="d", solution_str="4", ground_truth="4")["score"] == 1.5

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mcore_rl.reward import verl_math
+from mcore_rl.compat.verl import prime_math
 from mcore_rl.reward.loader import builtin_reward, default_compute_score
 
 #: (response, ground truth, verl's score)
@@ -100,8 +100,8 @@ def test_numina_scores_as_verl(response: str, truth: str, expected: float) -> No
 
 
 def test_all_of_verls_numina_sources_are_registered_and_no_others() -> None:
-    for source in verl_math.NUMINA_DATA_SOURCES:
-        assert builtin_reward(source) is verl_math.numina_score
+    for source in prime_math.NUMINA_DATA_SOURCES:
+        assert builtin_reward(source) is prime_math.numina_score
     assert builtin_reward("numina_unknown") is None  # verl raises NotImplementedError for it too
 
 
@@ -117,23 +117,23 @@ def test_a_response_cannot_make_sympy_run_code() -> None:
     marker = os.path.join(directory, "ran")
     try:
         payload = f"\\boxed{{open('{marker}','w')}}"
-        assert verl_math.numina_score("numina_olympiads", payload, "1") == 0.0
+        assert prime_math.numina_score("numina_olympiads", payload, "1") == 0.0
         assert not os.path.exists(marker)
     finally:
         shutil.rmtree(directory)
 
 
 def test_a_slow_sympy_call_is_cut_off_on_the_main_thread_and_on_a_pool_thread(monkeypatch) -> None:
-    monkeypatch.setattr(verl_math, "SYMPY_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(prime_math, "SYMPY_TIMEOUT_S", 0.2)
 
     def slow(*_: object) -> bool:
         time.sleep(30)
         return True
 
     def bounded() -> object:
-        return verl_math._bounded(slow, seconds=verl_math.SYMPY_TIMEOUT_S)
+        return prime_math._bounded(slow, seconds=prime_math.SYMPY_TIMEOUT_S)
 
-    with pytest.raises(verl_math._Timeout):
+    with pytest.raises(prime_math._Timeout):
         bounded()
     caught: list[BaseException] = []
 
@@ -146,13 +146,13 @@ def test_a_slow_sympy_call_is_cut_off_on_the_main_thread_and_on_a_pool_thread(mo
     thread = threading.Thread(target=on_thread)
     thread.start()
     thread.join(20)
-    assert not thread.is_alive() and len(caught) == 1 and isinstance(caught[0], verl_math._Timeout)
+    assert not thread.is_alive() and len(caught) == 1 and isinstance(caught[0], prime_math._Timeout)
 
 
 def test_the_pool_thread_path_scores_like_the_main_thread() -> None:
     results: list[float] = []
     thread = threading.Thread(target=lambda: results.append(
-        verl_math.numina_score("numina_cn_k12", "\\boxed{\\sqrt{8}}", "2\\sqrt{2}")))  # fmt: skip
+        prime_math.numina_score("numina_cn_k12", "\\boxed{\\sqrt{8}}", "2\\sqrt{2}")))  # fmt: skip
     thread.start()
     thread.join(60)
     assert results == [1.0]

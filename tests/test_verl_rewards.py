@@ -149,6 +149,7 @@ def _config_with_files(tmp_path, sources: dict[str, list[str]]):
 
 
 def test_data_sources_without_a_scorer_are_all_named_before_the_run(tmp_path) -> None:
+    from mcore_rl.compat.verl.shim import WITHOUT_SCORER
     from mcore_rl.config import ConfigError
     from mcore_rl.reward.sources import check_data_sources
 
@@ -157,10 +158,10 @@ def test_data_sources_without_a_scorer_are_all_named_before_the_run(tmp_path) ->
         {"train_files": ["openai/gsm8k", "numina_other"], "val_files": ["aime-2024", "my/own", "numina_cn_k12"]},
     )
     with pytest.raises(ConfigError) as err:
-        check_data_sources(cfg)
+        check_data_sources(cfg, WITHOUT_SCORER)
     message = str(err.value)
     assert "numina_other" in message and "prime_math" in message and "'my/own'" in message
-    for scored in ("gsm8k", "aime-2024", "numina_cn_k12"):  # verl's six numina_* sources score (verl_math.py)
+    for scored in ("gsm8k", "aime-2024", "numina_cn_k12"):  # verl's six numina_* sources score (prime_math.py)
         assert f"data_source={scored!r}" not in message
     cfg.reward.path = "my_reward.py"  # a user function decides what it scores
-    check_data_sources(cfg)
+    check_data_sources(cfg, WITHOUT_SCORER)

@@ -21,10 +21,11 @@ import importlib.util
 import inspect
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from mcore_rl.reward import code_reward, rule, verl_math, verl_scores
+from mcore_rl.reward import code_reward, rule
 
 RewardResult = float | dict[str, Any]
 
@@ -52,43 +53,65 @@ _REQUIRED_KEYWORDS = ("data_source", "solution_str", "ground_truth")
 EXPECTED_SIGNATURE = "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"
 
 SYNTHETIC_DATA_SOURCES = ("synthetic/copy_digit", "synthetic/copy_digits", "synthetic/successor")
-# data_source values written by verl's preprocessing scripts for GSM8K and MATH.
-GSM8K_DATA_SOURCES = ("openai/gsm8k",)
-MATH_DATA_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 
-DAPO_DATA_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
-#: data_source prefixes verl scores by one rule (its default_compute_score: `data_source.startswith("aime")`)
-BUILTIN_PREFIXES: dict[str, RewardFn] = {"aime": verl_scores.dapo_score}
-
-# verl's data sources score as verl scores them (reward/verl_scores.py, and reward/verl_math.py for verl's six
-# numina_* sources, by exact name as verl lists them); searchR1_* (needs a search tool) has no scorer here: pre-flight
-# names it (reward/sources.py).
-BUILTIN_REWARDS: dict[str, RewardFn] = {
+# Built-ins by exact data_source, and data_source prefixes scored by one rule: ours here; verl's data sources (GSM8K,
+# MATH, DAPO, AIME, numina_*) join from compat/verl/shim.py when a table is first read (`_builtins`). Read them as
+# BUILTIN_REWARDS and BUILTIN_PREFIXES (module attributes, verl's joined). verl's searchR1_* (needs a search tool) has
+# no scorer here: pre-flight names it (reward/sources.py).
+_REWARDS: dict[str, RewardFn] = {
     **{source: rule.synthetic_digits_score for source in SYNTHETIC_DATA_SOURCES},
     "synthetic/lookup": rule.synthetic_lookup_score,
     "arith/add": rule.arithmetic_score,  # data/arithmetic.py: the real-model recipe
-    **{source: verl_scores.gsm8k_score for source in GSM8K_DATA_SOURCES},
-    **{source: verl_scores.hendrycks_math_score for source in MATH_DATA_SOURCES},
-    **{source: verl_scores.dapo_score for source in DAPO_DATA_SOURCES},
     **{source: code_reward.code_compute_score for source in code_reward.CODE_DATA_SOURCES},
-    **{source: verl_math.numina_score for source in verl_math.NUMINA_DATA_SOURCES},
 }
+_PREFIXES: dict[str, RewardFn] = {}
+_verl_joined = False
+_join_lock = threading.Lock()
+
+
+def _builtins() -> tuple[dict[str, RewardFn], dict[str, RewardFn]]:
+    """(exact data_source -> scorer, prefix -> scorer), verl's data sources joined on the first call.
+
+    verl's scorers live in the compat layer above this one, so the tables take them in when first read rather than
+    when this module is imported (tests/test_layers.py lists this one edge up from reward/ to compat/).
+    """
+    global _verl_joined
+    if not _verl_joined:
+        with _join_lock:  # the reward manager's threads may read the tables first
+            if not _verl_joined:
+                from mcore_rl.compat.verl.shim import PREFIXES, SCORERS
+
+                _REWARDS.update(SCORERS)
+                _PREFIXES.update(PREFIXES)
+                _verl_joined = True
+    return _REWARDS, _PREFIXES
+
+
+def __getattr__(name: str) -> Any:
+    """BUILTIN_REWARDS and BUILTIN_PREFIXES: the built-in tables with verl's data sources joined (see `_builtins`)."""
+    if name == "BUILTIN_REWARDS":
+        return _builtins()[0]
+    if name == "BUILTIN_PREFIXES":
+        return _builtins()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def builtin_reward(data_source: str) -> RewardFn | None:
     """The built-in scorer of `data_source`: an exact entry of BUILTIN_REWARDS, else verl's prefix rules."""
-    fn = BUILTIN_REWARDS.get(data_source)
+    rewards, prefixes = _builtins()
+    fn = rewards.get(data_source)
     if fn is None:
-        fn = next((f for prefix, f in BUILTIN_PREFIXES.items() if data_source.startswith(prefix)), None)
+        fn = next((f for prefix, f in prefixes.items() if data_source.startswith(prefix)), None)
     return fn
 
 
 def register_reward(data_source: str, fn: RewardFn, overwrite: bool = False) -> None:
     """Add a built-in reward for an exact `data_source`; refuses to replace one unless `overwrite`."""
-    if data_source in BUILTIN_REWARDS and not overwrite:
+    rewards, _ = _builtins()
+    if data_source in rewards and not overwrite:
         raise ValueError(f"a reward for data_source={data_source!r} is already registered (pass overwrite=True)")
     check_signature(fn, f"reward for data_source={data_source!r}")
-    BUILTIN_REWARDS[data_source] = fn
+    rewards[data_source] = fn
 
 
 def default_compute_score(
@@ -97,9 +120,10 @@ def default_compute_score(
     """Score with the built-in registered for `data_source`; the error lists the registered data sources."""
     fn = builtin_reward(data_source)
     if fn is None:
+        rewards, prefixes = _builtins()
         raise RewardFunctionError(
-            f"no built-in reward for data_source={data_source!r}; known: {sorted(BUILTIN_REWARDS)} and "
-            f"{[p + '*' for p in BUILTIN_PREFIXES]}. "
+            f"no built-in reward for data_source={data_source!r}; known: {sorted(rewards)} and "
+            f"{[p + '*' for p in prefixes]}. "
             "Set reward.custom_reward_function.path to a file with a compute_score function, or register one."
         )
     return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
@@ -139,9 +163,9 @@ def _import_file(path: str) -> Any:
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise RewardFunctionError(f"reward function file not found: {path}")
-    from mcore_rl.reward import verl_shim
+    from mcore_rl.compat.verl.shim import install
 
-    verl_shim.install()  # `import verl.utils.reward_score` in the file works without verl (reward/verl_shim.py)
+    install(default_compute_score)  # `import verl.utils.reward_score` in the file works without verl
     module_name = "mcore_rl_user_reward_" + hashlib.sha1(path.encode()).hexdigest()[:12]
     if module_name in sys.modules:
         return sys.modules[module_name]

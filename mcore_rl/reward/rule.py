@@ -8,7 +8,7 @@ Each function scores one decoded response (`solution_str`, special tokens alread
 - `synthetic_lookup_score`: the multi-turn tool job's task, credited piece by piece.
 - `arithmetic_score`: the real-model recipe's addition questions (`mcore_rl/data/arithmetic.py`), 0 or 1.
 
-verl's data sources (GSM8K, MATH, DAPO, AIME) are scored by `reward/verl_scores.py`, as verl scores them.
+verl's data sources (GSM8K, MATH, DAPO, AIME) are scored by `compat/verl/scores.py`, as verl scores them.
 """
 
 from __future__ import annotations

@@ -2,23 +2,17 @@
 (a data source without one would otherwise fail the first step that samples it, or the first validation).
 
 Skipped when reward.path names a user function (it decides what it scores) and for DPO (pairs, no rule reward per
-data source in the files). verl's sources without a scorer here are named with what verl scores them with.
+data source in the files). Data sources known to have no scorer here are named with why (pre-flight passes verl's:
+compat/verl/shim.py WITHOUT_SCORER).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from mcore_rl.config import ConfigError
-
-#: verl's data sources that have no scorer here, and why
-VERL_WITHOUT_SCORER = {
-    "numina_": "verl's prime_math scores only its six numina_* sources, "
-    "listed in mcore_rl/reward/verl_math.py (NUMINA_DATA_SOURCES)",
-    "searchR1_": "verl's searchR1_* sources need a search tool, which the agent tools do not have",
-    "hiyouga/geometry3k": "verl's geo3k scorer is for a vision-language dataset (text-only here)",
-}
 
 
 def data_sources(path: str) -> set[str]:
@@ -30,8 +24,11 @@ def data_sources(path: str) -> set[str]:
     return set(pq.read_table(path, columns=["data_source"]).column("data_source").to_pylist())
 
 
-def check_data_sources(cfg: Any) -> None:
-    """ConfigError listing every data source (and its files) without a built-in scorer, all at once."""
+def check_data_sources(cfg: Any, without_scorer: Mapping[str, str] | None = None) -> None:
+    """ConfigError listing every data source (and its files) without a built-in scorer, all at once.
+
+    `without_scorer` maps data_source prefixes known to have no scorer here to why (named in the error).
+    """
     from mcore_rl.reward.loader import BUILTIN_PREFIXES, BUILTIN_REWARDS, builtin_reward
 
     if cfg.reward.path or cfg.trainer.mode == "dpo":
@@ -48,7 +45,7 @@ def check_data_sources(cfg: Any) -> None:
         return
     lines = []
     for source, paths in sorted(missing.items()):
-        why = next((w for k, w in VERL_WITHOUT_SCORER.items() if source.startswith(k)), "no built-in scorer")
+        why = next((w for k, w in (without_scorer or {}).items() if source.startswith(k)), "no built-in scorer")
         lines.append(f"data_source={source!r} in {paths}: {why}")
     raise ConfigError(
         "no reward for these data sources: " + "; ".join(lines) + f". Expected one of {sorted(BUILTIN_REWARDS)} or "

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from mcore_rl.reward import verl_scores
+from mcore_rl.compat.verl import scores
 
 SYMPY_TIMEOUT_S = 10.0  # verl's limit on one sympy parse/simplify
 NUMINA_DATA_SOURCES = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
@@ -133,14 +133,14 @@ def match_answer(response: str) -> tuple[bool, str]:
 
 
 def mathd_normalise(answer: str) -> str:
-    """MATH's normalisation (verl_scores.normalise_math) after stripping a whole-answer \\text{}; unchanged when it
+    """MATH's normalisation (scores.normalise_math) after stripping a whole-answer \\text{}; unchanged when it
     cannot parse the answer."""
     answer = answer.strip()
     m = re.search(r"^\\text\{(?P<text>.+?)\}$", answer)
     if m is not None:
         answer = m.group("text").strip()
     try:
-        return verl_scores.normalise_math(answer)
+        return scores.normalise_math(answer)
     except Exception:  # verl's normalize_answer: any failure leaves the answer as it is
         return answer
 
