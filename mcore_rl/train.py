@@ -53,9 +53,13 @@ def setup_data(cfg: RLConfig) -> tuple[Any, Any, str]:
 def run(cfg: RLConfig) -> dict[str, float]:
     """Run the whole job; returns the summary figures."""
 
+    from mcore_rl.metrics.startup import StartupClock
     from mcore_rl.preflight import check
 
+    clock = StartupClock()  # from this process's start to step 1, by phase: <run_dir>/startup.json
+    clock.lap("interpreter, imports, config")
     check(cfg)  # inputs that would fail later (files, run dir, checkpoint, Ray CPUs): refused before anything starts
+    clock.lap("pre-flight")
 
     from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.checkpoint.manager import hf_config_of
@@ -92,6 +96,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
                 check_kv_budget(hf_config_of(cfg), cfg.rollout.vllm, cfg.model.dtype)
             except VLLMUnavailable as err:
                 raise ValueError(f"rollout.engine=vllm: {err}") from None
+    clock.lap("driver imports, engine checks")
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     tokenizer, loader, tokenizer_dir = setup_data(cfg)  # before Ray: a bad dataset is refused before anything starts
     reward = RewardManager(
@@ -100,7 +105,8 @@ def run(cfg: RLConfig) -> dict[str, float]:
         timeout_s=cfg.reward.timeout_s,
     )
     # Ray, placement, actor ranks (+ critic), engines and weight sync, stopped in reverse: controller/session.py
-    with RunSession(cfg, tokenizer_dir) as session:
+    clock.lap("tokenizer, data, reward")
+    with RunSession(cfg, tokenizer_dir, clock) as session:
         actor, critic, engines, sync = session.actor, session.critic, session.engines, session.sync
         placement, ckpt = session.placement, session.ckpt
         state = session.resume(loader)  # trainer.resume restored; the engines start from the actor's weights
@@ -111,8 +117,11 @@ def run(cfg: RLConfig) -> dict[str, float]:
         log = session.logger(state)  # metrics.jsonl and trainer.loggers; a NaN loss stops the run (exit 1)
         flops = FlopsModel.for_run(cfg, hf_config_of(cfg), actor.ranks[0].get("device_name"))
         validator = Validator.from_config(cfg, tokenizer, engines, producer.score, reward)
+        clock.lap("loop set-up")
         if validator is not None and cfg.trainer.val_before_train and state.step == 0:
             log.write(0, validator.run(seed=0))
+            clock.lap("validation before training")
+        clock.finish(cfg.trainer.run_dir)
         start = time.time() - state.seconds
         # Advantages that do not read old logprobs (no KL in the reward, no correction weights) let the old-logprob
         # pass run inside the update call: one actor call per step instead of two, the same logprobs.

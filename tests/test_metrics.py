@@ -186,3 +186,27 @@ def test_rank_stats_report_the_cuda_peaks_in_gib() -> None:
     del held
     assert out["perf/max_memory_allocated_gb"] >= 0.25
     assert out["perf/max_memory_reserved_gb"] >= out["perf/max_memory_allocated_gb"]
+
+
+def test_startup_clock_laps_add_up_from_the_process_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The start-up clock's origin is the process's own start (before this test ran), its laps add up to the total,
+    and finish() writes startup.json and says the same total on the console."""
+    import time
+
+    from mcore_rl.metrics.startup import StartupClock, process_start
+
+    began = process_start()
+    assert began < time.time() - 0.5  # the interpreter and pytest's imports came first
+    clock = StartupClock()
+    assert clock.origin == began
+    clock.lap("a")
+    time.sleep(0.02)
+    clock.lap("b")
+    clock.lap("a")
+    clock.detail("rank 0", {"model build": 1.23456})
+    clock.finish(str(tmp_path))
+    record = json.loads((tmp_path / "startup.json").read_text())
+    assert list(record["laps_s"]) == ["a", "b"] and record["laps_s"]["b"] >= 0.02
+    assert abs(sum(record["laps_s"].values()) - record["total_s"]) < 0.01
+    assert record["details_s"] == {"rank 0": {"model build": 1.235}}
+    assert capsys.readouterr().out.startswith(f"start-up: {record['total_s']:.1f} s to the first step (a ")

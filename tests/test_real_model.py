@@ -182,3 +182,8 @@ def test_recipe_two_step_run_on_the_real_model(smollm2: Path, tmp_path: Path) ->
         "Answer with just the number.<|im_end|>\n<|im_start|>assistant\n"
     )
     assert {"prompt", "response", "score", "weight_version", "ground_truth"} <= set(rows[0])
+    startup = json.loads((run_dir / "startup.json").read_text())  # where the time to step 1 went, said on the console
+    assert abs(sum(startup["laps_s"].values()) - startup["total_s"]) < 0.05, startup
+    assert {"Ray", "engines and router", "first weight push"} <= set(startup["laps_s"]), startup
+    assert {"model build", "checkpoint load"} <= set(startup["details_s"]["actor rank 0"]), startup
+    assert f"start-up: {startup['total_s']:.1f} s to the first step" in out.stdout

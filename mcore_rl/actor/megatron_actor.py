@@ -83,10 +83,20 @@ class MegatronActor:
         """`actor_cfg` is the role's config: ActorConfig ("actor") or CriticConfig ("critic")."""
         if role not in ROLES:
             raise ValueError(f"unknown worker role {role!r}; known: {', '.join(ROLES)}")
-        torch.set_num_threads(threads_per_rank(runtime))
+        torch.set_num_threads(threads_per_rank(runtime, reserved=actor_cfg.num_cpus_per_rank))
         self.rank, self.world_size, self.runtime, self.seed = rank, world_size, runtime, seed
         self.cfg, self.model_cfg, self.role = actor_cfg, model_cfg, role
         self._ref_seconds: float | None = None  # this step's reference pass, for timing_s/ref (actor/rank_stats.py)
+        from mcore_rl.metrics.startup import process_start
+
+        # Where this rank's start-up went (the run's startup.json): Ray's worker start and the imports up to here
+        self._startup: dict[str, float] = {"worker start + imports": time.time() - process_start()}
+        self._startup_mark = time.time()
+
+    def _startup_lap(self, name: str) -> None:
+        now = time.time()
+        self._startup[name] = now - self._startup_mark
+        self._startup_mark = now
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This rank's rendezvous host (loopback in a one-node run: parallel/groups.rendezvous_host) and a port free
@@ -101,7 +111,9 @@ class MegatronActor:
         together)."""
         master_addr, master_port = address
         runtime, actor_cfg, model_cfg = self.runtime, self.cfg, self.model_cfg
+        self._startup_lap("waiting for rank 0's address")
         init_distributed(runtime, self.rank, self.world_size, master_addr, master_port)
+        self._startup_lap("process group")
         self.device = rank_device(runtime)
         self.layout = actor_cfg.layout.to_layout()
         from mcore_rl.models.spec import te_in_use
@@ -129,10 +141,13 @@ class MegatronActor:
         # Same default-generator seed on every data-parallel replica: parameters not initialised under one of
         # Megatron's forked RNG streams must still agree across DP (broadcast_params below makes sure of it).
         torch.manual_seed(model_cfg.init_seed + 100 * self.pg.pp.rank())
+        self._startup_lap("Megatron's groups and the model spec")
         self.chunks, self.contexts = build_gpt_chunks(self.spec, self.pg)
+        self._startup_lap("model build")
         path = (getattr(actor_cfg, "path", None) or model_cfg.path) if self.role == "critic" else model_cfg.path
         if path:
             load_hf(self, path)
+            self._startup_lap("checkpoint load")
         if self.role == "critic":
             from mcore_rl.actor.value_head import attach_value_heads
 
@@ -142,6 +157,7 @@ class MegatronActor:
         self.optim_plan, self.ddp_chunks, self.optimizer, self.lr_scheduler = wrap_ddp_and_optimizer(
             self.chunks, self.cfg.optim, self.model_cfg.dtype, self.runtime, self.pg, f"{self.role}.optim"
         )
+        self._startup_lap("DDP and optimizer")
         self.routing = None  # actor/router_replay.py: R2 / R3 routing replay of the policy's forwards
         if self.routing_mode != "disabled":
             from mcore_rl.actor.router_replay import ActorRouting, RouterReplayDriver
@@ -155,6 +171,7 @@ class MegatronActor:
             self.reference = build_reference(
                 self, resolve_placement(getattr(actor_cfg, "ref_placement", None), runtime)
             )
+            self._startup_lap("reference")
 
     @property
     def ref_chunks(self) -> list[torch.nn.Module]:
@@ -178,6 +195,7 @@ class MegatronActor:
             "ep_rank": self.pg.ep.rank(),
             "layout": self.layout.describe(),
             "device_name": torch.cuda.get_device_name() if self.runtime == "cuda" else None,  # for MFU
+            "startup_s": dict(self._startup),  # where this rank's start-up went, phase by phase
         }
 
     @property

@@ -70,9 +70,13 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
     (train.py): pre-flight before anything starts, trainer.loggers, trainer.save_every / keep_last / resume (model,
     optimizer, RNG, data position and weight version restored exactly), validation through the engines
     (trainer.val_every, val_before_train). The keys it cannot honour are refused by config/validate.py's check_dpo."""
+    from mcore_rl.metrics.startup import StartupClock
     from mcore_rl.preflight import check
 
+    clock = StartupClock()  # from this process's start to step 1, by phase: <run_dir>/startup.json
+    clock.lap("interpreter, imports, config")
     check(cfg)  # run dir, loggers, tokenizer, checkpoints, Ray CPUs: refused before anything starts
+    clock.lap("pre-flight")
 
     from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.controller.actor_group import ActorGroup
@@ -90,15 +94,19 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
         timeout_s=cfg.reward.timeout_s,
     )
     # Ray, placement, actor ranks, engines and weight sync, stopped in reverse: controller/session.py
-    with RunSession(cfg, tokenizer_dir) as session:
+    clock.lap("driver imports, tokenizer, data, reward")
+    with RunSession(cfg, tokenizer_dir, clock) as session:
         actor, engines, sync, ckpt = session.actor, session.engines, session.sync, session.ckpt
         state = session.resume(loader)  # trainer.resume restored; the engines start from the actor's weights
         log = session.logger(state)
         eos = [tokenizer.eos_token_id]
         producer = RolloutProducer(cfg, None, engines, reward, tokenizer)
         validator = Validator.from_config(cfg, tokenizer, engines, producer.score, reward)
+        clock.lap("loop set-up")
         if validator is not None and cfg.trainer.val_before_train and state.step == 0:
             log.write(0, validator.run(seed=0))
+            clock.lap("validation before training")
+        clock.finish(cfg.trainer.run_dir)
         start = time.time() - state.seconds
         for step in range(state.step + 1, cfg.trainer.steps + 1):
             timer = log.timer()

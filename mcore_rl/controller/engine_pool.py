@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +61,12 @@ class EmbeddedEngineActor:
     ) -> None:
         """`bind_node_ip`: listen on this node's address (the router and the actor ranks may be on other nodes; the
         per-run API key guards it), else on 127.0.0.1."""
+        from mcore_rl.metrics.startup import process_start
         from mcore_rl.rollout.server import ServerThread, build_server
 
+        began = time.time()
+        #: where this engine's start-up went (the run's startup.json)
+        self._startup = {"worker start + imports": began - process_start()}
         torch.set_num_threads(max(1, num_threads))
         server = build_server(
             model,
@@ -74,9 +79,13 @@ class EmbeddedEngineActor:
         )
         host = ray.util.get_node_ip_address() if bind_node_ip else "127.0.0.1"
         self._thread = ServerThread(server, host, 0)
+        self._startup["model load and server"] = time.time() - began
 
     def url(self) -> str:
         return self._thread.url
+
+    def startup_s(self) -> dict[str, float]:
+        return self._startup
 
     def pid(self) -> int:
         return os.getpid()

@@ -22,14 +22,17 @@ from dataclasses import asdict
 from typing import Any
 
 from mcore_rl.config import RLConfig
+from mcore_rl.metrics.startup import StartupClock
 
 
 class RunSession:
     """See the module docstring. Attributes are set by `__enter__`: placement, actor, critic (None without
     critic.enable), engines, sync, ckpt."""
 
-    def __init__(self, cfg: RLConfig, tokenizer_dir: str) -> None:
+    def __init__(self, cfg: RLConfig, tokenizer_dir: str, clock: StartupClock | None = None) -> None:
+        """`clock`: the run's start-up clock (metrics/startup.py), which the session's phases lap."""
         self.cfg, self.tokenizer_dir = cfg, tokenizer_dir
+        self.clock = clock if clock is not None else StartupClock()
         self.placement: Any = None
         self.actor: Any = None
         self.critic: Any = None
@@ -48,17 +51,20 @@ class RunSession:
         from mcore_rl.controller.placement import init_ray, make_placement
         from mcore_rl.controller.weight_sync import WeightSync
 
-        cfg = self.cfg
+        cfg, clock = self.cfg, self.clock
         self._started = time.time()  # Ray OOM kills before it are another run's
         quiet_process()
         init_ray(cfg)  # trainer.ray_address, or a local Ray sized by what the run's actors reserve
+        clock.lap("Ray")
         self.placement = make_placement(cfg)  # split pools, or colocated taking turns (controller/placement.py)
+        clock.lap("placement")
         try:
             self.actor = ActorGroup(
                 cfg.model, cfg.actor, cfg.trainer.runtime, seed=cfg.trainer.seed, options=self.placement.actor_options
             )  # the ranks start (build, load) while the engines start below, unless they share a device
             if not self.placement.overlap_startup:
                 self.actor.ready()
+                clock.lap("actor ranks")
             if cfg.critic.enable:
                 self.critic = CriticGroup(cfg, options=self.placement.critic_options)
             self.engines = EnginePool(
@@ -72,11 +78,20 @@ class RunSession:
                 return_routed_experts=cfg.actor.router_replay_mode == "R3",  # SGLang answers routed_experts only then
                 fp8=cfg.sync.fp8,  # SGLang engines with FP8 parameters for the blockwise e4m3 weights the push sends
             )
+            clock.lap("engines and router")
+            first = self.engines.engines[0].handle
+            if hasattr(first, "startup_s"):  # an embedded engine says where its start-up went
+                import ray
+
+                clock.detail("rollout engine 0", ray.get(first.startup_s.remote()))
             self.actor.ready()
+            clock.lap("actor ranks (beyond the engines)" if self.placement.overlap_startup else "actor ranks")
+            clock.detail("actor rank 0", self.actor.ranks[0].get("startup_s", {}))
             self.sync = WeightSync(
                 self.actor, self.engines, cfg.sync, cfg.rollout, cfg.trainer.runtime, cfg.trainer.run_dir,
                 hf_config_of(cfg),
             )  # fmt: skip
+            clock.lap("weight-sync plan")
             self.ckpt = Checkpointer(cfg)  # trainer.resume: ranks, data position and metric history restored
         except BaseException as err:
             self.__exit__(type(err), err, err.__traceback__)
@@ -89,7 +104,9 @@ class RunSession:
         from mcore_rl.controller.state import LoopState
 
         state = self.ckpt.resume(self.actor, loader, LoopState(), self.critic)
+        self.clock.lap("checkpointer and resume")
         self.placement.sync_weights(self.sync, state.weight_version)
+        self.clock.lap("first weight push")
         return state
 
     def logger(self, state: Any) -> Any:
