@@ -40,7 +40,21 @@ from mcore_rl.config import ConfigError, RLConfig
 
 
 def check(cfg: RLConfig) -> None:
-    """Every check above; ConfigError on the first failure."""
+    """Every check above; ConfigError on the first failure. The checkpoint's check (a child process importing torch
+    and Megatron: about 8 s) starts first and runs while the others do; its answer is read in its place in the
+    order, so the first failure reported is the same as when the checks run one by one."""
+    checkpoint = None
+    if cfg.model.path:
+        checkpoint = start_checkpoint_check(cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
+    try:
+        _check(cfg, checkpoint)
+    finally:
+        if checkpoint is not None and checkpoint.poll() is None:  # an earlier check failed: its answer is not needed
+            checkpoint.kill()
+            checkpoint.communicate()
+
+
+def _check(cfg: RLConfig, checkpoint: subprocess.Popen | None) -> None:
     if cfg.trainer.runtime == "cpu":
         from mcore_rl.parallel.cpu_runtime import megatron_version_problem
 
@@ -70,8 +84,8 @@ def check(cfg: RLConfig) -> None:
     check_api_key_env()
     check_ray_cpus(cfg)
     check_ray_address(cfg.trainer.ray_address)
-    if cfg.model.path:
-        check_checkpoint(cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
+    if checkpoint is not None:
+        finish_checkpoint_check(checkpoint, cfg.model.path)
     check_host_memory(cfg)  # last: every input above is known good, so the estimate reads a valid model
 
 
@@ -268,15 +282,26 @@ def _check_ray_token(address: str) -> None:
 def check_checkpoint(path: str, divisible_by: int, mtp: str = "auto") -> None:
     """Headers of model.path against the weight map, in a child process (see the module docstring); prints the
     family's note once when the checkpoint changes what is built (DeepSeek-V3 without its MTP weights: MTP off)."""
-    proc = subprocess.run(
+    finish_checkpoint_check(start_checkpoint_check(path, divisible_by, mtp), path)
+
+
+def start_checkpoint_check(path: str, divisible_by: int, mtp: str = "auto") -> subprocess.Popen:
+    """`check_checkpoint`'s child process, started; `finish_checkpoint_check` reads its answer."""
+    return subprocess.Popen(
         [sys.executable, "-m", "mcore_rl.preflight", path, str(divisible_by), mtp],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def finish_checkpoint_check(proc: subprocess.Popen, path: str) -> None:
+    """Wait for `start_checkpoint_check`'s child; ConfigError naming what model.path lacks, its note printed."""
+    stdout, stderr = proc.communicate()
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"checkpoint pre-flight of {path} crashed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"checkpoint pre-flight of {path} crashed (exit {proc.returncode}):\n{stderr[-4000:]}")
     result = json.loads(lines[-1])
     if result["note"]:
         print(result["note"])

@@ -246,6 +246,25 @@ def test_router_timeout_below_a_second_is_rounded_up_not_down() -> None:
     assert cmd[cmd.index("--request-timeout-secs") + 1] == "3"
 
 
+def test_the_checkpoint_child_runs_beside_the_other_checks_and_never_outlives_them(checkpoint, tmp_path,
+                                                                                 monkeypatch) -> None:  # fmt: skip
+    """pre-flight starts the checkpoint's child first (it overlaps the tokenizer check), but an earlier failure is
+    still the one reported, and the child is stopped with it."""
+    from mcore_rl import preflight
+    from mcore_rl.config import ConfigError
+    from mcore_rl.controller.recipe_check import compose_recipe
+
+    started = []
+    real_start = preflight.start_checkpoint_check
+    monkeypatch.setattr(preflight, "start_checkpoint_check", lambda *a: started.append(real_start(*a)) or started[-1])
+    (tmp_path / "tok").mkdir()
+    cfg = compose_recipe("default", [f"model.path={checkpoint}", f"model.tokenizer={tmp_path}/tok",
+                                     f"trainer.run_dir={tmp_path}/run"])  # fmt: skip
+    with pytest.raises(ConfigError, match="cannot load a tokenizer from it"):
+        preflight.check(cfg)
+    assert len(started) == 1 and started[0].returncode is not None  # started, then stopped and reaped
+
+
 def test_preflight_passes_an_intact_checkpoint(checkpoint) -> None:
     from mcore_rl.preflight import check_checkpoint
 
