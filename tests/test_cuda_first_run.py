@@ -88,6 +88,8 @@ def test_cpu_adam_gets_the_cores_of_its_gpu_rank() -> None:
 
     assert threads_per_rank("cuda", env={}, cpus=128, local_ranks=8) == 16
     assert threads_per_rank("cpu", env={}, cpus=128, local_ranks=8) == 1
+    assert threads_per_rank("cpu", env={}, reserved=2.0) == 2  # a CPU rank uses the CPUs it reserves in Ray
+    assert threads_per_rank("cpu", env={}, reserved=0.5) == 1
     assert threads_per_rank("cuda", env={"MCORE_RL_THREADS_PER_RANK": "3"}, cpus=128, local_ranks=8) == 3
     from mcore_rl.config import ConfigError
 

@@ -46,11 +46,12 @@ def to_host(obj: Any) -> Any:
 
 
 def threads_per_rank(runtime: str, env: dict[str, str] | None = None, cpus: int | None = None,
-                     local_ranks: int | None = None) -> int:  # fmt: skip
-    """Intra-op threads of one rank: `MCORE_RL_THREADS_PER_RANK` when set; else 1 on the CPU runtime (every rank is a
-    process on the same cores: more threads per rank only oversubscribe them); on CUDA the cores this process may use
-    shared by the node's GPU ranks, since the CPU work there is Megatron's CPU Adam when the optimizer is offloaded
-    (HybridDeviceOptimizer steps the host share with torch on these threads) and host copies."""
+                     local_ranks: int | None = None, reserved: float = 1.0) -> int:  # fmt: skip
+    """Intra-op threads of one rank: `MCORE_RL_THREADS_PER_RANK` when set; else, on the CPU runtime, the Ray CPUs the
+    rank reserves (`reserved`: num_cpus_per_rank, whole CPUs, at least 1; every rank is a process on the same cores,
+    so more threads than that only oversubscribe them); on CUDA the cores this process may use shared by the node's
+    GPU ranks, since the CPU work there is Megatron's CPU Adam when the optimizer is offloaded (HybridDeviceOptimizer
+    steps the host share with torch on these threads) and host copies."""
     env = os.environ if env is None else env
     if env.get(THREADS_ENV):
         try:
@@ -61,7 +62,7 @@ def threads_per_rank(runtime: str, env: dict[str, str] | None = None, cpus: int 
             raise ConfigError(f"{THREADS_ENV}={env[THREADS_ENV]!r} is invalid: expected an integer >= 1")
         return value
     if runtime != "cuda":
-        return 1
+        return max(1, int(reserved))
     cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
     local_ranks = local_ranks if local_ranks is not None else node_gpus()
     return max(1, cpus // local_ranks)

@@ -292,7 +292,7 @@ class ActorConfig:
     #: MoE routing replay (verl's router_replay.mode): disabled | R2 (the update replays the routing of the step's
     #: old-logprob forward) | R3 (every policy forward replays the experts the rollout engine routed each token to)
     router_replay_mode: str = "disabled"
-    num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
+    num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank (the CPU runtime: also its torch threads)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     #: MoE expert-bias update per optimizer step (DeepSeek-V3's aux-loss-free balancing, Megatron's
     #: moe_router_bias_update_rate): 0 keeps the released bias frozen during RL (as slime); Megatron's default is 1e-3
@@ -388,7 +388,7 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"  #: aggregation of the value loss (algorithms/masked.py's LOSS_AGG_MODES)
     cliprange_value: float | None = 0.5  #: value clipping around the old values (null = no clipping)
     warmup_steps: int = 0  #: the first steps train only the critic (the policy and the engines stay as they are)
-    num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank
+    num_cpus_per_rank: float = 1.0  #: Ray CPUs reserved per rank (the CPU runtime: also its torch threads)
 
     def validate(self) -> None:
         from mcore_rl.config.names import LOSS_AGG_MODES
