@@ -61,7 +61,7 @@ def gpu_extra_problems(pins: dict[str, str] | None = None, gate: str = "sglang")
 def check_gpu_extra(cfg: Any) -> None:
     """GpuExtraError naming each package at a wrong version, for a run on real SGLang engines (rollout.engine=sglang
     on CUDA); other runs do not use the set."""
-    if cfg.trainer.runtime != "cuda" or cfg.rollout.engine != "sglang":
+    if cfg.trainer.runtime != "cuda" or not cfg.rollout.kind.uses_gpu_extra:
         return
     problems, _ = gpu_extra_problems()
     if problems:

@@ -76,26 +76,11 @@ def run(cfg: RLConfig) -> dict[str, float]:
     from mcore_rl.reward.manager import RewardManager
     from mcore_rl.reward.reward_model import build_reward
 
-    if cfg.rollout.engine == "sglang":  # checked here, not in the config: a CPU login node validates GPU recipes
-        from mcore_rl.rollout.sglang_launcher import sglang_unavailable_reason
-
-        reason = sglang_unavailable_reason()
-        if reason is not None:
-            raise ValueError(f"rollout.engine=sglang cannot run here: {reason}")
-    if cfg.rollout.engine == "vllm":  # the vLLM virtualenv, its version and the plugin, before Ray starts
-        from mcore_rl.rollout.vllm_launcher import vllm_unavailable_reason
-
-        reason = vllm_unavailable_reason(cfg.rollout.vllm)
-        if reason is not None:
-            raise ValueError(f"rollout.engine=vllm cannot run here: {reason}")
-        if cfg.trainer.runtime == "cpu":  # the CPU KV cache's size is a flag of ours; refused here, not in vLLM's log
-            from mcore_rl.checkpoint.manager import hf_config_of
-            from mcore_rl.rollout.vllm_launcher import VLLMUnavailable, check_kv_budget
-
-            try:
-                check_kv_budget(hf_config_of(cfg), cfg.rollout.vllm, cfg.model.dtype)
-            except VLLMUnavailable as err:
-                raise ValueError(f"rollout.engine=vllm: {err}") from None
+    # SGLang installed with CUDA; the vLLM virtualenv, its version and plugin, its CPU KV budget: checked before Ray
+    # starts, here, not in the config (a CPU login node validates GPU recipes)
+    problem = cfg.rollout.kind.unavailable_reason(cfg, lambda: hf_config_of(cfg))
+    if problem is not None:
+        raise ValueError(problem)
     clock.lap("driver imports, engine checks")
     os.makedirs(cfg.trainer.run_dir, exist_ok=True)
     tokenizer, loader, tokenizer_dir = setup_data(cfg)  # before Ray: a bad dataset is refused before anything starts

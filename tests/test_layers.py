@@ -70,6 +70,10 @@ KNOWN: dict[tuple[str, str], str] = {
         "vLLM's tensor payload; the transport will take a receiver object from the engine kind"
     ),
     ("mcore_rl.config.rollout", "mcore_rl.rollout.vllm_config"): "vLLM's config checks; move to the vLLM kind",
+    ("mcore_rl.config.rollout", "mcore_rl.rollout.engines"): (
+        "rollout.engine's kind (RolloutConfig.kind, engine_kind: one function-level import): the registry of kinds "
+        "is the list of accepted names, and the engine's own checks, pause mode and derived settings are its"
+    ),
     ("mcore_rl.config.rollout", "mcore_rl.rollout.agent.parser"): "the agent parsers' registry is read by the config",
     ("mcore_rl.config.rollout", "mcore_rl.rollout.agent.tools"): "the agent tools' registry is read by the config",
     # the run's exit classes live in the top-level runner; they move to mcore_rl/errors.py

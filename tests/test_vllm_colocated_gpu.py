@@ -172,9 +172,9 @@ def test_the_dry_run_counts_what_the_launcher_asks_vllm_to_free() -> None:
 # ---------------------------------------------------------------- the tensor transport's IPC push
 def test_vllm_ipc_needs_the_colocation_map_and_one_gpu_per_rank() -> None:
     with pytest.raises(ValueError, match="colocation map"):
-        TensorTransport(["http://e"], api_key=None, weight_version="1", engine="vllm")
+        TensorTransport(["http://e"], api_key=None, weight_version="1", vllm_ipc=True)
     transport = TensorTransport(["http://e"], api_key=None, weight_version="1", ranks_per_engine=2,
-                                colocation=[[0, 0]], engine="vllm")  # fmt: skip
+                                colocation=[[0, 0]], vllm_ipc=True)  # fmt: skip
     entry = NS(name="a", shape=(2,), dtype="float32", offset=0, nbytes=8)
     bucket = NS(index=0, nbytes=8, entries=(entry,))
     with pytest.raises(TransportError, match="share GPU GPU-1"):
@@ -215,11 +215,11 @@ def _ipc_rank(rank: int, world: int, hf: dict, bucket_bytes: int) -> Any:
     tensor_module.http_post = lambda url, body, api_key, timeout_s: posts.append((url, body)) or {"success": True}
     shared: dict[str, torch.Tensor] = {}
     tensor_module._vllm_ipc_share = _stand_in_share(rank, shared)
-    # what WeightSync asks every actor rank for (controller/weight_sync.py), rollout.engine included
+    # what WeightSync asks every actor rank for (controller/weight_sync.py), the vLLM kind's vllm_ipc included
     from mcore_rl.actor.sync_sender import PushRequest
 
     request = PushRequest(
-        7, "tensor", ["http://engine0"], ranks_per_engine=world, colocation=[list(range(world))], engine="vllm"
+        7, "tensor", ["http://engine0"], ranks_per_engine=world, colocation=[list(range(world))], vllm_ipc=True
     )
     actor.sync_send(request)
     reference = {n: t.clone() for n, t in export_hf_weights(actor.chunks, actor.contexts, actor.weight_map,

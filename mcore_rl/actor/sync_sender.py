@@ -49,7 +49,8 @@ class PushRequest:
     #: tensor transport: colocation[i][r] is the actor rank on the GPU of engine i's TP rank r; given, every rank takes
     #: part in every bucket and makes the payloads of the engine ranks beside it (transports/tensor.py)
     colocation: list[list[int]] | None = None
-    engine: str = "sglang"  #: rollout.engine: the tensor transport's wire format (vllm: vLLM's ipc update_info)
+    #: tensor transport: post vLLM's ipc update_info instead of SGLang's payload (the engine kind's tensor_vllm_ipc)
+    vllm_ipc: bool = False
 
 
 #: a test's hook, "<version>:<rank>:<marker file>": that rank writes its pid to the marker file and stops inside the
@@ -203,7 +204,7 @@ class SyncSender:
             sink = TensorTransport(
                 r.engine_urls, api_key=r.api_key, weight_version=version, ranks_per_engine=r.ranks_per_engine,
                 timeout_s=r.timeout_s, device=device, colocation=r.colocation, rank=self.actor.rank,
-                engine=r.engine,  # rollout.engine: vllm posts vLLM's ipc update_info (transports/tensor.py)
+                vllm_ipc=r.vllm_ipc,  # vLLM's ipc update_info instead of SGLang's payload (transports/tensor.py)
             )  # fmt: skip
         elif r.transport == "disk":
             if r.disk_dir is None:

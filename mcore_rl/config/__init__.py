@@ -88,10 +88,7 @@ class RLConfig:
             # DPO trains on the dataset's pairs, whose length no setting bounds: the former fixed default
             longest = 512 if self.trainer.mode == "dpo" else self.data.max_prompt_length + response
             self.model.max_sequence_length = longest
-        if self.rollout.engine == "vllm" and self.rollout.vllm.max_model_len is None and self.trainer.mode != "dpo":
-            # vLLM's own default is the model's context (8k for SmolLM2), which sizes its KV cache for sequences
-            # this run never makes; the run's longest sample is what it needs
-            self.rollout.vllm.max_model_len = self.model.max_sequence_length
+        self.rollout.kind.complete(self)  # vLLM: rollout.vllm.max_model_len, the run's longest sample
         if self.actor.logit_temperature is None:  # the actor's logprobs are those of the distribution sampled from
             sampled = self.rollout.temperature if self.rollout.temperature > 0 else 1.0
             self.actor.logit_temperature = 1.0 if self.trainer.mode == "dpo" else sampled

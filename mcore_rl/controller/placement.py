@@ -101,7 +101,7 @@ class SplitPlacement:
                 "critic", [{"CPU": cfg.critic.num_cpus_per_rank, **gpu}] * cfg.critic.world_size
             )
         rollout = cfg.rollout
-        if rollout.engine == "hf":
+        if rollout.kind.embedded:
             bundles = [{"CPU": rollout.num_cpus, **gpu}] * rollout.num_engines
         else:  # one bundle per node of each SGLang or vLLM engine: the node's GPUs of that engine
             nnodes = engine_shape(rollout, cfg.trainer.runtime).nnodes
@@ -151,7 +151,7 @@ class SplitPlacement:
     def engine_options(self, index: int, node_rank: int = 0) -> dict[str, Any]:
         """Ray options of engine `index` (also its replacement after a crash); for a real SGLang engine, of its
         node `node_rank`'s actor, which holds that node's GPUs of the engine."""
-        if self.cfg.rollout.engine == "hf":
+        if self.cfg.rollout.kind.embedded:
             return self._strategy(self.engine_pg, index)
         per_node = self.count.engine_node_gpus
         bundle = index * engine_shape(self.cfg.rollout, self.cfg.trainer.runtime).nnodes + node_rank
@@ -234,7 +234,7 @@ class ColocatedPlacement(SplitPlacement):
     def engine_options(self, index: int, node_rank: int = 0) -> dict[str, Any]:
         share = {"num_gpus": GPU_SHARES["engine"]} if self.cuda else {}
         world = self.cfg.actor.world_size
-        if self.cfg.rollout.engine == "hf":
+        if self.cfg.rollout.kind.embedded:
             # The engine uses the rank's CPUs while the rank waits (num_cpus 0: Ray counts them once).
             return {**self._strategy(self.actor_pg, self.order[index % world]), "num_cpus": 0, **share}
         per_node = self.count.engine_node_gpus
@@ -262,7 +262,7 @@ class ColocatedPlacement(SplitPlacement):
         released = 0
         engines.release_memory()  # weights, KV cache and CUDA graphs; no /health probes until they are back
         for url in engines.urls:
-            if engines.client.dialect.name == "vllm":
+            if not engines.client.dialect.server_info_is_cheap:
                 # vLLM's /server_info collects its host's environment (seconds: past the GET's 10 s on a loaded
                 # host) and says nothing of released memory (rollout/vllm_transfer.py: its sleep mode)
                 break
@@ -280,7 +280,7 @@ class ColocatedPlacement(SplitPlacement):
         its CUDA_VISIBLE_DEVICES, and SGLang numbers TP ranks node by node), and actor rank i on position i; any
         other engine i is one rank on position i % world."""
         rollout, world = self.cfg.rollout, self.cfg.actor.world_size
-        if rollout.engine == "hf":
+        if rollout.kind.embedded:
             return [[i % world] for i in range(rollout.num_engines)]
         tp = engine_shape(rollout, self.cfg.trainer.runtime).ranks  # vLLM: tp x dp ranks, replica by replica
         return [[e * tp + r for r in range(tp)] for e in range(rollout.num_engines)]
@@ -359,12 +359,12 @@ def ray_cpu_reservations(cfg: RLConfig) -> list[tuple[str, float]]:
             f"critic.world_size={critic.world_size} x critic.num_cpus_per_rank={critic.num_cpus_per_rank:g}",
             critic.world_size * critic.num_cpus_per_rank,
         ))  # fmt: skip
-    if rollout.engine == "hf" and cfg.trainer.placement == "split":
+    if rollout.kind.embedded and cfg.trainer.placement == "split":
         terms.append((
             f"rollout.num_engines={rollout.num_engines} x rollout.num_cpus={rollout.num_cpus:g}",
             rollout.num_engines * rollout.num_cpus,
         ))  # fmt: skip
-    elif rollout.engine != "hf":  # SGLangServerActor (vLLM's too): num_cpus=1 per node
+    elif not rollout.kind.embedded:  # SGLangServerActor (vLLM's too): num_cpus=1 per node
         nnodes = engine_shape(rollout, cfg.trainer.runtime).nnodes
         terms.append((
             f"rollout.num_engines={rollout.num_engines} x {nnodes} node(s) per engine",
@@ -401,7 +401,7 @@ def init_ray(cfg: RLConfig) -> None:
             num_cpus=None if cfg.trainer.ray_address else cpus,
             include_dashboard=False,
             log_to_driver=True,
-            **ray_init_kwargs(),
+            **ray_init_kwargs(local=not cfg.trainer.ray_address),
         )
     except ConnectionError as err:  # ray.init's message names the address; the cause says why (refused, auth token)
         if not cfg.trainer.ray_address:

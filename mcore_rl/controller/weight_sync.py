@@ -43,6 +43,7 @@ from mcore_rl.controller.engine_fence import CONTROL_TIMEOUT_S, UNREACHABLE, Eng
 from mcore_rl.controller.engine_pool import EnginePool
 from mcore_rl.controller.gpu_plan import engine_shape
 from mcore_rl.resharding.sync.plan import EngineLayout
+from mcore_rl.rollout.engines import kind_of
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ class WeightSync:
                     version=version, transport=self.cfg.transport, engine_urls=urls, api_key=self.pool.api_key,
                     disk_dir=disk_dir, ranks_per_engine=self.ranks_per_engine, timeout_s=self.cfg.timeout_s,
                     keep_buffers=self.cfg.keep_buffers, colocation=self._colocation_of(urls),
-                    engine=self.rollout.engine,
+                    vllm_ipc=self.rollout.kind.tensor_vllm_ipc,
                 )  # fmt: skip
                 self.last_stats = self.actor.call(MegatronActor.sync_send, request)
                 self.fence.commit(urls)
@@ -355,10 +356,8 @@ def check_model_info(url: str, info: dict[str, Any], model: dict[str, Any]) -> N
 def update_group_backend(engine: str, runtime: str) -> str:
     """The broadcast groups' backend: gloo on CPU; on CUDA torch's NCCL (SGLang's and our server's rendezvous), or
     `vllm_nccl` for vLLM engines (vLLM's own NCCL weight-transfer backend, joined from a unique id the leader mints:
-    parallel/update_group.py new_vllm_nccl_group)."""
-    if runtime != "cuda":
-        return "gloo"
-    return "vllm_nccl" if engine == "vllm" else "nccl"
+    parallel/update_group.py new_vllm_nccl_group): the engine kind's."""
+    return kind_of(engine).update_group_backend(runtime)
 
 
 def init_group_body(
@@ -369,8 +368,7 @@ def init_group_body(
         "master_address": host, "master_port": port, "rank_offset": rank_offset, "world_size": world_size,
         "group_name": name, "backend": backend,
     }  # fmt: skip
-    if engine == "hf":  # our server also takes the broadcast timeout (SGLang has none)
-        body["timeout_s"] = timeout_s
+    body.update(kind_of(engine).init_group_options(timeout_s))  # our server also takes the broadcast timeout
     return body
 
 

@@ -13,7 +13,7 @@ A sample the engine aborted (`finish_reason.type == "abort"`, e.g. a pause in ab
 tokens so far go out again with the remaining token budget, and the pieces are joined (a partial rollout; its
 weight-version spans say which tokens came from which version).
 
-What differs between engine families sits in one small seam, `EngineDialect` (`DIALECTS`, chosen by
+What differs between engine families sits in one small seam, `EngineDialect` (`DIALECTS`, named by the engine kind of
 `rollout.engine`): how the n samples of a seeded request are asked for, and how a request goes out (vLLM's own
 generate route). Everything else (routes, retries, continuation, the control calls) is SGLang's API and shared.
 """
@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 import aiohttp
 import numpy as np
 
+from mcore_rl.rollout.engines import KINDS
 from mcore_rl.rollout.sampling import Sample
 from mcore_rl.rollout.vllm_dialect import VLLMDialect
 
@@ -74,6 +75,9 @@ class EngineDialect:
     """Our embedded server: SGLang's API plus what real SGLang lacks that the client may rely on here (seeds)."""
 
     name = "hf"
+    #: /server_info answers at once (vLLM's collects its host's environment: seconds), so the colocated placement
+    #: asks it whether the engine released its weights
+    server_info_is_cheap = True
     #: one request with `n` > 1 and `sampling_seed` s gives its samples seeds s, s+1, ... (the embedded server's
     #: rule); where false, a seeded request for n samples goes out as n requests with n=1, one seed each
     seeds_each_of_n = True
@@ -103,7 +107,7 @@ class SGLangDialect(EngineDialect):
 
 
 DIALECTS: dict[str, Any] = {"hf": EngineDialect(), "sglang": SGLangDialect(), "vllm": VLLMDialect()}
-"""rollout.engine -> its dialect."""
+"""Dialect name (an engine kind's `dialect`) -> the dialect."""
 
 
 def sample_from_response(
@@ -178,12 +182,13 @@ class RolloutClient:
         on_failure: Callable[[], Awaitable[None] | None] | None = None,
         engine: str = "hf",
     ) -> None:
-        """`engine`: the engine family behind `url` (`DIALECTS`). The k-th retry waits backoff_s * 2^(k-1), at most
-        `max_backoff_s` (plus up to 10% jitter): a replacement engine is usually up within seconds, and an uncapped
-        doubling made a run with many retries wait minutes after it was."""
-        if engine not in DIALECTS:
-            raise ValueError(f"engine {engine!r} is invalid: expected one of {sorted(DIALECTS)}")
-        self.dialect = DIALECTS[engine]
+        """`engine`: the engine kind behind `url` (rollout.engine), whose dialect the client speaks. The k-th retry
+        waits backoff_s * 2^(k-1), at most `max_backoff_s` (plus up to 10% jitter): a replacement engine is usually up
+        within seconds, and an uncapped doubling made a run with many retries wait minutes after it was."""
+        kind = KINDS.get(engine)
+        if kind is None:
+            raise ValueError(f"engine {engine!r} is invalid: expected one of {sorted(KINDS)}")
+        self.dialect = DIALECTS[kind.dialect]
         self.url = url.rstrip("/")
         self.api_key = api_key
         self.timeout_s = timeout_s

@@ -36,10 +36,12 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mcore_rl.config import SGLangConfig
 from mcore_rl.parallel.groups import free_port
+
+if TYPE_CHECKING:  # a type only: the config reaches this module through the engine kinds (rollout/engines/)
+    from mcore_rl.config import SGLangConfig
 
 SGLANG_ENTRY: tuple[str, ...] = ("-m", "sglang.launch_server")
 """What follows the interpreter on the command line; tests put a stand-in script here."""

@@ -144,6 +144,8 @@ class VLLMDialect:
 
     name = "vllm"
     seeds_each_of_n = True  #: vLLM's parallel sampling seeds child j with seed + j
+    #: /server_info collects the host's environment (seconds) and says nothing of released memory
+    server_info_is_cheap = False
 
     async def generate(self, client: Any, url: str, body: dict[str, Any]) -> tuple[int, Any]:
         """One SGLang /generate (one prompt or a batch) as one /inference/v1/generate per prompt: (status, answers)

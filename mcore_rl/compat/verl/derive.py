@@ -226,35 +226,51 @@ def _gpus(d: _Derivation) -> None:
             d.out[f"{role}.layout.sequence_parallel"] = isinstance(tp, int) and tp > 1
 
 
+#: verl's rollout.* engine knobs -> their key in each engine's group (rollout.sglang, rollout.vllm); None: that engine
+#: has no such setting
+_ENGINE_KNOBS: dict[str, dict[str, str | None]] = {
+    "sglang": {"data_parallel_size": "dp", "gpu_memory_utilization": "mem_fraction_static",
+               "load_format": "load_format", "max_model_len": None},
+    "vllm": {"data_parallel_size": "dp", "gpu_memory_utilization": "gpu_memory_utilization",
+             "load_format": "load_format", "max_model_len": "max_model_len"},
+}  # fmt: skip
+
+
+def _sglang_only_knobs(d: _Derivation, prefix: str) -> None:
+    ep = d.given.get(prefix + "expert_parallel_size")
+    if ep is not None:
+        d.set("rollout.sglang.ep", ep, prefix + "expert_parallel_size")
+    if d.given.get(prefix + "enforce_eager"):
+        d.lines.append(f"{prefix}enforce_eager: ignored: a vLLM flag; SGLang's CUDA graphs are its own "
+                       "(rollout.sglang.extra_args: --disable-cuda-graph)")  # fmt: skip
+
+
+def _vllm_only_knobs(d: _Derivation, prefix: str) -> None:
+    ep = d.given.get(prefix + "expert_parallel_size")
+    if ep is not None:
+        d.set("rollout.vllm.enable_expert_parallel", ep > 1, prefix + "expert_parallel_size (vLLM: over tp x dp)")
+    if d.given.get(prefix + "enforce_eager"):
+        d.set("rollout.vllm.extra_args", ["--enforce-eager"], prefix + "enforce_eager")
+
+
+#: the engine group -> its knobs that the other engine has no counterpart of
+_ENGINE_ONLY_KNOBS = {"sglang": _sglang_only_knobs, "vllm": _vllm_only_knobs}
+
+
 def _engine_settings(d: _Derivation) -> str:
-    """verl's rollout.* engine knobs -> the chosen engine's group (rollout.sglang or rollout.vllm); returns its name."""
-    engine = "vllm" if d.settings.get("rollout.engine") == "vllm" else "sglang"
+    """verl's rollout.* engine knobs -> the chosen engine's group (rollout.vllm with vLLM, else rollout.sglang);
+    returns its name."""
+    engine = d.settings.get("rollout.engine")
+    engine = engine if isinstance(engine, str) and engine in _ENGINE_KNOBS else "sglang"
     prefix = f"{AR}.rollout."
-    for verl_key, sglang, vllm in (
-        ("data_parallel_size", "dp", "dp"),
-        ("gpu_memory_utilization", "mem_fraction_static", "gpu_memory_utilization"),
-        ("load_format", "load_format", "load_format"),
-        ("max_model_len", None, "max_model_len"),
-    ):
+    for verl_key, ours in _ENGINE_KNOBS[engine].items():
         if prefix + verl_key in d.given:
-            ours = sglang if engine == "sglang" else vllm
             if ours is None:
                 d.lines.append(f"{prefix}{verl_key}: ignored: SGLang serves the model's context (prompts and "
                                "responses are capped by data.max_prompt_length / max_response_length)")  # fmt: skip
             else:
                 d.set(f"rollout.{engine}.{ours}", d.given[prefix + verl_key], prefix + verl_key)
-    ep = d.given.get(prefix + "expert_parallel_size")
-    if ep is not None:
-        if engine == "sglang":
-            d.set("rollout.sglang.ep", ep, prefix + "expert_parallel_size")
-        else:
-            d.set("rollout.vllm.enable_expert_parallel", ep > 1, prefix + "expert_parallel_size (vLLM: over tp x dp)")
-    if d.given.get(prefix + "enforce_eager"):
-        if engine == "vllm":
-            d.set("rollout.vllm.extra_args", ["--enforce-eager"], prefix + "enforce_eager")
-        else:
-            d.lines.append(f"{prefix}enforce_eager: ignored: a vLLM flag; SGLang's CUDA graphs are its own "
-                           "(rollout.sglang.extra_args: --disable-cuda-graph)")  # fmt: skip
+    _ENGINE_ONLY_KNOBS[engine](d, prefix)
     return engine
 
 

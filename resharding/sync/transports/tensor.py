@@ -37,7 +37,7 @@ the UUID; shared memory on CPU), `gather_object` brings the payloads to the lead
 raises if an engine refused, and drops its copy only after every engine answered. That last collective makes a
 bucket synchronous (the next bucket is packed after this one's POSTs, not during them).
 
-vLLM engines (`engine="vllm"`, colocated on CUDA: the launcher starts them with vLLM's own `ipc` weight-transfer
+vLLM engines (`vllm_ipc=True`, colocated on CUDA: the launcher starts them with vLLM's own `ipc` weight-transfer
 backend) get the same collective per bucket, with vLLM's wire format instead of SGLang's: each mapped rank shares its
 own copy as `reduce_tensor` args keyed by its GPU's UUID (rollout/vllm_transfer.py `ipc_share`), the leader merges an
 engine's GPUs into one handle dict and posts one `bucket_ipc_request` (names, dtypes, shapes, tensor_sizes, the
@@ -170,19 +170,19 @@ class TensorTransport:
         colocation: list[list[int]] | None = None,
         rank: int = 0,
         group: Any = None,
-        engine: str = "sglang",
+        vllm_ipc: bool = False,
     ) -> None:
         """`colocation[i][r]`: the actor rank on the GPU of engine `engine_urls[i]`'s TP rank r (see the module
         docstring); `rank` is this actor rank, `group` the actor's process group (None: the default one);
-        `engine` (rollout.engine): "vllm" posts vLLM's ipc update_info, which needs `colocation`; any other engine
-        reads SGLang's payload (our embedded server too)."""
-        if engine == "vllm" and colocation is None:
+        `vllm_ipc`: post vLLM's ipc update_info, which needs `colocation`; else SGLang's payload (which our embedded
+        server reads too)."""
+        if vllm_ipc and colocation is None:
             raise ValueError(
                 "rollout.engine=vllm with sync.transport=tensor: vLLM's ipc backend takes one handle per engine GPU, "
                 "made by the actor rank on that GPU, so the colocation map (trainer.placement=colocated on CUDA) "
                 "is needed"
             )
-        self.vllm = engine == "vllm"
+        self.vllm = vllm_ipc
         #: (GPU UUID, reduce_tensor args) of a CUDA bucket copy; a test's stand-in where there is no CUDA
         self.ipc_share = _vllm_ipc_share
         self._vllm_ready: set[str] = set()  # engines given vLLM's IPC init in this push
