@@ -401,7 +401,7 @@ def init_ray(cfg: RLConfig) -> None:
             num_cpus=None if cfg.trainer.ray_address else cpus,
             include_dashboard=False,
             log_to_driver=True,
-            **ray_init_kwargs(local=not cfg.trainer.ray_address),
+            **ray_init_kwargs(),
         )
     except ConnectionError as err:  # ray.init's message names the address; the cause says why (refused, auth token)
         if not cfg.trainer.ray_address:
