@@ -111,7 +111,7 @@ def test_default_job_prints_only_its_own_lines(short_default_job):
     out, _ = short_default_job
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
-    own = ("step=", "summary: ", "weights v1 pushed in ", "rollout engines at ", "weight sync: ")
+    own = ("step=", "summary: ", "weights v1 pushed in ", "rollout engines at ", "weight sync: ", "start-up: ")
     # Ray's raylet says when the disk under its session directory is over 95% full: a true report about the machine
     # (object spilling would fail), which the user must see, not noise from the job. It is the one foreign line let
     # through; it decided a CI run on a machine whose disk had filled.
