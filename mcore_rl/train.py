@@ -61,17 +61,13 @@ def run(cfg: RLConfig) -> dict[str, float]:
     check(cfg)  # inputs that would fail later (files, run dir, checkpoint, Ray CPUs): refused before anything starts
     clock.lap("pre-flight")
 
-    from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.checkpoint.manager import hf_config_of
-    from mcore_rl.controller.actor_group import ActorGroup
-    from mcore_rl.controller.advantage_stage import AdvantageStage, check_engine_agrees
+    from mcore_rl.controller.advantage_stage import AdvantageStage
     from mcore_rl.controller.async_producer import make_producer
     from mcore_rl.controller.producer import dump_rollouts
-    from mcore_rl.controller.samples import reduce_rank_metrics
     from mcore_rl.controller.session import RunSession
+    from mcore_rl.controller.train_step import TrainStep
     from mcore_rl.controller.validation import Validator
-    from mcore_rl.controller.weight_sync import SyncError
-    from mcore_rl.lifecycle import TrainingDiverged
     from mcore_rl.metrics.compute import FlopsModel, step_metrics
     from mcore_rl.reward.manager import RewardManager
     from mcore_rl.reward.reward_model import build_reward
@@ -92,13 +88,13 @@ def run(cfg: RLConfig) -> dict[str, float]:
     # Ray, placement, actor ranks (+ critic), engines and weight sync, stopped in reverse: controller/session.py
     clock.lap("tokenizer, data, reward")
     with RunSession(cfg, tokenizer_dir, clock) as session:
-        actor, critic, engines, sync = session.actor, session.critic, session.engines, session.sync
-        placement, ckpt = session.placement, session.ckpt
+        actor, engines = session.actor, session.engines
         state = session.resume(loader)  # trainer.resume restored; the engines start from the actor's weights
         producer = make_producer(cfg, loader, engines, reward, tokenizer, state)  # single-turn | agent, sync | async
         if hasattr(producer, "close"):  # the async producer's generation thread stops before the engines
             session.close_first(producer.close)
         advantages = AdvantageStage(cfg.algorithm, state.controllers)
+        train = TrainStep(cfg, session, advantages, first_step=state.step + 1)  # the step's orderings, one method
         log = session.logger(state)  # metrics.jsonl and trainer.loggers; a NaN loss stops the run (exit 1)
         flops = FlopsModel.for_run(cfg, hf_config_of(cfg), actor.ranks[0].get("device_name"))
         validator = Validator.from_config(cfg, tokenizer, engines, producer.score, reward)
@@ -108,73 +104,22 @@ def run(cfg: RLConfig) -> dict[str, float]:
             clock.lap("validation before training")
         clock.finish(cfg.trainer.run_dir)
         start = time.time() - state.seconds
-        # Advantages that do not read old logprobs (no KL in the reward, no correction weights) let the old-logprob
-        # pass run inside the update call: one actor call per step instead of two, the same logprobs.
-        fused = critic is None and not advantages.reads_old_logprobs and cfg.actor.layout.cp == 1
-        first_step = state.step + 1  # its engine-vs-actor logprob check stops a run whose engines sample elsewhere
-        setup = (
-            f"tokenizer {cfg.model.tokenizer or 'built-in tiny'}, rollout.engine={cfg.rollout.engine}, "
-            f"rollout.temperature={cfg.rollout.temperature}, actor.logit_temperature={cfg.actor.logit_temperature}"
-        )
 
         for step in range(state.step + 1, cfg.trainer.steps + 1):
             timer = log.timer()
             rollouts = producer.produce(step, timer)  # prompts -> engines -> reward
             if cfg.trainer.rollout_data_dir:  # what the model wrote, per sample (verl's rollout dump)
                 dump_rollouts(cfg.trainer.rollout_data_dir, step, rollouts, tokenizer)
-            batch = rollouts.batch
             rollouts.metrics.update(reward.memory_metrics())  # the driver's growth over the reward phase
-            rollouts.metrics.update(placement.to_training(actor, engines))
-
-            if not fused:
-                batch.tensors.update(actor.logprobs(batch, with_ref=cfg.actor.use_ref))  # old (+ ref): one call
-                timer.lap("old_log_prob")
-            if critic is not None:
-                batch.tensors["values"] = critic.values(batch)
-                timer.lap("values")
-
-            if not fused and step == first_step:
-                check_engine_agrees(rollouts, cfg.actor.first_step_logprob_tolerance, setup)
-            adv_metrics = advantages.compute(rollouts, correct=not fused)  # correction, KL in reward, estimator
-            timer.lap("adv")
-            update = critic.update(batch) if critic is not None else {}
-            if critic is not None:
-                timer.lap("update_critic")
-            if critic is None or critic.actor_trains(step):
-                sync.weights_changing(step)  # an engine replaced from here on waits for the next push
-                if fused:
-                    per_rank, logprobs, logprob_seconds = actor.logprobs_and_update(batch, cfg.actor.use_ref)
-                    batch.tensors.update(logprobs)
-                    if step == first_step:  # before the push: the engines keep the weights they had
-                        check_engine_agrees(rollouts, cfg.actor.first_step_logprob_tolerance, setup)
-                    timer.lap_split("update_actor", "old_log_prob", logprob_seconds)
-                    adv_metrics.update(advantages.correction(rollouts))  # the mismatch metrics (no weights)
-                else:
-                    per_rank = ActorGroup.gather_dp(actor.call(MegatronActor.update, batch))
-                    timer.lap("update_actor")
-                update.update(reduce_rank_metrics(per_rank))
-
-                state.weight_version += 1
-                engines.wait_for_restarts()
-                try:
-                    rollouts.metrics.update(placement.sync_weights(sync, state.weight_version))
-                except SyncError as err:  # the engines refuse NaN/inf weights: the update diverged, not the sync
-                    if "non-finite values" not in str(err):
-                        raise
-                    raise TrainingDiverged(
-                        f"training diverged at step {step}: the update left the actor's weights non-finite (the "
-                        f"engines refused them: {str(err)[-400:]})"
-                    ) from None
-                timer.lap("update_weights")
-            else:  # critic warm-up: the actor is unchanged; colocated engines take their weights back
-                placement.to_generation(sync, state.weight_version)
+            rollouts.metrics.update(session.placement.to_training(actor, engines))
+            update, adv_metrics = train.run(step, rollouts, timer, state)  # logprobs, advantages, updates, push
             if validator is not None and validator.due(step, cfg.trainer.steps):
                 rollouts.metrics.update(validator.run(seed=step))
                 timer.lap("testing")
 
             kl_in_reward = adv_metrics.get("actor/reward_kl_penalty_coeff")
             metrics = step_metrics(
-                batch, rollouts.scores, update, timer.laps, max_response_length=cfg.rollout.max_new_tokens,
+                rollouts.batch, rollouts.scores, update, timer.laps, max_response_length=cfg.rollout.max_new_tokens,
                 actor_ranks=cfg.actor.world_size, flops=flops, max_prompt_length=cfg.data.max_prompt_length,
                 reward_kl=None if kl_in_reward is None else (kl_in_reward, cfg.algorithm.kl_penalty),
                 kl_loss_coef=cfg.actor.kl_loss_coef,
@@ -182,7 +127,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
             metrics.update({"training/global_step": step, "training/epoch": loader.epoch})
             log.write(step, {**metrics, "weight_version": state.weight_version, **rollouts.metrics, **adv_metrics})
             state.step, state.loader, state.seconds = step, loader.state_dict(), time.time() - start
-            ckpt.after_step(actor, state, critic)  # every trainer.save_every steps and after the last
+            session.ckpt.after_step(actor, state, session.critic)  # every trainer.save_every steps and after the last
         return log.summary(seconds=time.time() - start)
 
 

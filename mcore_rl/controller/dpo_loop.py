@@ -121,9 +121,7 @@ def run_dpo(cfg: RLConfig) -> dict[str, float]:
                 ActorGroup.gather_dp(actor.call(MegatronActor.dpo_update, batch, cfg.dpo.beta, cfg.dpo.loss_type))
             )
             timer.lap("update_actor")
-            state.weight_version += 1
-            engines.wait_for_restarts()
-            sync.push(state.weight_version)
+            session.push(step, state)  # version + 1; a non-finite push: TrainingDiverged
             timer.lap("update_weights")
             metrics: dict[str, float] = dict(update)
             if all(p["data_source"] is not None and p["ground_truth"] is not None for p in pairs):

@@ -3,6 +3,7 @@ loop in controller/dpo_loop.py):
 
     with RunSession(cfg, tokenizer_dir) as s:  # Ray, placement, actor ranks (+ critic), engines, sync, checkpointer
         state = s.resume(loader)                 # trainer.resume restored; the engines get the actor's weights
+        s.push(step, state)                      # after an update: the engines serve version + 1
         log = s.logger(state)                    # metrics.jsonl and trainer.loggers, from the restored step on
         s.close_first(producer.close)            # what the loop started on top: stopped before the engines
         ...the loop...
@@ -108,6 +109,26 @@ class RunSession:
         self.placement.sync_weights(self.sync, state.weight_version)
         self.clock.lap("first weight push")
         return state
+
+    def push(self, step: int, state: Any) -> dict[str, float]:
+        """The actor's weights to every engine as version `state.weight_version + 1` (after the update of `step`);
+        a replaced engine is waited for first. Returns the placement's hand-over metrics. Engines that refuse the
+        weights as non-finite mean the update diverged: TrainingDiverged naming the step (exit 1), not a sync error.
+        """
+        from mcore_rl.controller.weight_sync import SyncError
+        from mcore_rl.errors import TrainingDiverged
+
+        state.weight_version += 1
+        self.engines.wait_for_restarts()
+        try:
+            return self.placement.sync_weights(self.sync, state.weight_version)
+        except SyncError as err:
+            if "non-finite values" not in str(err):
+                raise
+            raise TrainingDiverged(
+                f"training diverged at step {step}: the update left the actor's weights non-finite (the engines "
+                f"refused them: {str(err)[-400:]})"
+            ) from None
 
     def logger(self, state: Any) -> Any:
         """The run's MetricsLogger from the restored step on: metrics.jsonl, trainer.loggers, the reward history."""
