@@ -38,7 +38,7 @@ from typing import Any
 
 from mcore_rl.config import ConfigError, RLConfig
 from mcore_rl.controller.ray_oom import oom_message, ray_oom_kills
-from mcore_rl.errors import ProcessDied
+from mcore_rl.errors import SIGINT_SEEN, ProcessDied, Terminated, TrainingDiverged
 
 FAILED = "FAILED"
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -48,7 +48,6 @@ _UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)  # a run dir remounted re
 TERM_CLEANUP_S = 15.0
 _EXITING = threading.Lock()
 _STARTED = 0.0  # time.time() when run_guarded started: Ray OOM kills before it are another run's
-_SIGINT_SEEN = threading.Event()  # a real Ctrl-C, as against a KeyboardInterrupt some code raised itself
 _INTERNAL_EXIT = False  # set when exit 1 is ours (a bug), so Hydra's own exit 1 (bad override) can become 2
 
 
@@ -92,22 +91,6 @@ def cli(main: Callable[[], None], argv: list[str] | None = None) -> None:
         if done.code == 1 and not _INTERNAL_EXIT:  # Hydra printed an override/composition error: user input
             sys.exit(2)
         raise
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived (scancel, a scheduler's time limit, `kill`). A BaseException, as KeyboardInterrupt, so no
-    `except Exception` on the way swallows it, and the run's `finally` blocks stop its engines and ranks."""
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the grad norm stopped being finite for longer than trainer.max_nonfinite_steps allows (raised by
-    metrics/logger.py): exit 1 with this message alone, as the traceback of the logger would say nothing more."""
-
-
-def sigint_received() -> bool:
-    """Whether this process got a real Ctrl-C (SIGINT) since run_guarded started: a KeyboardInterrupt raised by other
-    code (a reward function's) is that code's failure, not the user's interrupt."""
-    return _SIGINT_SEEN.is_set()
 
 
 def run_guarded(cfg: RLConfig, run: Callable[[RLConfig], dict[str, float]]) -> None:
@@ -186,7 +169,7 @@ def _install_signal_handlers(cfg: RLConfig) -> None:
 
     """SIGTERM: write the FAILED marker at once (a scheduler follows with SIGKILL after its grace period, which may
     cut the clean-up short), then raise Terminated in the main thread; a second SIGTERM during the clean-up ends the
-    process (the default action). SIGINT: note that it came (sigint_received), then Python's KeyboardInterrupt."""
+    process (the default action). SIGINT: note it (errors.sigint_received), then Python's KeyboardInterrupt."""
     if threading.current_thread() is not threading.main_thread():
         return  # signal handlers can only be set from the main thread (a test calling run_guarded from a thread)
 
@@ -201,7 +184,7 @@ def _install_signal_handlers(cfg: RLConfig) -> None:
         raise Terminated()
 
     def on_int(signum: int, frame: Any) -> None:
-        _SIGINT_SEEN.set()
+        SIGINT_SEEN.set()
         signal.default_int_handler(signum, frame)
 
     signal.signal(signal.SIGTERM, on_term)

@@ -77,8 +77,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ("mcore_rl.config.rollout", "mcore_rl.rollout.agent.parser"): "the agent parsers' registry is read by the config",
     ("mcore_rl.config.rollout", "mcore_rl.rollout.agent.tools"): "the agent tools' registry is read by the config",
     # the run's exit classes live in the top-level runner; they move to mcore_rl/errors.py
-    ("mcore_rl.metrics.logger", "mcore_rl.lifecycle"): "TrainingDiverged; moves to mcore_rl/errors.py",
-    ("mcore_rl.reward.manager", "mcore_rl.lifecycle"): "sigint_received; moves to mcore_rl/errors.py",
     # the reward loader's built-in table holds verl's data sources, and a user's reward file may import verl's
     # reward_score: both are read from compat/verl/shim.py on first use, never when reward/ is imported; the edge stays
     # while verl's scorers are built-ins of every run

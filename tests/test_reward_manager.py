@@ -220,9 +220,9 @@ def test_sys_exit_or_keyboard_interrupt_in_a_reward_is_the_rewards_error(fn, mes
 
 
 def test_a_real_ctrl_c_inside_a_reward_still_interrupts(monkeypatch):
-    import mcore_rl.lifecycle as lifecycle
+    import mcore_rl.errors as errors
 
-    monkeypatch.setattr(lifecycle, "sigint_received", lambda: True)
+    monkeypatch.setattr(errors, "sigint_received", lambda: True)
     with pytest.raises(KeyboardInterrupt):
         RewardManager(_interrupts).score(["a"], ["s"], ["1"])
 

@@ -7,7 +7,7 @@
     log.summary(seconds)                 # prints `summary: reward_first=... reward_last=... steps=... seconds=...`
 
 A loss (`*_loss`) or grad norm (`*/grad_norm`) that is not finite on more than `max_nonfinite_steps` steps in a row
-stops the run (lifecycle.TrainingDiverged, exit 1) naming the step and the metric, after that step's line is written:
+stops the run (errors.TrainingDiverged, exit 1) naming the step and the metric, after that step's line is written:
 a run that trains on NaN must not end as a success. A NaN grad norm alone is not counted: the actor reports NaN when
 it computes none (clip_grad=0); NaN weights show in the next step's loss.
 
@@ -134,7 +134,7 @@ class MetricsLogger:
             return
         self._nonfinite_run += 1
         if self._nonfinite_run > self.max_nonfinite_steps:
-            from mcore_rl.lifecycle import TrainingDiverged
+            from mcore_rl.errors import TrainingDiverged
 
             self.close()
             raise TrainingDiverged(

@@ -9,7 +9,7 @@
 A reward function that returns None, NaN, a string, or a dict without "score" stops the step with an error naming
 the function, the data_source, the row and the value, because a silently wrong reward poisons advantages for the
 whole batch. A function that raises is reported the same way, with the original exception chained; so is one that
-calls sys.exit or raises KeyboardInterrupt itself (a real Ctrl-C still stops the run: lifecycle.sigint_received), one
+calls sys.exit or raises KeyboardInterrupt itself (a real Ctrl-C still stops the run: errors.sigint_received), one
 that raises any other BaseException subclass, and one that calls os._exit (or posix._exit): while a reward call runs,
 those two are guarded (in this process only, not in a child it forks) and raise instead of ending the driver, which
 would otherwise have ended with exit 0 and no summary.json, looking like a finished run.
@@ -34,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from mcore_rl import lifecycle  # imported here, not in the reward threads (a first import from two at once raced)
+from mcore_rl import errors  # imported here, not in the reward threads (a first import from two at once raced)
 from mcore_rl.reward.loader import RewardFn, RewardFunctionError, RewardResult
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ def _rss() -> int:
 def _real_ctrl_c(exc: BaseException) -> bool:
     """A KeyboardInterrupt that a real Ctrl-C raised inside the call: re-raised as it is, so the run stops as
     interrupted (the user's, not the function's)."""
-    return isinstance(exc, KeyboardInterrupt) and lifecycle.sigint_received()
+    return isinstance(exc, KeyboardInterrupt) and errors.sigint_received()
 
 
 def _ended(exc: BaseException, where: str) -> RewardFunctionError:
@@ -253,7 +253,7 @@ class RewardManager:
                     raise
                 raise _ended(exc, f"{self.name}.score_batch") from exc
             except BaseException as exc:
-                if isinstance(exc, (Exception, lifecycle.Terminated)):
+                if isinstance(exc, (Exception, errors.Terminated)):
                     raise
                 raise RewardFunctionError(f"{self.name}.score_batch raised {type(exc).__name__}: {exc}") from exc
             finally:
@@ -317,7 +317,7 @@ class RewardManager:
                     raise
                 raise _ended(exc, f"reward function {self.name} on row {row} (data_source={data_source!r})") from exc
             except BaseException as exc:  # an Exception, or a BaseException subclass of the user's own
-                if isinstance(exc, lifecycle.Terminated):  # SIGTERM arrived while an inline reward ran
+                if isinstance(exc, errors.Terminated):  # SIGTERM arrived while an inline reward ran
                     raise
                 raise RewardFunctionError(
                     f"reward function {self.name} raised on row {row} (data_source={data_source!r}): "
