@@ -477,6 +477,11 @@ class MegatronActor:
 
         finish_param_gather(self.ddp_chunks, self.optim_plan)
 
+    def weights_finite(self) -> bool:
+        """Whether every parameter this rank holds is finite (asked after a failed push: NaN/inf weights mean the
+        update diverged, whichever rank's error the push reported first)."""
+        return all(bool(torch.isfinite(p).all()) for chunk in self.ddp_chunks for p in chunk.parameters())
+
     # ------------------------------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, directory: str, with_reference: bool = False) -> dict[str, Any]:
         """Write this rank's model, optimizer, [reference] and RNG states into `directory` (collective; see

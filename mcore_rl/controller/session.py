@@ -115,6 +115,7 @@ class RunSession:
         a replaced engine is waited for first. Returns the placement's hand-over metrics. Engines that refuse the
         weights as non-finite mean the update diverged: TrainingDiverged naming the step (exit 1), not a sync error.
         """
+        from mcore_rl.actor.megatron_actor import MegatronActor
         from mcore_rl.controller.weight_sync import SyncError
         from mcore_rl.errors import TrainingDiverged
 
@@ -123,11 +124,15 @@ class RunSession:
         try:
             return self.placement.sync_weights(self.sync, state.weight_version)
         except SyncError as err:
-            if "non-finite values" not in str(err):
+            # The engines refuse NaN/inf weights, but a push reports the first rank's error, which may be another
+            # stream's "not sent: an earlier bucket failed": the ranks are asked.
+            if "non-finite values" not in str(err) and all(self.actor.call(MegatronActor.weights_finite)):
                 raise
+            last = ([line.strip() for line in str(err).splitlines() if line.strip()] or [repr(err)])[-1][-300:]
             raise TrainingDiverged(
-                f"training diverged at step {step}: the update left the actor's weights non-finite (the engines "
-                f"refused them: {str(err)[-400:]})"
+                f"training diverged at step {step}: the update left the actor's weights non-finite and the engines "
+                f"refused them (the push's last error: {last}); expected finite weights: lower actor.optim.lr or "
+                f"set actor.optim.clip_grad"
             ) from None
 
     def logger(self, state: Any) -> Any:
