@@ -251,17 +251,6 @@ def check_ray_address(address: str | None, timeout_s: float = 5.0) -> None:
     _check_ray_token(address)
 
 
-def ray_connect_error(address: str, err: BaseException) -> ConfigError:
-    """The user error for a cluster at `address` that answers but refuses this process, most often its auth token
-    (raised here, and by placement.init_ray when ray.init fails to connect)."""
-    cause = f" ({type(err.__cause__).__name__})" if err.__cause__ is not None else ""
-    return ConfigError(
-        f"trainer.ray_address={address!r}: {err}{cause}; expected the address of a running Ray cluster "
-        "(`ray start --head` prints it) whose auth token this process has (RAY_AUTH_MODE=token and RAY_AUTH_TOKEN, as "
-        "launch/submit.py sets), or null for a local Ray"
-    )
-
-
 def _check_ray_token(address: str) -> None:
     """One GCS client to `address`: a refused token is a user error now. Anything else (another Ray release without
     these names, a port that accepts TCP but is no GCS: the client gives up after Ray's connect timeout, 40 s by
@@ -271,6 +260,8 @@ def _check_ray_token(address: str) -> None:
         from ray.exceptions import AuthenticationError
     except ImportError:
         return
+    from mcore_rl.controller.placement import ray_connect_error
+
     try:
         GcsClient(address=address)
     except AuthenticationError as err:

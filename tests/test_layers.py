@@ -81,9 +81,6 @@ KNOWN: dict[tuple[str, str], str] = {
     # reward_score: both are read from compat/verl/shim.py on first use, never when reward/ is imported; the edge stays
     # while verl's scorers are built-ins of every run
     ("mcore_rl.reward.loader", "mcore_rl.compat.verl.shim"): "verl's data sources and reward_score shim, read lazily",
-    # cycles inside one folder or between two neighbours
-    ("mcore_rl.controller.placement", "mcore_rl.preflight"): "placement asks pre-flight's device checks",
-    ("mcore_rl.preflight", "mcore_rl.controller.placement"): "pre-flight sizes the placement",
 }
 
 

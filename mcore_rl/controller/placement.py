@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from mcore_rl.config import ConfigError
 from mcore_rl.controller.gpu_plan import PlacementError, check_fits, check_transport, engine_shape
 
 if TYPE_CHECKING:
@@ -406,12 +407,21 @@ def init_ray(cfg: RLConfig) -> None:
     except ConnectionError as err:  # ray.init's message names the address; the cause says why (refused, auth token)
         if not cfg.trainer.ray_address:
             raise
-        from mcore_rl.preflight import ray_connect_error
-
         raise ray_connect_error(cfg.trainer.ray_address, err) from err
     from mcore_rl.watchdog import reclaim_sigterm
 
     reclaim_sigterm()  # ray.init replaced the run's SIGTERM handler (watchdog.py says why that matters)
+
+
+def ray_connect_error(address: str, err: BaseException) -> ConfigError:
+    """The user error for a cluster at `address` that answers but refuses this process, most often its auth token
+    (raised by init_ray when ray.init fails to connect, and by pre-flight's token check)."""
+    cause = f" ({type(err.__cause__).__name__})" if err.__cause__ is not None else ""
+    return ConfigError(
+        f"trainer.ray_address={address!r}: {err}{cause}; expected the address of a running Ray cluster "
+        "(`ray start --head` prints it) whose auth token this process has (RAY_AUTH_MODE=token and RAY_AUTH_TOKEN, as "
+        "launch/submit.py sets), or null for a local Ray"
+    )
 
 
 def make_placement(cfg: RLConfig) -> SplitPlacement:
