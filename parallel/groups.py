@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.parallel.layout import ParallelLayout
+from mcore_rl.parallel.net import is_loopback
 
 RUNTIMES = ("cpu", "cuda")
 
@@ -62,8 +63,6 @@ def init_distributed(
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
     timeout = datetime.timedelta(seconds=timeout_s)
-    from mcore_rl.rollout.sglang_launcher import is_loopback
-
     if is_loopback(master_addr) and "GLOO_SOCKET_IFNAME" not in os.environ:
         # gloo listens on the address the hostname resolves to (often the LAN's): keep a local world on loopback
         interface = _loopback_interface()

@@ -40,10 +40,10 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from mcore_rl.parallel.net import is_loopback
 from mcore_rl.rollout.engine import HFRolloutEngine
 from mcore_rl.rollout.protocol import BadRequest, parse_generate, response_object
 from mcore_rl.rollout.scheduler import ContinuousBatcher, GenParams, Sequence
-from mcore_rl.rollout.sglang_launcher import is_loopback
 from mcore_rl.rollout.weight_receiver import WeightReceiver, WeightUpdateError
 from mcore_rl.rollout.weight_routes import SERIALISED_ROUTES, WeightRoutes, field
 

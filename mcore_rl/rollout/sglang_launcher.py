@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
-import ipaddress
 import json
 import os
 import signal
@@ -39,6 +38,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mcore_rl.parallel.groups import free_port
+from mcore_rl.parallel.net import is_loopback
 
 if TYPE_CHECKING:  # a type only: the config reaches this module through the engine kinds (rollout/engines/)
     from mcore_rl.config import SGLangConfig
@@ -96,16 +96,6 @@ FP8_QUANTIZATION_CONFIG: dict[str, object] = {
 
 _HEALTH_POLL_S = 1.0  # between /health attempts while the server loads weights and captures CUDA graphs
 _LOG_TAIL_LINES = 40
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` names this machine only (localhost, 127.0.0.0/8, ::1): the one bind allowed without a key."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def build_launch_command(
