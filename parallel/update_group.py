@@ -11,8 +11,8 @@ training groups.
     group = new_update_group("gloo", "127.0.0.1", 29600, rank=0, world_size=3, group_name="pp0")
     broadcast(group, flat_bucket, src=0)
 
-vLLM engines on GPU join their own NCCL weight-transfer group from a unique id instead: `new_vllm_nccl_group` (the
-leader) publishes it on its rendezvous port, `read_vllm_nccl_rendezvous` (the vLLM dialect) reads it there.
+vLLM engines on GPU join their own NCCL weight-transfer group from a unique id instead; that rendezvous is vLLM's and
+lives beside its sender (`mcore_rl/rollout/vllm_nccl.py`), which builds on `UpdateGroup` and the store here.
 """
 
 from __future__ import annotations
@@ -88,66 +88,6 @@ def new_update_group(
     # ours alike
     group._set_sequence_number_for_group()
     return UpdateGroup(group_name, rank, world_size, backend, group, store)
-
-
-def _vllm_nccl_key(group_name: str, key: str) -> str:
-    """A store key a vLLM-NCCL leader publishes for the vLLM dialect: unique_id | packed_buffer_size_bytes."""
-    return f"mcore_rl_vllm/{group_name}/{key}"
-
-
-def new_vllm_nccl_group(
-    master_address: str,
-    master_port: int,
-    world_size: int,
-    group_name: str,
-    buffer_bytes: int,
-    device: Any,
-    timeout_s: float = 300.0,
-    listener: Any = None,
-    connect: Any = None,
-    mint_id: Any = None,
-    store: Any = None,
-) -> UpdateGroup:
-    """Host vLLM's `nccl` weight-transfer group as its rank 0 (rollout.engine=vllm on CUDA); blocks until every engine
-    rank has joined. vLLM's workers join an NCCL communicator from a unique id (`vllm_transfer.nccl_init_info`), not
-    SGLang's store keys: the leader mints the id (rollout/vllm_nccl.py) and publishes it, with `buffer_bytes` (the
-    plan's largest bucket), in a TCP store on the rendezvous port the controller already gave out, where the vLLM
-    dialect reads them when it maps /init_weights_update_group (`read_vllm_nccl_rendezvous`); so the controller's
-    order (addresses, joins, init POSTs) is the same as for SGLang. The group is a `vllm_nccl.NcclSender`, whose
-    `broadcast` is what DistributedTransport calls. `connect` / `mint_id` default to vllm_nccl's (CUDA, libnccl);
-    tests pass a stand-in communicator. `store`: the store already serving on the port (`serve_store`), else one is
-    started on `listener`."""
-    if world_size < 2:
-        raise ValueError(f"world_size {world_size}: the leader and at least one engine rank, expected >= 2")
-    if buffer_bytes <= 0:
-        raise ValueError(f"buffer_bytes (the plan's largest bucket) must be positive, got {buffer_bytes}")
-    if connect is None or mint_id is None:
-        from mcore_rl.rollout import vllm_nccl
-
-        connect = connect or vllm_nccl.connect
-        mint_id = mint_id or vllm_nccl.NcclSender.mint_id
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if store is None:
-        fd = {"master_listen_fd": listener.detach()} if listener is not None else {}
-        # no workers wait on this store: the dialect's reads are its only clients
-        store = dist.TCPStore(master_address, master_port, None, True, timeout=timeout, wait_for_workers=False, **fd)
-    else:
-        store.set_timeout(timeout)
-    unique_id = mint_id()
-    store.set(_vllm_nccl_key(group_name, "unique_id"), unique_id)
-    store.set(_vllm_nccl_key(group_name, "packed_buffer_size_bytes"), str(int(buffer_bytes)))
-    sender = connect(unique_id, world_size, device, lambda: None, timeout_s=timeout_s)
-    return UpdateGroup(group_name, 0, world_size, "vllm_nccl", sender, store)
-
-
-def read_vllm_nccl_rendezvous(
-    master_address: str, master_port: int, group_name: str, timeout_s: float = 60.0
-) -> tuple[bytes, int]:
-    """(unique id, packed_buffer_size_bytes) that the leader of `group_name` published (`new_vllm_nccl_group`);
-    waits for them up to `timeout_s` (the leader publishes them as soon as its join starts)."""
-    store = dist.TCPStore(master_address, master_port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
-    unique_id = bytes(store.get(_vllm_nccl_key(group_name, "unique_id")))
-    return unique_id, int(store.get(_vllm_nccl_key(group_name, "packed_buffer_size_bytes")).decode())
 
 
 def reserve_port(host: str) -> Any:

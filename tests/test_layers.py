@@ -62,8 +62,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 #: (importer, imported) -> why the edge is there today and where it goes. Upward edges and the edges of cycles.
 KNOWN: dict[tuple[str, str], str] = {
     # engine wire formats still sit in the generic layers; they move into the engine kinds (rollout/engines/)
-    ("mcore_rl.parallel.update_group", "mcore_rl.rollout"): "vLLM's NCCL group; moves to the vLLM kind",
-    ("mcore_rl.parallel.update_group", "mcore_rl.rollout.vllm_nccl"): "vLLM's NCCL group; moves to the vLLM kind",
     ("mcore_rl.resharding.sync.transports.tensor", "mcore_rl.rollout.vllm_transfer"): (
         "vLLM's tensor payload; the transport will take a receiver object from the engine kind"
     ),

@@ -358,9 +358,10 @@ def test_the_leaders_vllm_nccl_group_meets_vllms_worker_on_two_gpus(vllm_venv: A
     """new_vllm_nccl_group (GPU 0: the id minted by libnccl, published, ncclCommInitRank) and vLLM's
     worker_init_process_group from the init the dialect maps (GPU 1, the vLLM venv a CUDA build), then one
     broadcast through DistributedTransport's call, bit exact."""
-    from mcore_rl.parallel.update_group import new_vllm_nccl_group, read_vllm_nccl_rendezvous, reserve_port
+    from mcore_rl.parallel.update_group import reserve_port
     from mcore_rl.resharding.sync.transports.distributed import _broadcast_unless_refused
     from mcore_rl.rollout.vllm_launcher import vllm_python
+    from mcore_rl.rollout.vllm_nccl import new_vllm_nccl_group, read_vllm_nccl_rendezvous
     from mcore_rl.rollout.vllm_transfer import nccl_init_info
 
     if torch.cuda.device_count() < 2:

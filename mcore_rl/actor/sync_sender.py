@@ -20,18 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_rl.parallel.update_group import (
-    UpdateGroup,
-    new_update_group,
-    new_vllm_nccl_group,
-    reserve_port,
-    serve_store,
-)
+from mcore_rl.parallel.update_group import UpdateGroup, new_update_group, reserve_port, serve_store
 from mcore_rl.resharding.sync.execute import SyncExecutor
 from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
 from mcore_rl.resharding.sync.order import InGlobalOrder, global_order
 from mcore_rl.resharding.sync.plan import EngineLayout, SyncPlan, build_plan
 from mcore_rl.resharding.sync.transports import DiskTransport, DistributedTransport, TensorTransport
+from mcore_rl.rollout.vllm_nccl import new_vllm_nccl_group
 
 
 @dataclass(frozen=True)

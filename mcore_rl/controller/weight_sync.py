@@ -5,7 +5,7 @@ setup    every actor rank computes the plan (resharding/sync/plan.py); the diges
 connect  (distributed) per stream: its leader hosts a broadcast group, every engine rank joins it
          (/init_weights_update_group), one group after another (every engine's init of a group answered before the
          next group's is posted: SGLang serves inits one at a time); again after an engine is replaced.
-         vLLM on CUDA: one group, vLLM's own NCCL weight-transfer one (backend vllm_nccl: parallel/update_group.py
+         vLLM on CUDA: one group, vLLM's own NCCL weight-transfer one (backend vllm_nccl: rollout/vllm_nccl.py
          new_vllm_nccl_group), for every stream
 push(v)  no /health probes -> [pause engines] -> /begin_weight_update on every engine -> actor ranks stream their
          buckets (gather -> HF layout -> transport) -> /end_weight_update (the engine commits v) -> /flush_cache (its
@@ -356,7 +356,7 @@ def check_model_info(url: str, info: dict[str, Any], model: dict[str, Any]) -> N
 def update_group_backend(engine: str, runtime: str) -> str:
     """The broadcast groups' backend: gloo on CPU; on CUDA torch's NCCL (SGLang's and our server's rendezvous), or
     `vllm_nccl` for vLLM engines (vLLM's own NCCL weight-transfer backend, joined from a unique id the leader mints:
-    parallel/update_group.py new_vllm_nccl_group): the engine kind's."""
+    rollout/vllm_nccl.py new_vllm_nccl_group): the engine kind's."""
     return kind_of(engine).update_group_backend(runtime)
 
 

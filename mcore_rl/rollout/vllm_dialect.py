@@ -40,7 +40,7 @@ import itertools
 from collections import Counter
 from typing import Any
 
-from mcore_rl.parallel.update_group import read_vllm_nccl_rendezvous
+from mcore_rl.rollout.vllm_nccl import read_vllm_nccl_rendezvous
 from mcore_rl.rollout.vllm_transfer import MEMORY_ROUTES, memory_call, nccl_init_info
 
 #: SGLang sampling_params -> vLLM SamplingParams; None: meaningless without a tokenizer (token ids only), dropped
@@ -231,7 +231,7 @@ class VLLMDialect:
 
     async def _init_nccl(self, client: Any, url: str, body: dict[str, Any], timeout_s: float | None) -> tuple[int, Any]:
         """/init_weights_update_group for vLLM's own `nccl` backend (trainer.runtime=cuda): the unique id and the
-        packed buffer size the stream leader published on its rendezvous port (parallel/update_group.py
+        packed buffer size the stream leader published on its rendezvous port (rollout/vllm_nccl.py
         new_vllm_nccl_group), as vLLM's unique-id init (vllm_transfer.nccl_init_info). The POST answers once the
         engine's workers and the leader have all joined the NCCL communicator."""
         try:

@@ -12,18 +12,25 @@ NcclSender(uid, world_size, device)       ncclCommInitRank(rank 0)        blocks
 sender.broadcast([bucket], options)       ncclBroadcast(root 0) on a side stream; a torch-Work-like answer
                                           (is_completed / wait), what DistributedTransport polls
 ```
-Only this module needs CUDA and libnccl (the `libnccl.so.2` a CUDA torch already loaded); it is imported lazily.
+The rendezvous around it is vLLM's too: `new_vllm_nccl_group` (the actor's stream leader) mints the id and publishes
+it on the rendezvous port the controller gave out; `read_vllm_nccl_rendezvous` (the vLLM dialect, mapping
+/init_weights_update_group) reads it there. Only the sender needs CUDA and libnccl (the `libnccl.so.2` a CUDA torch
+already loaded), loaded on first use (`load_nccl`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import datetime
 import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from mcore_rl.parallel.update_group import UpdateGroup
 
 NCCL_UINT8, NCCL_FLOAT32, NCCL_SUM = 1, 7, 0  #: ncclDataType_t / ncclRedOp_t values (nccl.h; vLLM's enums)
 
@@ -173,3 +180,63 @@ def connect(
     if "error" in result:
         raise result["error"]
     return result["sender"]
+
+
+_connect = connect  # new_vllm_nccl_group's default; its parameter of the same name shadows the function
+
+
+def _vllm_nccl_key(group_name: str, key: str) -> str:
+    """A store key a vLLM-NCCL leader publishes for the vLLM dialect: unique_id | packed_buffer_size_bytes."""
+    return f"mcore_rl_vllm/{group_name}/{key}"
+
+
+def new_vllm_nccl_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    group_name: str,
+    buffer_bytes: int,
+    device: Any,
+    timeout_s: float = 300.0,
+    listener: Any = None,
+    connect: Any = None,
+    mint_id: Any = None,
+    store: Any = None,
+) -> UpdateGroup:
+    """Host vLLM's `nccl` weight-transfer group as its rank 0 (rollout.engine=vllm on CUDA); blocks until every engine
+    rank has joined. vLLM's workers join an NCCL communicator from a unique id (`vllm_transfer.nccl_init_info`), not
+    SGLang's store keys: the leader mints the id (`NcclSender.mint_id`) and publishes it, with `buffer_bytes` (the
+    plan's largest bucket), in a TCP store on the rendezvous port the controller already gave out, where the vLLM
+    dialect reads them when it maps /init_weights_update_group (`read_vllm_nccl_rendezvous`); so the controller's
+    order (addresses, joins, init POSTs) is the same as for SGLang. The group is an `NcclSender`, whose
+    `broadcast` is what DistributedTransport calls. `connect` / `mint_id` default to this module's (CUDA, libnccl);
+    tests pass a stand-in communicator. `store`: the store already serving on the port (`serve_store`), else one is
+    started on `listener`."""
+    if world_size < 2:
+        raise ValueError(f"world_size {world_size}: the leader and at least one engine rank, expected >= 2")
+    if buffer_bytes <= 0:
+        raise ValueError(f"buffer_bytes (the plan's largest bucket) must be positive, got {buffer_bytes}")
+    connect = connect or _connect
+    mint_id = mint_id or NcclSender.mint_id
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is None:
+        fd = {"master_listen_fd": listener.detach()} if listener is not None else {}
+        # no workers wait on this store: the dialect's reads are its only clients
+        store = dist.TCPStore(master_address, master_port, None, True, timeout=timeout, wait_for_workers=False, **fd)
+    else:
+        store.set_timeout(timeout)
+    unique_id = mint_id()
+    store.set(_vllm_nccl_key(group_name, "unique_id"), unique_id)
+    store.set(_vllm_nccl_key(group_name, "packed_buffer_size_bytes"), str(int(buffer_bytes)))
+    sender = connect(unique_id, world_size, device, lambda: None, timeout_s=timeout_s)
+    return UpdateGroup(group_name, 0, world_size, "vllm_nccl", sender, store)
+
+
+def read_vllm_nccl_rendezvous(
+    master_address: str, master_port: int, group_name: str, timeout_s: float = 60.0
+) -> tuple[bytes, int]:
+    """(unique id, packed_buffer_size_bytes) that the leader of `group_name` published (`new_vllm_nccl_group`);
+    waits for them up to `timeout_s` (the leader publishes them as soon as its join starts)."""
+    store = dist.TCPStore(master_address, master_port, None, False, timeout=datetime.timedelta(seconds=timeout_s))
+    unique_id = bytes(store.get(_vllm_nccl_key(group_name, "unique_id")))
+    return unique_id, int(store.get(_vllm_nccl_key(group_name, "packed_buffer_size_bytes")).decode())

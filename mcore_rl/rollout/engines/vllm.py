@@ -81,7 +81,7 @@ class VLLMKind(EngineKind):
 
     def update_group_backend(self, runtime: str) -> str:
         # vLLM's own NCCL weight-transfer backend, joined from a unique id the leader mints
-        # (parallel/update_group.py new_vllm_nccl_group)
+        # (rollout/vllm_nccl.py new_vllm_nccl_group)
         return "vllm_nccl" if runtime == "cuda" else "gloo"
 
     def init_group_options(self, timeout_s: float) -> dict[str, Any]:
