@@ -22,7 +22,7 @@ from mcore_rl.rollout.engines import KINDS, EmbeddedKind, EngineKind, EngineShap
 ROOT = Path(__file__).resolve().parent.parent
 BUILT_IN = ("hf", "sglang", "vllm")
 #: the attributes every kind sets (EngineKind's annotations), with their types
-ATTRIBUTES = {"name": str, "dialect": str, "embedded": bool, "uses_gpu_extra": bool, "tensor_vllm_ipc": bool}
+ATTRIBUTES = {"name": str, "dialect": str, "embedded": bool, "uses_gpu_extra": bool}
 
 
 def test_the_registry_holds_the_built_in_kinds_in_order() -> None:

@@ -62,9 +62,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 #: (importer, imported) -> why the edge is there today and where it goes. Upward edges and the edges of cycles.
 KNOWN: dict[tuple[str, str], str] = {
     # engine wire formats still sit in the generic layers; they move into the engine kinds (rollout/engines/)
-    ("mcore_rl.resharding.sync.transports.tensor", "mcore_rl.rollout.vllm_transfer"): (
-        "vLLM's tensor payload; the transport will take a receiver object from the engine kind"
-    ),
     ("mcore_rl.config.rollout", "mcore_rl.rollout.vllm_config"): "vLLM's config checks; move to the vLLM kind",
     ("mcore_rl.config.rollout", "mcore_rl.rollout.engines"): (
         "rollout.engine's kind (RolloutConfig.kind, engine_kind: one function-level import): the registry of kinds "

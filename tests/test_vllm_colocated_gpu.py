@@ -28,6 +28,8 @@ from test_vllm_transfer import finish_side, start_side
 
 from mcore_rl.resharding.sync.transports.base import TransportError
 from mcore_rl.resharding.sync.transports.tensor import TensorTransport
+from mcore_rl.rollout.engines import kind_of
+from mcore_rl.rollout.engines.receivers import VLLMReceiver
 from mcore_rl.rollout.vllm_config import VLLMConfig
 from mcore_rl.rollout.vllm_launcher import (
     build_command,
@@ -172,14 +174,16 @@ def test_the_dry_run_counts_what_the_launcher_asks_vllm_to_free() -> None:
 # ---------------------------------------------------------------- the tensor transport's IPC push
 def test_vllm_ipc_needs_the_colocation_map_and_one_gpu_per_rank() -> None:
     with pytest.raises(ValueError, match="colocation map"):
-        TensorTransport(["http://e"], api_key=None, weight_version="1", vllm_ipc=True)
+        TensorTransport(["http://e"], api_key=None, weight_version="1", receiver=VLLMReceiver())
     transport = TensorTransport(["http://e"], api_key=None, weight_version="1", ranks_per_engine=2,
-                                colocation=[[0, 0]], vllm_ipc=True)  # fmt: skip
+                                colocation=[[0, 0]], receiver=kind_of("vllm").receiver())  # fmt: skip
     entry = NS(name="a", shape=(2,), dtype="float32", offset=0, nbytes=8)
     bucket = NS(index=0, nbytes=8, entries=(entry,))
+    receiver = transport.receiver
     with pytest.raises(TransportError, match="share GPU GPU-1"):
-        transport._vllm_body("http://e", bucket, [("GPU-1", ()), ("GPU-1", ())])
-    body = transport._vllm_body("http://e", bucket, [("GPU-1", (1,)), ("GPU-2", (2,))])
+        receiver.tensor_update("http://e", bucket, [("GPU-1", ()), ("GPU-1", ())], "1")
+    route, body = receiver.tensor_update("http://e", bucket, [("GPU-1", (1,)), ("GPU-2", (2,))], "1")
+    assert route == "/update_weights_from_distributed"
     assert (body["names"], body["dtypes"], body["shapes"], body["tensor_sizes"]) == (["a"], ["float32"], [[2]], [8])
     assert body["weight_version"] == "1" and "group_name" not in body
     transport.close()
@@ -203,6 +207,7 @@ def _ipc_rank(rank: int, world: int, hf: dict, bucket_bytes: int) -> Any:
     """One actor rank of a colocated engine of `world` GPUs (rank r beside the engine's rank r): the real plan,
     executor and tensor transport through MegatronActor.sync_send as the weight sync calls it, the POSTs captured."""
     import mcore_rl.resharding.sync.transports.tensor as tensor_module
+    import mcore_rl.rollout.vllm_transfer as vllm_transfer
     from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
     from mcore_rl.resharding.weight_map import export_hf_weights
@@ -214,12 +219,12 @@ def _ipc_rank(rank: int, world: int, hf: dict, bucket_bytes: int) -> Any:
     posts: list[tuple[str, dict]] = []
     tensor_module.http_post = lambda url, body, api_key, timeout_s: posts.append((url, body)) or {"success": True}
     shared: dict[str, torch.Tensor] = {}
-    tensor_module._vllm_ipc_share = _stand_in_share(rank, shared)
-    # what WeightSync asks every actor rank for (controller/weight_sync.py), the vLLM kind's vllm_ipc included
+    vllm_transfer.ipc_share = _stand_in_share(rank, shared)  # what the vLLM kind's receiver shares with
+    # what WeightSync asks every actor rank for (controller/weight_sync.py), the vLLM engine included
     from mcore_rl.actor.sync_sender import PushRequest
 
     request = PushRequest(
-        7, "tensor", ["http://engine0"], ranks_per_engine=world, colocation=[list(range(world))], vllm_ipc=True
+        7, "tensor", ["http://engine0"], ranks_per_engine=world, colocation=[list(range(world))], engine="vllm"
     )
     actor.sync_send(request)
     reference = {n: t.clone() for n, t in export_hf_weights(actor.chunks, actor.contexts, actor.weight_map,

@@ -26,6 +26,7 @@ from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
 from mcore_rl.resharding.sync.order import InGlobalOrder, global_order
 from mcore_rl.resharding.sync.plan import EngineLayout, SyncPlan, build_plan
 from mcore_rl.resharding.sync.transports import DiskTransport, DistributedTransport, TensorTransport
+from mcore_rl.rollout.engines import kind_of
 from mcore_rl.rollout.vllm_nccl import new_vllm_nccl_group
 
 
@@ -44,8 +45,8 @@ class PushRequest:
     #: tensor transport: colocation[i][r] is the actor rank on the GPU of engine i's TP rank r; given, every rank takes
     #: part in every bucket and makes the payloads of the engine ranks beside it (transports/tensor.py)
     colocation: list[list[int]] | None = None
-    #: tensor transport: post vLLM's ipc update_info instead of SGLang's payload (the engine kind's tensor_vllm_ipc)
-    vllm_ipc: bool = False
+    #: rollout.engine: its kind's receiver (rollout/engines/receivers.py) builds the requests the transports post
+    engine: str = "hf"
 
 
 #: a test's hook, "<version>:<rank>:<marker file>": that rank writes its pid to the marker file and stops inside the
@@ -187,7 +188,7 @@ class SyncSender:
         if r.transport == "distributed":
             sink: Any = DistributedTransport(
                 self.groups, r.engine_urls, api_key=r.api_key, weight_version=version, timeout_s=r.timeout_s,
-                device=device,
+                device=device, receiver=kind_of(r.engine).receiver(),
             )  # fmt: skip
             # the leaders take turns in one global order of buckets: engines serve update requests one at a time,
             # each blocking in its broadcast (resharding/sync/order.py)
@@ -199,7 +200,7 @@ class SyncSender:
             sink = TensorTransport(
                 r.engine_urls, api_key=r.api_key, weight_version=version, ranks_per_engine=r.ranks_per_engine,
                 timeout_s=r.timeout_s, device=device, colocation=r.colocation, rank=self.actor.rank,
-                vllm_ipc=r.vllm_ipc,  # vLLM's ipc update_info instead of SGLang's payload (transports/tensor.py)
+                receiver=kind_of(r.engine).receiver(),  # vLLM's: its ipc update_info (transports/tensor.py)
             )  # fmt: skip
         elif r.transport == "disk":
             if r.disk_dir is None:

@@ -280,7 +280,7 @@ class WeightSync:
                     version=version, transport=self.cfg.transport, engine_urls=urls, api_key=self.pool.api_key,
                     disk_dir=disk_dir, ranks_per_engine=self.ranks_per_engine, timeout_s=self.cfg.timeout_s,
                     keep_buffers=self.cfg.keep_buffers, colocation=self._colocation_of(urls),
-                    vllm_ipc=self.rollout.kind.tensor_vllm_ipc,
+                    engine=self.rollout.engine,
                 )  # fmt: skip
                 self.last_stats = self.actor.call(MegatronActor.sync_send, request)
                 self.fence.commit(urls)

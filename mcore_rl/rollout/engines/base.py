@@ -3,7 +3,8 @@ of kinds by config name (`KINDS`, `kind_of`).
 
 ```
 rollout.engine -> kind_of(name) -> the kind: shape, availability, router, client dialect, update-group backend and
-                                   request options, pause mode, placement and GPU-plan facts, tensor-transport format
+                                   request options, pause mode, placement and GPU-plan facts, the sync receiver
+                                   (the routes and bodies the transports post: receivers.py)
 ```
 Code outside this folder asks the kind and never compares the engine's name; the registry is the list of accepted
 names (`RolloutConfig.validate` reads it). Nothing here imports torch, SGLang or vLLM: a kind imports its launcher
@@ -72,8 +73,6 @@ class EngineKind(ABC):
     embedded: bool
     #: a run on it on CUDA needs the pinned GPU package set (gpu_extra.py, constraints-gpu.txt)
     uses_gpu_extra: bool
-    #: the tensor transport posts vLLM's IPC update_info (one handle per engine GPU) instead of SGLang's payload
-    tensor_vllm_ipc: bool
 
     @abstractmethod
     def shape(self, rollout: Any, runtime: str) -> EngineShape:
@@ -109,6 +108,13 @@ class EngineKind(ABC):
     @abstractmethod
     def init_group_options(self, timeout_s: float) -> dict[str, Any]:
         """What this kind's /init_weights_update_group body takes beyond SGLang's keys."""
+
+    def receiver(self) -> Any:
+        """What the weight-sync transports post to this kind's engines (resharding/sync/transports/base.py
+        UpdateReceiver): SGLang's API unless the kind says otherwise. Built on the actor ranks (PushRequest.engine)."""
+        from mcore_rl.rollout.engines.receivers import SGLangReceiver
+
+        return SGLangReceiver()
 
     @abstractmethod
     def router_class(self) -> type:

@@ -18,7 +18,6 @@ class EmbeddedKind(EngineKind):
     dialect = "hf"
     embedded = True
     uses_gpu_extra = False
-    tensor_vllm_ipc = False
 
     def shape(self, rollout: Any, runtime: str) -> EngineShape:
         gpus = 1 if runtime == "cuda" else 0

@@ -17,7 +17,6 @@ class SGLangKind(EngineKind):
     dialect = "sglang"
     embedded = False
     uses_gpu_extra = True
-    tensor_vllm_ipc = False
 
     def shape(self, rollout: Any, runtime: str) -> EngineShape:
         s = rollout.sglang

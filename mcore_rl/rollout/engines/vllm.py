@@ -18,7 +18,6 @@ class VLLMKind(EngineKind):
     dialect = "vllm"
     embedded = False
     uses_gpu_extra = False
-    tensor_vllm_ipc = True
 
     def shape(self, rollout: Any, runtime: str) -> EngineShape:
         v = rollout.vllm
@@ -83,6 +82,11 @@ class VLLMKind(EngineKind):
         # vLLM's own NCCL weight-transfer backend, joined from a unique id the leader mints
         # (rollout/vllm_nccl.py new_vllm_nccl_group)
         return "vllm_nccl" if runtime == "cuda" else "gloo"
+
+    def receiver(self) -> Any:
+        from mcore_rl.rollout.engines.receivers import VLLMReceiver
+
+        return VLLMReceiver()  # vLLM's IPC update on the tensor transport
 
     def init_group_options(self, timeout_s: float) -> dict[str, Any]:
         return {}  # the vLLM dialect maps SGLang's body to vLLM's (rollout/vllm_dialect.py)

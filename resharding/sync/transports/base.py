@@ -1,5 +1,6 @@
-"""What the transports share: the `Transport` interface the executor drives, a one-deep background sender (double
-buffering) and a JSON POST."""
+"""What the transports share: the `Transport` interface the executor drives, the `UpdateReceiver` interface of the
+engine side (the routes and bodies a transport posts, which the engine kind provides), a one-deep background sender
+(double buffering) and a JSON POST."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import queue
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -45,6 +46,72 @@ class Transport(Protocol):
     def close(self) -> None:
         """Stop the background sender and free what the transport holds (after `wait`, or on an error)."""
         ...
+
+
+class UpdateReceiver(Protocol):
+    """The engine's side of a push as a transport sees it: what to POST around the bytes it moves. The engine kind
+    provides it (`EngineKind.receiver()`, rollout/engines/receivers.py); a transport knows no engine."""
+
+    #: the colocated tensor transport shares one copy per engine GPU as a handle (`share`) and posts an engine's
+    #: handles in one request; False: one pickled payload per engine rank (tensor.py `encode`)
+    gpu_handles: bool
+
+    def distributed_update(
+        self, group_name: str, entries: Sequence[Any], weight_version: str
+    ) -> tuple[str, dict[str, Any]]:
+        """(route, body) announcing one bucket (its entries' name, dtype, shape) before its broadcast in
+        `group_name`."""
+        ...
+
+    def tensor_init(self) -> tuple[str, dict[str, Any]] | None:
+        """(route, body) posted to an engine once per push before its first tensor bucket, or None."""
+        ...
+
+    def share(self, tensor: torch.Tensor) -> Any:
+        """`tensor` (a copy on an engine GPU) shared as the engine's handle (`gpu_handles` only)."""
+        ...
+
+    def tensor_update(
+        self, url: str, bucket: Any, payloads: list[Any], weight_version: str
+    ) -> tuple[str, dict[str, Any]]:
+        """(route, body) handing engine `url` one bucket as `payloads`, one per engine rank in rank order."""
+        ...
+
+
+class SGLangReceiver:
+    """SGLang's API (0.5.23's request bodies), which every engine speaks (our embedded server reads them; vLLM's
+    dialect maps the distributed one); the receiver a transport uses unless given another."""
+
+    gpu_handles = False
+
+    def distributed_update(
+        self, group_name: str, entries: Sequence[Any], weight_version: str
+    ) -> tuple[str, dict[str, Any]]:
+        return "/update_weights_from_distributed", {
+            "names": [e.name for e in entries],
+            "dtypes": [e.dtype for e in entries],
+            "shapes": [list(e.shape) for e in entries],
+            "group_name": group_name,
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "weight_version": weight_version,
+        }
+
+    def tensor_init(self) -> tuple[str, dict[str, Any]] | None:
+        return None
+
+    def share(self, tensor: torch.Tensor) -> Any:
+        raise TransportError("SGLang's tensor payloads are pickled per engine rank, not shared as GPU handles")
+
+    def tensor_update(
+        self, url: str, bucket: Any, payloads: list[Any], weight_version: str
+    ) -> tuple[str, dict[str, Any]]:
+        return "/update_weights_from_tensor", {
+            "serialized_named_tensors": payloads,
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "weight_version": weight_version,
+        }
 
 
 class TransportError(RuntimeError):

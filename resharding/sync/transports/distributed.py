@@ -15,14 +15,19 @@ from __future__ import annotations
 
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mcore_rl.parallel.update_group import UpdateGroup
 from mcore_rl.resharding.sync.plan import Bucket, Stream
-from mcore_rl.resharding.sync.transports.base import BackgroundSender, TransportError, http_post
+from mcore_rl.resharding.sync.transports.base import (
+    BackgroundSender,
+    SGLangReceiver,
+    TransportError,
+    UpdateReceiver,
+    http_post,
+)
 
 
 class DistributedTransport:
@@ -39,8 +44,11 @@ class DistributedTransport:
         weight_version: str,
         timeout_s: float = 300.0,
         device: torch.device | str = "cpu",
+        receiver: UpdateReceiver | None = None,
     ) -> None:
+        """`receiver`: the engine kind's (the route and body announcing each bucket); SGLang's API when None."""
         self.groups = groups
+        self.receiver = receiver or SGLangReceiver()
         self.engine_urls = list(engine_urls)
         self.api_key = api_key
         self.weight_version = weight_version
@@ -61,18 +69,9 @@ class DistributedTransport:
         group = self.groups.get(stream.name)
         if group is None:
             raise TransportError(f"no update group {stream.name!r} on the leader: connect the engines first")
-        body: dict[str, Any] = {
-            "names": [e.name for e in bucket.entries],
-            "dtypes": [e.dtype for e in bucket.entries],
-            "shapes": [list(e.shape) for e in bucket.entries],
-            "group_name": stream.name,
-            "load_format": "flattened_bucket",
-            "flush_cache": False,
-            "weight_version": self.weight_version,
-        }
+        route, body = self.receiver.distributed_update(stream.name, bucket.entries, self.weight_version)
         calls = [
-            self._http.submit(http_post, url + "/update_weights_from_distributed", body, self.api_key, self.timeout_s)
-            for url in self.engine_urls
+            self._http.submit(http_post, url + route, body, self.api_key, self.timeout_s) for url in self.engine_urls
         ]
         abandoned = False
         try:

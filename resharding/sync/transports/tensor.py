@@ -37,13 +37,12 @@ the UUID; shared memory on CPU), `gather_object` brings the payloads to the lead
 raises if an engine refused, and drops its copy only after every engine answered. That last collective makes a
 bucket synchronous (the next bucket is packed after this one's POSTs, not during them).
 
-vLLM engines (`vllm_ipc=True`, colocated on CUDA: the launcher starts them with vLLM's own `ipc` weight-transfer
-backend) get the same collective per bucket, with vLLM's wire format instead of SGLang's: each mapped rank shares its
-own copy as `reduce_tensor` args keyed by its GPU's UUID (rollout/vllm_transfer.py `ipc_share`), the leader merges an
-engine's GPUs into one handle dict and posts one `bucket_ipc_request` (names, dtypes, shapes, tensor_sizes, the
-pickled handles, the version) to the plugin's `/update_weights_from_distributed`, which hands them to vLLM's
-`update_weights` (IPCWeightTransferUpdateInfo, packed); before an engine's first bucket of a push it posts
-`/init_weight_transfer_engine` {packed: true}. vLLM's worker answers after its copies out of the IPC memory are done
+The routes and bodies are the receiver's (`UpdateReceiver`, given by the engine kind; SGLang's API by default). A
+receiver with `gpu_handles` (vLLM engines colocated on CUDA, started with vLLM's own `ipc` weight-transfer backend:
+rollout/engines/receivers.py) gets the same collective per bucket with its own wire format: each mapped rank shares
+its own copy through the receiver (`share`: reduce_tensor args keyed by its GPU's UUID), the leader posts an engine's
+handles together in one request (`tensor_update`), after the receiver's `tensor_init` once per engine and push. vLLM's
+worker answers after its copies out of the IPC memory are done
 (`torch.accelerator.synchronize()` after each update) and keeps the mapping open until the next bucket arrives or
 the update finishes; the shared copies are dropped as for SGLang and torch frees them once released
 (`ipc_collect` at `close`).
@@ -67,7 +66,13 @@ import torch
 import torch.distributed as dist
 
 from mcore_rl.resharding.sync.plan import Bucket, Stream
-from mcore_rl.resharding.sync.transports.base import BackgroundSender, TransportError, http_post
+from mcore_rl.resharding.sync.transports.base import (
+    BackgroundSender,
+    SGLangReceiver,
+    TransportError,
+    UpdateReceiver,
+    http_post,
+)
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -170,22 +175,21 @@ class TensorTransport:
         colocation: list[list[int]] | None = None,
         rank: int = 0,
         group: Any = None,
-        vllm_ipc: bool = False,
+        receiver: UpdateReceiver | None = None,
     ) -> None:
         """`colocation[i][r]`: the actor rank on the GPU of engine `engine_urls[i]`'s TP rank r (see the module
         docstring); `rank` is this actor rank, `group` the actor's process group (None: the default one);
-        `vllm_ipc`: post vLLM's ipc update_info, which needs `colocation`; else SGLang's payload (which our embedded
-        server reads too)."""
-        if vllm_ipc and colocation is None:
+        `receiver`: the engine kind's routes and bodies (SGLang's API when None, which our embedded server reads too);
+        one with `gpu_handles` (vLLM's ipc update_info) needs `colocation`."""
+        self.receiver = receiver or SGLangReceiver()
+        self.handles = self.receiver.gpu_handles  #: one shared handle per engine GPU instead of pickled payloads
+        if self.handles and colocation is None:
             raise ValueError(
                 "rollout.engine=vllm with sync.transport=tensor: vLLM's ipc backend takes one handle per engine GPU, "
                 "made by the actor rank on that GPU, so the colocation map (trainer.placement=colocated on CUDA) "
                 "is needed"
             )
-        self.vllm = vllm_ipc
-        #: (GPU UUID, reduce_tensor args) of a CUDA bucket copy; a test's stand-in where there is no CUDA
-        self.ipc_share = _vllm_ipc_share
-        self._vllm_ready: set[str] = set()  # engines given vLLM's IPC init in this push
+        self._ready: set[str] = set()  # engines given the receiver's tensor_init in this push
         self.engine_urls = list(engine_urls)
         self.api_key = api_key
         self.weight_version = weight_version
@@ -247,10 +251,10 @@ class TensorTransport:
         dist.broadcast(data, src=stream.leader, group=self.group)
         metadata = [_record(e.name, e.shape, getattr(torch, e.dtype), e.offset, e.nbytes) for e in bucket.entries]
         mine: dict[tuple[int, int], Any] = {}
-        if self.vllm:  # a copy per engine GPU, never a reused buffer, shared as vLLM's handle (module docstring)
+        if self.handles:  # a copy per engine GPU, never a reused buffer, shared as the engine's handle (docstring)
             fresh = not leader and self.device.type != "cpu"  # a non-leader's CUDA receive buffer is new per bucket
             mine = {slot: data if fresh and n == 0 else data.clone() for n, slot in enumerate(self._slots)}
-            sent: dict[tuple[int, int], Any] = {slot: self.ipc_share(copy) for slot, copy in mine.items()}
+            sent: dict[tuple[int, int], Any] = {slot: self.receiver.share(copy) for slot, copy in mine.items()}
         elif self._slots and self.device.type == "cpu":  # one pickle per opener (module docstring)
             mine = {slot: encode({"flattened_tensor": data, "metadata": metadata}) for slot in self._slots}
         elif self._slots:  # one copy per engine rank: a CUDA IPC share is counted once (module docstring)
@@ -258,7 +262,7 @@ class TensorTransport:
             mine = {
                 slot: encode_cuda({"flattened_tensor": c, "metadata": metadata}) for slot, c in zip(self._slots, copies)
             }
-        if not self.vllm:
+        if not self.handles:
             # plain str over the wire (the payloads stay alive in `mine` on this rank until the outcome is known)
             sent = {slot: str(p) for slot, p in mine.items()}
         everyone: list[Any] | None = [None] * dist.get_world_size(self.group) if leader else None
@@ -284,47 +288,28 @@ class TensorTransport:
                     f"no payload for engine {url} TP rank(s) {missing} (colocation {self.colocation[i]})"
                 )
             payloads = [by_slot[(i, r)] for r in range(self.ranks_per_engine)]
-            bodies.append((url, self._vllm_body(url, bucket, payloads) if self.vllm else self._body(payloads)))
-        if self.vllm:
-            self._init_vllm([url for url, _ in bodies])
-        route = _vllm_route() if self.vllm else "/update_weights_from_tensor"
-        calls = [self._http.submit(http_post, url + route, body, self.api_key, self.timeout_s) for url, body in bodies]
-        for call in calls:
-            call.result()
-
-    def _vllm_body(self, url: str, bucket: Bucket, shares: list[tuple[str, tuple]]) -> dict[str, Any]:
-        """vLLM's ipc request for one engine: its ranks' handles by GPU UUID (vllm_transfer.bucket_ipc_request)."""
-        from mcore_rl.rollout.vllm_transfer import bucket_ipc_request
-
-        handles: dict[str, tuple] = {}
-        for r, (uuid, args) in enumerate(shares):
-            if uuid in handles:  # vLLM's worker finds its handle by its GPU alone: two ranks there would mix
-                raise TransportError(f"engine {url}: TP ranks share GPU {uuid} (rank {r}); expected one per GPU")
-            handles[uuid] = args
-        return bucket_ipc_request(bucket, handles, self.weight_version)
-
-    def _init_vllm(self, urls: list[str]) -> None:
-        """vLLM's IPC init ({packed: true}, no rendezvous) on engines not given it yet in this push (also replaced
-        engines, which start without it): vLLM's worker decodes a bucket as the last init said."""
-        from mcore_rl.rollout.vllm_transfer import IPC_INIT_INFO
-
-        todo = [url for url in urls if url not in self._vllm_ready]
-        body = {"init_info": IPC_INIT_INFO}
+            bodies.append((url, self.receiver.tensor_update(url, bucket, payloads, self.weight_version)))
+        self._init([url for url, _ in bodies])
         calls = [
-            self._http.submit(http_post, url + "/init_weight_transfer_engine", body, self.api_key, self.timeout_s)
-            for url in todo
+            self._http.submit(http_post, url + route, body, self.api_key, self.timeout_s)
+            for url, (route, body) in bodies
         ]
         for call in calls:
             call.result()
-        self._vllm_ready.update(todo)
 
-    def _body(self, payloads: list[str]) -> dict[str, Any]:
-        return {
-            "serialized_named_tensors": payloads,
-            "load_format": "flattened_bucket",
-            "flush_cache": False,
-            "weight_version": self.weight_version,
-        }
+    def _init(self, urls: list[str]) -> None:
+        """The receiver's tensor_init (if it has one) on engines not given it yet in this push (also replaced
+        engines, which start without it)."""
+        init = self.receiver.tensor_init()
+        todo = [url for url in urls if url not in self._ready]
+        if init is not None:
+            route, body = init
+            calls = [
+                self._http.submit(http_post, url + route, body, self.api_key, self.timeout_s) for url in todo
+            ]  # fmt: skip
+            for call in calls:
+                call.result()
+        self._ready.update(todo)
 
     def _send(self, item: tuple[Stream, Bucket, torch.Tensor]) -> None:
         stream, bucket, buffer = item
@@ -338,12 +323,18 @@ class TensorTransport:
         # one pickle per opener: each share hands over one reference (module docstring), so every engine's rank
         # gets its own payload even where they all map the same memory
         bodies = [
-            self._body([share({"flattened_tensor": source, "metadata": metadata}) for source in sources])
-            for _ in self.engine_urls
+            self.receiver.tensor_update(
+                url,
+                bucket,
+                [share({"flattened_tensor": s, "metadata": metadata}) for s in sources],
+                self.weight_version,
+            )
+            for url in self.engine_urls
         ]
+        self._init(self.engine_urls)
         calls = [
-            self._http.submit(http_post, url + "/update_weights_from_tensor", body, self.api_key, self.timeout_s)
-            for url, body in zip(self.engine_urls, bodies)
+            self._http.submit(http_post, url + route, body, self.api_key, self.timeout_s)
+            for url, (route, body) in zip(self.engine_urls, bodies)
         ]
         for call in calls:
             call.result()
@@ -354,17 +345,5 @@ class TensorTransport:
     def close(self) -> None:
         self._sender.close()
         self._http.shutdown(wait=False)
-        if self.vllm and self.device.type == "cuda":
-            torch.cuda.ipc_collect()  # free the shared copies vLLM has released (torch keeps them until asked)
-
-
-def _vllm_ipc_share(tensor: torch.Tensor) -> tuple[str, tuple]:
-    from mcore_rl.rollout.vllm_transfer import ipc_share
-
-    return ipc_share(tensor)
-
-
-def _vllm_route() -> str:
-    from mcore_rl.rollout.vllm_transfer import IPC_UPDATE_ROUTE
-
-    return IPC_UPDATE_ROUTE
+        if self.handles and self.device.type == "cuda":
+            torch.cuda.ipc_collect()  # free the shared copies the engines have released (torch keeps them until asked)
