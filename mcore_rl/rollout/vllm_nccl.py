@@ -25,12 +25,13 @@ import datetime
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from mcore_rl.parallel.update_group import UpdateGroup
+if TYPE_CHECKING:  # vLLM's venv loads this file alone (tests/_vllm_transfer_side.py): no mcore_rl at import
+    from mcore_rl.parallel.update_group import UpdateGroup
 
 NCCL_UINT8, NCCL_FLOAT32, NCCL_SUM = 1, 7, 0  #: ncclDataType_t / ncclRedOp_t values (nccl.h; vLLM's enums)
 
@@ -225,6 +226,8 @@ def new_vllm_nccl_group(
         store = dist.TCPStore(master_address, master_port, None, True, timeout=timeout, wait_for_workers=False, **fd)
     else:
         store.set_timeout(timeout)
+    from mcore_rl.parallel.update_group import UpdateGroup
+
     unique_id = mint_id()
     store.set(_vllm_nccl_key(group_name, "unique_id"), unique_id)
     store.set(_vllm_nccl_key(group_name, "packed_buffer_size_bytes"), str(int(buffer_bytes)))
