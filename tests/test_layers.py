@@ -61,7 +61,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 
 #: (importer, imported) -> why the edge is there today and where it goes. Upward edges and the edges of cycles.
 KNOWN: dict[tuple[str, str], str] = {
-    # engine wire formats still sit in the generic layers; they move into the engine kinds (rollout/engines/)
+    # the config validates names against registries that live with the services they name
     ("mcore_rl.config.rollout", "mcore_rl.rollout.vllm_config"): "vLLM's config checks; move to the vLLM kind",
     ("mcore_rl.config.rollout", "mcore_rl.rollout.engines"): (
         "rollout.engine's kind (RolloutConfig.kind, engine_kind: one function-level import): the registry of kinds "
@@ -69,7 +69,6 @@ KNOWN: dict[tuple[str, str], str] = {
     ),
     ("mcore_rl.config.rollout", "mcore_rl.rollout.agent.parser"): "the agent parsers' registry is read by the config",
     ("mcore_rl.config.rollout", "mcore_rl.rollout.agent.tools"): "the agent tools' registry is read by the config",
-    # the run's exit classes live in the top-level runner; they move to mcore_rl/errors.py
     # the reward loader's built-in table holds verl's data sources, and a user's reward file may import verl's
     # reward_score: both are read from compat/verl/shim.py on first use, never when reward/ is imported; the edge stays
     # while verl's scorers are built-ins of every run
