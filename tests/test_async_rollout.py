@@ -1,4 +1,4 @@
-"""One-step-off-policy generation: partial rollouts across a weight update, the staleness bound, version tags.
+"""Generation ahead of training: partial rollouts across a weight update, the staleness bound, per-token versions.
 
 A real embedded server on loopback and the real client (no Ray); the async producer runs the single-turn producer
 over them while the test plays the loop (bumps the weight version on the server between steps).
@@ -15,8 +15,10 @@ import torch
 from tiny_models import tiny_qwen3_moe
 
 from mcore_rl.config import RLConfig
-from mcore_rl.controller.async_producer import AsyncProducer
+from mcore_rl.controller.async_producer import AsyncProducer, StalenessLimitExceeded
+from mcore_rl.controller.async_producer import make_producer as make_run_producer
 from mcore_rl.controller.producer import RolloutProducer, Rollouts
+from mcore_rl.controller.samples import samples_to_batch
 from mcore_rl.controller.state import LoopState
 from mcore_rl.data.dataset import PromptDataset, PromptLoader
 from mcore_rl.data.synthetic import write_synthetic_dataset
@@ -134,7 +136,11 @@ def test_async_producer_keeps_the_staleness_bound_and_marks_stale_samples(server
             versions = [v for s in rollouts.samples for v, _, _ in s.weight_versions]
             assert min(versions) >= state.weight_version - max_staleness
             stale = [any(v < state.weight_version for v, _, _ in s.weight_versions) for s in rollouts.samples]
-            assert rollouts.batch.tensors["stale"].tolist() == [float(x) for x in stale]
+            assert rollouts.batch.tensors["stale"].amax(dim=1).tolist() == [float(x) for x in stale]
+            lag = rollouts.batch.tensors["version_lag"]
+            for i, s in enumerate(rollouts.samples):  # the engine's spans, token by token
+                for v, a, b in s.weight_versions:
+                    assert lag[i, a:b].tolist() == [float(state.weight_version - v)] * (b - a)
             if step == 1:
                 assert not any(stale)  # the first batch starts on the weights it trains
             time.sleep(0.05)  # "training": the next batch is generated meanwhile
@@ -145,18 +151,109 @@ def test_async_producer_keeps_the_staleness_bound_and_marks_stale_samples(server
         producer.close()
 
 
-def test_a_sample_older_than_the_bound_is_refused():
+def spanning(prompt: int, versions: list[tuple[int, int, int]], length: int = 4) -> Sample:
+    """A sample whose tokens the engine labelled with `versions` spans ([version, start, end))."""
+    return Sample([prompt], list(range(4, 4 + length)), [-1.0] * length, "length", versions[-1][0], versions)
+
+
+def rollouts_of(samples: list[Sample], n: int) -> Rollouts:
+    batch, group_ids = samples_to_batch(samples, n)
+    prompts = [{"index": i} for i in range(len(samples) // n)]
+    return Rollouts(prompts, samples, torch.arange(len(samples), dtype=torch.float32), batch, group_ids)
+
+
+def test_a_sample_spanning_a_push_is_labelled_per_token_and_weighted_on_its_old_tokens_only():
+    from mcore_rl.actor.step_losses import stale_tis_weights
+
     state = LoopState(weight_version=5)
-    producer = AsyncProducer(None, state, max_staleness=1, last_step=1)
-    old = Sample([1], [4, 5], [-1.0, -1.0], "stop", 3, [(3, 0, 2)])
-    rollouts = Rollouts([{}], [old], torch.zeros(1), None, torch.zeros(1))
+    producer = AsyncProducer(None, state, max_staleness=2, last_step=1)
     try:
-        with pytest.raises(
-            RuntimeError, match="weight version 3, more than max_staleness=1 behind the trained version 5"
-        ):
-            producer.tag(rollouts)
+        # sample 0 was in flight across two pushes (versions 3, 4, 5); sample 1 is fresh
+        rollouts = producer.tag(
+            rollouts_of([spanning(1, [(3, 0, 1), (4, 1, 3), (5, 3, 4)]), spanning(2, [(5, 0, 4)])], 1)
+        )
     finally:
         producer.close()
+    tensors = rollouts.batch.tensors
+    assert tensors["version_lag"].tolist() == [[2.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    assert tensors["stale"].tolist() == [[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+    m = rollouts.metrics
+    assert m["async/partial_requests"] == 1 and m["async/staleness_max"] == 2 and m["async/stale_frac"] == 0.5
+    assert m["async/staleness_mean"] == pytest.approx(4 / 8)
+    assert [m[f"async/lag_tokens_frac/{d}"] for d in range(3)] == [5 / 8, 2 / 8, 1 / 8]
+    assert [m[f"async/lag_samples/{d}"] for d in range(3)] == [1.0, 0.0, 1.0]
+    # the correction: TIS on the three old tokens of sample 0, weight 1 on its last token and on sample 1
+    mask = rollouts.batch.response_mask
+    old = torch.full_like(mask, -1.0)
+    weights = stale_tis_weights({**tensors, "old_logprobs": old, "rollout_logprobs": old - 0.5}, mask, cap=1.5)
+    assert weights.tolist() == [[1.5, 1.5, 1.5, 1.0], [1.0, 1.0, 1.0, 1.0]]
+
+
+def test_a_group_past_the_limit_is_dropped_and_the_rest_trained():
+    state = LoopState(weight_version=5)
+    producer = AsyncProducer(None, state, max_staleness=1, last_step=1, action="drop", group_unit=1)
+    try:
+        samples = [
+            spanning(1, [(5, 0, 4)]),
+            spanning(1, [(3, 0, 2), (5, 2, 4)]),
+            spanning(2, [(4, 0, 4)]),
+            spanning(2, [(5, 0, 4)]),
+        ]
+        rollouts = producer.tag(rollouts_of(samples, 2))
+    finally:
+        producer.close()
+    assert [s.prompt_ids for s in rollouts.samples] == [[2], [2]]  # prompt 1's group held a token 2 versions old
+    assert rollouts.scores.tolist() == [2.0, 3.0] and rollouts.group_ids.tolist() == [0, 0]
+    assert rollouts.batch.tensors["version_lag"].tolist() == [[1.0] * 4, [0.0] * 4]
+    assert rollouts.metrics["async/dropped_samples"] == 2 and rollouts.metrics["async/staleness_max"] == 1
+
+
+def test_weight_keeps_a_sample_past_the_limit_with_its_old_tokens_weighted():
+    state = LoopState(weight_version=5)
+    producer = AsyncProducer(None, state, max_staleness=1, last_step=1, action="weight")
+    try:
+        rollouts = producer.tag(rollouts_of([spanning(1, [(2, 0, 3), (5, 3, 4)])], 1))
+    finally:
+        producer.close()
+    assert rollouts.batch.tensors["stale"].tolist() == [[1.0, 1.0, 1.0, 0.0]]
+    assert rollouts.metrics["async/kept_over_limit_samples"] == 1 and rollouts.metrics["async/dropped_samples"] == 0
+
+
+def test_a_limit_that_drops_every_group_ends_the_step_with_an_error_naming_it():
+    state = LoopState(weight_version=5)
+    producer = AsyncProducer(None, state, max_staleness=1, last_step=1, group_unit=2)
+    try:
+        samples = [spanning(1, [(3, 0, 4)]), spanning(2, [(5, 0, 4)])]  # one fresh group: fewer than the unit of 2
+        with pytest.raises(StalenessLimitExceeded, match=r"rollout.max_staleness=1: step 7 has no group left to train"):
+            producer.tag(rollouts_of(samples, 1), step=7)
+    finally:
+        producer.close()
+    assert issubclass(StalenessLimitExceeded, ValueError)  # a user's setting: exit 2 (lifecycle's user errors)
+
+
+def test_non_integer_versions_are_refused_by_name():
+    producer = AsyncProducer(None, LoopState(), max_staleness=1, last_step=1)
+    try:
+        with pytest.raises(RuntimeError, match="non-integer weight versions"):
+            producer.tag(rollouts_of([spanning(1, [("v1", 0, 4)])], 1))
+    finally:
+        producer.close()
+
+
+def test_staleness_zero_is_the_synchronous_producer_itself(tmp_path):
+    """k = 0 adds no thread and no wrapper: the run's producer is the one the synchronous loop always used."""
+    cfg = RLConfig()
+    path = write_synthetic_dataset(str(tmp_path / "d.parquet"), 16, 0)
+    loader = PromptLoader(PromptDataset([path], TOK, 64), 4, seed=0)
+    reward = RewardManager(build_reward_fn(None, None))
+    inner = make_run_producer(cfg, loader, None, reward, TOK, LoopState())
+    assert type(inner) is RolloutProducer
+    cfg.rollout.max_staleness = 2
+    ahead = make_run_producer(cfg, loader, None, reward, TOK, LoopState())
+    try:
+        assert isinstance(ahead, AsyncProducer) and ahead.max_staleness == 2 and type(ahead.inner) is RolloutProducer
+    finally:
+        ahead.close()
 
 
 def test_stale_samples_get_truncated_importance_weights_fresh_ones_weight_one():

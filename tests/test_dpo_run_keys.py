@@ -83,7 +83,7 @@ def test_dpo_resume_continues_the_run_exactly(tmp_path: Path, straight: tuple[Pa
     "override, key",
     [
         ("trainer.placement=colocated", "trainer.placement"),
-        ("trainer.async_rollout=true", "trainer.async_rollout"),
+        ("rollout.max_staleness=1", "rollout.max_staleness"),
     ],
 )
 def test_dpo_refuses_the_keys_it_cannot_honour(tmp_path: Path, override: str, key: str):

@@ -43,7 +43,7 @@ def test_colocated_engines_release_memory_and_get_exact_weights_back(tmp_path: P
 @pytest.mark.long
 @pytest.mark.slow
 def test_split_async_generates_one_step_ahead_within_the_bound(tmp_path: Path):
-    rows = train(tmp_path / "run", "trainer.async_rollout=true", "trainer.steps=4", *SMALL)
+    rows = train(tmp_path / "run", "rollout.max_staleness=1", "trainer.steps=4", *SMALL)
     assert [r["weight_version"] for r in rows] == [2, 3, 4, 5]
     assert rows[0]["async/stale_frac"] == 0.0  # generated on the weights it trains
     assert all(r["async/staleness_max"] <= 1 for r in rows)
@@ -68,8 +68,8 @@ def test_multiturn_tool_job_runs_with_tool_tokens_masked(tmp_path: Path):
             ["trainer.placement=nowhere"],
             "trainer.placement='nowhere' is invalid: expected one of ('split', 'colocated')",
         ),
-        (["trainer.placement=colocated", "trainer.async_rollout=true"], "trainer.async_rollout=True is invalid"),
-        (["trainer.max_staleness=0"], "trainer.max_staleness=0 is invalid"),
+        (["trainer.placement=colocated", "rollout.max_staleness=1"], "rollout.max_staleness=1 is invalid"),
+        (["rollout.max_staleness=-1"], "rollout.max_staleness=-1 is invalid"),
         (["agent.tools=[weather]"], "agent.tools='weather' is invalid: expected registered tools"),
         (["agent.chat_format=llama"], "agent.chat_format='llama' is invalid"),
     ],

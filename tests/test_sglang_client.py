@@ -120,7 +120,8 @@ def test_an_empty_span_is_no_token() -> None:
 
 
 def test_staleness_reads_the_spans_of_an_sglang_sample(sglang) -> None:
-    """The async producer's check: a sample with tokens of version 1 is stale once the engines serve version 2."""
+    """The async producer's labels: the 3 tokens of version 1 are stale (lag 1) once the engines serve version 2, the
+    2 tokens of version 2 are not."""
     import torch
 
     from mcore_rl.controller.async_producer import AsyncProducer
@@ -137,7 +138,8 @@ def test_staleness_reads_the_spans_of_an_sglang_sample(sglang) -> None:
         producer.tag(rollouts)
     finally:
         producer.close()
-    assert rollouts.batch.tensors["stale"].tolist() == [1.0]
+    assert rollouts.batch.tensors["version_lag"].tolist() == [[1.0, 1.0, 1.0, 0.0, 0.0]]
+    assert rollouts.batch.tensors["stale"].tolist() == [[1.0, 1.0, 1.0, 0.0, 0.0]]
     assert rollouts.metrics["async/two_version_frac"] == 1.0 and rollouts.metrics["async/staleness_max"] == 1.0
 
 

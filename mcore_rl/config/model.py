@@ -297,8 +297,8 @@ class ActorConfig:
     #: MoE expert-bias update per optimizer step (DeepSeek-V3's aux-loss-free balancing, Megatron's
     #: moe_router_bias_update_rate): 0 keeps the released bias frozen during RL (as slime); Megatron's default is 1e-3
     router_bias_update_rate: float = 0.0
-    #: truncated importance sampling (TIS) cap for samples generated with an older weight version than the one
-    #: trained (trainer.async_rollout): w = min(pi_old / pi_rollout, cap) per token; null = no correction
+    #: truncated importance sampling (TIS) cap for tokens sampled by an older weight version than the one trained
+    #: (rollout.max_staleness > 0): w = min(pi_old / pi_rollout, cap) per stale token; null = no correction
     stale_tis_cap: float | None = 2.0
     #: the policy's logits are divided by this before every logprob and entropy (verl and slime divide by the
     #: rollout temperature): the engines sample, and report logprobs, from softmax(logits / T), and the PPO ratio,

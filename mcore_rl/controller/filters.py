@@ -125,13 +125,17 @@ class AlgorithmProducer(RolloutProducer):
         return usable
 
     def _group_unit(self) -> int:
-        """The smallest number of groups whose samples every worker group's mini-batches x dp ranks divide."""
-        cfg, n = self.cfg, self.cfg.rollout.n
-        divisors = [cfg.actor.mini_batches * cfg.actor.layout.to_layout().dp(cfg.actor.world_size)]
-        if cfg.critic.enable:
-            divisors.append(cfg.critic.mini_batches * cfg.critic.layout.to_layout().dp(cfg.critic.world_size))
-        samples = math.lcm(*divisors)
-        return samples // math.gcd(samples, n)
+        return group_unit(self.cfg)
+
+
+def group_unit(cfg: RLConfig) -> int:
+    """The smallest number of groups whose samples every worker group's mini-batches x dp ranks divide."""
+    n = cfg.rollout.n
+    divisors = [cfg.actor.mini_batches * cfg.actor.layout.to_layout().dp(cfg.actor.world_size)]
+    if cfg.critic.enable:
+        divisors.append(cfg.critic.mini_batches * cfg.critic.layout.to_layout().dp(cfg.critic.world_size))
+    samples = math.lcm(*divisors)
+    return samples // math.gcd(samples, n)
 
 
 def build_producer(cfg: RLConfig, loader: Any, engines: Any, reward: Any, tokenizer: Any) -> RolloutProducer:

@@ -13,7 +13,7 @@ Ray (a pool's reservation, an actor's scheduling, an engine's start) has a limit
 
 split      a placement group per role: one bundle per actor rank and per critic rank ({CPU: num_cpus_per_rank,
            GPU: 1 on CUDA}); one per embedded engine ({CPU: rollout.num_cpus, GPU: 1 on CUDA}) or per node of a real
-           SGLang engine ({CPU: 1, GPU: tp / nnodes}). Generation and training can overlap (trainer.async_rollout).
+           SGLang engine ({CPU: 1, GPU: tp / nnodes}). Generation and training can overlap (rollout.max_staleness > 0).
            The phase hooks do nothing.
 colocated  one placement group with a bundle per actor rank; on CUDA its bundles are ordered by (node, GPU), as
            slime orders them, so consecutive bundles are one node's consecutive GPUs. Critic rank r shares bundle r.

@@ -132,6 +132,17 @@ def _is(*accepted: Any) -> Callable[[Any], bool]:
     return lambda value: value in accepted
 
 
+def _staleness_versions(value: Any) -> int:
+    """verl's async_training.staleness_threshold: how many batches beyond the one being trained the rollout may
+    generate (its queue holds (threshold + 1) batches with one update per push): our max_staleness in versions."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != int(value):
+        raise VerlValueError(
+            f"a whole number of weight versions >= 0 (rollout.max_staleness), got {value!r}; a fraction of a batch "
+            "is not a bound a sample's tokens can be held to"
+        )
+    return int(value)
+
+
 def _top_k_off(value: Any) -> bool:
     return value in (None, -1, 0)
 
@@ -488,6 +499,24 @@ VERL_KEYS: dict[str, Rule] = {
     "algorithm.rollout_correction.bypass_mode": Ignore("off", _falsy, "bypass mode (not implemented)"),
     "algorithm.rollout_correction.loss_type": Ignore("ppo_clip", _is("ppo_clip"), "another correction loss"),
     "algorithm.rollout_correction.rollout_is_batch_normalize": Ignore("off", _falsy, "batch-normalised weights"),
+    # generation ahead of training (verl's fully-async trainer: the async_training tree)
+    "async_training.staleness_threshold": Map("rollout.max_staleness", _staleness_versions),
+    "async_training.partial_rollout": Ignore(
+        "requests in flight at a push go on with the new weights (sync.pause_mode: the engine's kind picks how)",
+        bool,
+        "requests finishing on the old weights before each push",
+    ),
+    "async_training.trigger_parameter_sync_step": Ignore(
+        "one push after every update", _is(1), "several updates per push"
+    ),
+    "async_training.require_batches": Ignore(
+        "a step trains data.batch_size prompts", _is(1), "several batches per update"
+    ),
+    "async_training.use_rollout_log_probs": Ignore(
+        "stale tokens are weighed against the engines' own logprobs (actor.stale_tis_cap)",
+        bool,
+        "stale tokens trained without the engines' logprobs",
+    ),
     # trainer
     "trainer.total_epochs": Derived("trainer.steps"),
     "trainer.total_training_steps": Derived("trainer.steps"),
