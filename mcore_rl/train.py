@@ -93,6 +93,7 @@ def run(cfg: RLConfig) -> dict[str, float]:
         producer = make_producer(cfg, loader, engines, reward, tokenizer, state)  # single-turn | agent, sync | async
         if hasattr(producer, "close"):  # the async producer's generation thread stops before the engines
             session.close_first(producer.close)
+            session.fence_pushes(producer.push_fence)  # rollout.partial_rollout=false: no request spans a push
         advantages = AdvantageStage(cfg.algorithm, state.controllers)
         train = TrainStep(cfg, session, advantages, first_step=state.step + 1)  # the step's orderings, one method
         log = session.logger(state)  # metrics.jsonl and trainer.loggers; a NaN loss stops the run (exit 1)

@@ -268,3 +268,24 @@ def test_stale_samples_get_truncated_importance_weights_fresh_ones_weight_one():
     assert torch.allclose(weights[0], expected_row0) and torch.equal(weights[1], mask[1])
     assert stale_tis_weights(tensors, mask, cap=None) is None
     assert stale_tis_weights({**tensors, "stale": torch.zeros(2)}, mask, cap=2.0) is None
+
+
+def test_without_partial_rollouts_a_push_waits_for_the_batch_and_no_sample_spans_two_versions(server, tmp_path):
+    """rollout.partial_rollout=false: the loop's push holds the producer's fence, so it lands between two batches;
+    with long responses and pushes issued while the next batch generates, every sample is of one version."""
+    thread, client = server
+    state = LoopState()
+    set_version(client, thread.url, state.weight_version)
+    producer = AsyncProducer(make_producer(tmp_path, client, max_new_tokens=40), state, 2, last_step=4, partial=False)
+    try:
+        for step in range(1, 5):
+            rollouts = producer.produce(step, StepTimer())
+            for s in rollouts.samples:
+                assert len({v for v, _, _ in s.weight_versions}) == 1, s.weight_versions
+            assert rollouts.metrics["async/partial_requests"] == 0
+            with producer.push_fence():  # as RunSession.push holds it
+                state.weight_version += 1
+                set_version(client, thread.url, state.weight_version)
+        assert rollouts.metrics["async/push_wait_s"] >= 0
+    finally:
+        producer.close()

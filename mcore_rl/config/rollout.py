@@ -111,6 +111,14 @@ class RolloutConfig:
     #: episode that outlived the bound): drop (its prompt's group leaves the batch: the bound is what the run asked
     #: for) | weight (kept, its old tokens weighted by truncated importance sampling like every stale token)
     staleness_action: str = "drop"
+    #: max_staleness > 0: requests in flight at a push go on with the new weights (partial rollouts: a sample then
+    #: holds tokens of several versions, each labelled); false = a push waits for the batch being generated to end
+    #: and the next batch starts after it, so every sample is of one version (verl's async_training.partial_rollout)
+    partial_rollout: bool = True
+    #: a model of a GPU engine, for benchmarks (tools/bench_async.py): the embedded engine spends this many seconds
+    #: per decode step asleep instead of running the model, and samples tokens uniformly (logprob -log V), so
+    #: generation costs time but no CPU, as a GPU engine looks to a CPU trainer. null = the real model
+    latency_model_s_per_token: float | None = None
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
@@ -176,6 +184,12 @@ class RolloutConfig:
             self.staleness_action in STALENESS_ACTIONS, "rollout.staleness_action", self.staleness_action,
             f"one of {STALENESS_ACTIONS}",
         )  # fmt: skip
+        if self.latency_model_s_per_token is not None:
+            _check(
+                self.latency_model_s_per_token > 0 and self.engine == "hf",
+                "rollout.latency_model_s_per_token", self.latency_model_s_per_token,
+                "null, or > 0 with rollout.engine=hf (the embedded engine models a GPU engine's latency)",
+            )  # fmt: skip
         self.sglang.validate()
         self.vllm.validate()
 

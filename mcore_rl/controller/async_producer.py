@@ -30,10 +30,12 @@ the synchronous loop itself: make_producer returns the inner producer, no thread
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -66,13 +68,23 @@ class AsyncProducer:
     """Wraps a producer (single-turn or agent) and runs it ahead of the loop on a background thread."""
 
     def __init__(
-        self, inner: Any, state: Any, max_staleness: int, last_step: int, action: str = "drop", group_unit: int = 1
+        self,
+        inner: Any,
+        state: Any,
+        max_staleness: int,
+        last_step: int,
+        action: str = "drop",
+        group_unit: int = 1,
+        partial: bool = True,
     ) -> None:
         """`state`: the loop's LoopState (its weight_version is the engines' version); `last_step`: nothing is
         generated for steps after it; `action`: rollout.staleness_action; `group_unit`: kept groups after a drop are
-        a multiple of it (the update's mini-batches and data-parallel ranks must divide the batch)."""
+        a multiple of it (the update's mini-batches and data-parallel ranks must divide the batch); `partial`:
+        rollout.partial_rollout (false: `push_fence` keeps every batch on one version)."""
         self.inner, self.state, self.max_staleness, self.last_step = inner, state, max_staleness, last_step
-        self.action, self.group_unit = action, max(1, group_unit)
+        self.action, self.group_unit, self.partial = action, max(1, group_unit), partial
+        self._batch = threading.Lock()  # held by the thread over each batch when partial is off
+        self._push_waits: list[float] = []  # seconds each push waited for a batch to end (partial off)
         self._jobs: queue.Queue[tuple[int, Future] | None] = queue.Queue()
         self._pending: deque[tuple[int, Future]] = deque()
         self._next = 0  # next step to queue
@@ -93,7 +105,11 @@ class AsyncProducer:
             timer = StepTimer()
             started = time.perf_counter()
             try:
-                rollouts = self.inner.produce(step, timer)
+                if self.partial:
+                    rollouts = self.inner.produce(step, timer)
+                else:  # no push lands while this batch generates (push_fence)
+                    with self._batch:
+                        rollouts = self.inner.produce(step, timer)
             except BaseException as err:  # noqa: BLE001 (handed to the loop, which raises it)
                 future.set_exception(err)
                 continue
@@ -163,6 +179,8 @@ class AsyncProducer:
             "async/kept_over_limit_samples": float(kept_over),
         }
         out["async/two_version_frac"] = out["async/partial_requests"] / n
+        if not self.partial:  # the push of the step before this batch was trained waited this long for generation
+            out["async/push_wait_s"] = self._push_waits[-1] if self._push_waits else 0.0
         for d in range(self.max_staleness + 1):  # the histogram by lag: samples by their oldest token, and tokens
             out[f"async/lag_samples/{d}"] = float(sum(1 for o in oldest if o == d))
             out[f"async/lag_tokens_frac/{d}"] = (
@@ -194,6 +212,18 @@ class AsyncProducer:
         )
         return out, [lags[i] for i in rows], [oldest[i] for i in rows]
 
+    @contextlib.contextmanager
+    def push_fence(self) -> Iterator[None]:
+        """Held over a push when partial rollouts are off (RunSession.fence_pushes): waits for the batch being
+        generated to end, and the next one starts after the push, so no request spans two versions."""
+        if self.partial:
+            yield
+            return
+        started = time.perf_counter()
+        with self._batch:
+            self._push_waits.append(time.perf_counter() - started)
+            yield
+
     def close(self) -> None:
         """Stop the generation thread after its current batch (queued ones are cancelled)."""
         for _, future in self._pending:
@@ -213,6 +243,8 @@ def make_producer(cfg: Any, loader: Any, engines: Any, reward: Any, tokenizer: A
         inner = build_producer(cfg, loader, engines, reward, tokenizer)
     if cfg.rollout.max_staleness == 0:
         return inner
+    rollout = cfg.rollout
     return AsyncProducer(
-        inner, state, cfg.rollout.max_staleness, cfg.trainer.steps, cfg.rollout.staleness_action, group_unit(cfg)
-    )
+        inner, state, rollout.max_staleness, cfg.trainer.steps, rollout.staleness_action, group_unit(cfg),
+        rollout.partial_rollout,
+    )  # fmt: skip

@@ -16,6 +16,7 @@ ranks, the critic, the engines and router, and the placement groups stop, so not
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ class RunSession:
         self.sync: Any = None
         self.ckpt: Any = None
         self._closers: list[Callable[[], None]] = []
+        self._push_fence: Callable[[], Any] | None = None
         self._started = 0.0
 
     def __enter__(self) -> RunSession:
@@ -122,7 +124,8 @@ class RunSession:
         state.weight_version += 1
         self.engines.wait_for_restarts()
         try:
-            return self.placement.sync_weights(self.sync, state.weight_version)
+            with (self._push_fence or contextlib.nullcontext)():
+                return self.placement.sync_weights(self.sync, state.weight_version)
         except SyncError as err:
             # The engines refuse NaN/inf weights, but a push reports the first rank's error, which may be another
             # stream's "not sent: an earlier bucket failed": the ranks are asked.
@@ -154,6 +157,11 @@ class RunSession:
             },
             max_nonfinite_steps=t.max_nonfinite_steps,  # a NaN loss stops the run (exit 1)
         )
+
+    def fence_pushes(self, fence: Callable[[], Any]) -> None:
+        """Hold the context manager `fence()` over every push after the first (the async producer's push_fence with
+        partial rollouts off: no request spans two versions)."""
+        self._push_fence = fence
 
     def close_first(self, close: Callable[[], None]) -> None:
         """Call `close` on exit before anything of the session stops (the loop's producer and its threads)."""
