@@ -6,7 +6,9 @@
         -- --config-name qwen3_235b_a22b_32n model.path=/ckpt/Qwen3-235B-A22B
 
 Everything after `--` is passed to `python -m mcore_rl.train` (Hydra overrides; `--config-name X` picks a recipe
-from configs/). Before anything is written, the config is composed in-process and checked against N x G:
+from configs/). First, before any heavy import, a submission needs sbatch on PATH and the partition must be one sinfo
+lists (a dry run notes a failing sinfo and goes on). Then, before anything is written, the config is composed
+in-process and checked against N x G:
 
 - Placement (mcore_rl/controller/gpu_plan.py, the check the run itself makes against Ray): every actor, critic and
   engine rank on the N*G GPUs. trainer.placement=split: actor.world_size + critic.world_size + the engines' GPUs
@@ -558,11 +560,14 @@ def check_partition(partition: str, dry_run: bool = False) -> None:
         raise SubmitError(f"unknown partition {partition!r}; sinfo lists: {', '.join(known) or '(none)'}")
 
 
+NO_SBATCH = "sbatch not found on PATH: run on a Slurm login node or use --local/--dry-run"
+
+
 def submit(script: str) -> int:
     """sbatch the script; returns the job id."""
     sbatch = shutil.which("sbatch")
     if not sbatch:
-        raise SubmitError("sbatch not found on PATH: run on a Slurm login node or use --local/--dry-run", code=1)
+        raise SubmitError(NO_SBATCH, code=1)
     res = subprocess.run([sbatch, "--parsable", script], capture_output=True, text=True)
     if res.returncode != 0:
         raise SubmitError(f"sbatch failed ({res.returncode}): {res.stderr.strip()}", code=1)
@@ -729,6 +734,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args, overrides = parse(argv)
+        if not args.local:
+            # what the cluster can refuse, before the config check's seconds of imports and meta-model build
+            if not args.dry_run and not shutil.which("sbatch"):
+                raise SubmitError(NO_SBATCH, code=1)
+            check_partition(args.partition, dry_run=args.dry_run)
         from mcore_rl._quiet import quiet_process
 
         quiet_process()  # the check builds a meta model: Megatron's known CPU warnings stay off the screen, as in a run
@@ -740,14 +750,11 @@ def main(argv: list[str] | None = None) -> int:
             return run_local(args, overrides)
         run_dir = script_run_dir(args, report.run_dir)
         check_script_values(args, overrides, run_dir)
-        check_partition(args.partition, dry_run=args.dry_run)
         text = render_script(args, overrides, run_dir)
         if args.dry_run:
             print(f"--- sbatch script (dry run: not written, not submitted; would go to {run_dir}) ---")
             print(text)
             return 0
-        if not shutil.which("sbatch"):
-            raise SubmitError("sbatch not found on PATH: run on a Slurm login node or use --local/--dry-run", code=1)
         script = write_script(run_dir, args.job_name, text)
         job_id = submit(script)
         print(f"submitted job {job_id}: {script}; log {run_dir}/slurm-{job_id}.out; ports {ray_ports(job_id)}")
