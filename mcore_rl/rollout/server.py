@@ -37,22 +37,79 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import Any
 
-import torch
-from aiohttp import web
-
 from mcore_rl.parallel.net import is_loopback
-from mcore_rl.rollout.engine import HFRolloutEngine
-from mcore_rl.rollout.protocol import BadRequest, parse_generate, response_object
-from mcore_rl.rollout.scheduler import ContinuousBatcher, GenParams, Sequence
-from mcore_rl.rollout.weight_receiver import WeightReceiver, WeightUpdateError
-from mcore_rl.rollout.weight_routes import SERIALISED_ROUTES, WeightRoutes, field
 
-#: SGLang's HEALTH_CHECK_TIMEOUT (srt/entrypoints/http_server.py), read from the same variable
-HEALTH_CHECK_TIMEOUT_S = float(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
 #: a request body larger than this is refused before it is read whole (--max-request-bytes)
 DEFAULT_MAX_REQUEST_BYTES = 64 << 20
 #: sequences waiting for a batch slot, all requests together (--max-queued-requests; SGLang's is unbounded)
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
+
+
+def parse_cli(argv: list[str] | None = None) -> tuple[argparse.Namespace, str | dict]:
+    """The CLI's arguments, each checked, and the model to serve: the --model directory or the --hf-config dict.
+    A bad argument exits 2 naming it (as argparse's usage errors do). Standard library only: `python -m` runs this
+    before the imports below (torch, aiohttp, transformers: seconds), so a refusal takes a fraction of a second."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m mcore_rl.rollout.server")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="HF checkpoint dir (config.json + safetensors [+ tokenizer])")
+    source.add_argument("--hf-config", help="an HF config.json: random weights, filled by weight updates")
+    parser.add_argument("--tokenizer", help="tokenizer dir (default: the model dir, if it holds one)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument(
+        "--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, help="sequences waiting, in all"
+    )
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
+    parser.add_argument("--weight-version", default="default")
+    args = parser.parse_args(argv)
+    for flag in ("max_running_requests", "max_queued_requests", "max_request_bytes"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: expected an integer >= 1")
+    if not is_loopback(args.host) and not args.api_key:
+        parser.error(f"--host {args.host} is not a loopback address: binding it needs --api-key")
+    try:
+        if args.hf_config:
+            if not stat.S_ISREG(os.stat(args.hf_config).st_mode):  # a FIFO would block, /dev/zero never end
+                raise ValueError(f"--hf-config {args.hf_config!r} is not a regular file: expected an HF config.json")
+            with open(args.hf_config) as f:
+                try:
+                    model: str | dict = json.load(f)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"--hf-config {args.hf_config}: not valid JSON ({err})") from None
+            if not isinstance(model, dict):
+                raise ValueError(f"--hf-config {args.hf_config}: expected a JSON object (an HF config.json)")
+        else:
+            config = os.path.join(args.model, "config.json")
+            if not os.path.lexists(config):
+                raise ValueError(f"--model {args.model!r}: no config.json there")
+            if not os.path.isfile(config):
+                raise ValueError(f"--model {args.model!r}: config.json there is not a regular file")
+            model = args.model
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    return args, model
+
+
+if __name__ == "__main__":  # `python -m mcore_rl.rollout.server`: refuse a bad argument before the heavy imports
+    parse_cli()
+
+import torch  # noqa: E402
+from aiohttp import web  # noqa: E402
+
+from mcore_rl.rollout.engine import HFRolloutEngine  # noqa: E402
+from mcore_rl.rollout.protocol import BadRequest, parse_generate, response_object  # noqa: E402
+from mcore_rl.rollout.scheduler import ContinuousBatcher, GenParams, Sequence  # noqa: E402
+from mcore_rl.rollout.weight_receiver import WeightReceiver, WeightUpdateError  # noqa: E402
+from mcore_rl.rollout.weight_routes import SERIALISED_ROUTES, WeightRoutes, field  # noqa: E402
+
+#: SGLang's HEALTH_CHECK_TIMEOUT (srt/entrypoints/http_server.py), read from the same variable
+HEALTH_CHECK_TIMEOUT_S = float(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
 
 log = logging.getLogger(__name__)
 
@@ -578,48 +635,9 @@ def build_server(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m mcore_rl.rollout.server")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="HF checkpoint dir (config.json + safetensors [+ tokenizer])")
-    source.add_argument("--hf-config", help="an HF config.json: random weights, filled by weight updates")
-    parser.add_argument("--tokenizer", help="tokenizer dir (default: the model dir, if it holds one)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-running-requests", type=int, default=256)
-    parser.add_argument(
-        "--max-queued-requests", type=int, default=DEFAULT_MAX_QUEUED_REQUESTS, help="sequences waiting, in all"
-    )
-    parser.add_argument("--context-length", type=int, default=None)
-    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES)
-    parser.add_argument("--weight-version", default="default")
-    args = parser.parse_args(argv)
+    args, model = parse_cli(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    for flag in ("max_running_requests", "max_queued_requests", "max_request_bytes"):
-        if getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} is invalid: expected an integer >= 1")
-    if not is_loopback(args.host) and not args.api_key:
-        parser.error(f"--host {args.host} is not a loopback address: binding it needs --api-key")
     try:
-        if args.hf_config:
-            if not stat.S_ISREG(os.stat(args.hf_config).st_mode):  # a FIFO would block, /dev/zero never end
-                raise ValueError(f"--hf-config {args.hf_config!r} is not a regular file: expected an HF config.json")
-            with open(args.hf_config) as f:
-                try:
-                    model: str | dict = json.load(f)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"--hf-config {args.hf_config}: not valid JSON ({err})") from None
-            if not isinstance(model, dict):
-                raise ValueError(f"--hf-config {args.hf_config}: expected a JSON object (an HF config.json)")
-        else:
-            config = os.path.join(args.model, "config.json")
-            if not os.path.lexists(config):
-                raise ValueError(f"--model {args.model!r}: no config.json there")
-            if not os.path.isfile(config):
-                raise ValueError(f"--model {args.model!r}: config.json there is not a regular file")
-            model = args.model
         server = build_server(
             model,
             tokenizer=args.tokenizer,
