@@ -184,11 +184,16 @@ class RolloutConfig:
             self.staleness_action in STALENESS_ACTIONS, "rollout.staleness_action", self.staleness_action,
             f"one of {STALENESS_ACTIONS}",
         )  # fmt: skip
-        if self.latency_model_s_per_token is not None:
+        latency = self.latency_model_s_per_token
+        if latency is not None:
             _check(
-                self.latency_model_s_per_token > 0 and self.engine == "hf",
-                "rollout.latency_model_s_per_token", self.latency_model_s_per_token,
-                "null, or > 0 with rollout.engine=hf (the embedded engine models a GPU engine's latency)",
+                isinstance(latency, (int, float)) and not isinstance(latency, bool) and latency > 0,
+                "rollout.latency_model_s_per_token", latency, "null, or > 0 seconds per decode step",
+            )  # fmt: skip
+            # the kind says whether its engines can model a GPU engine's latency (only the embedded one can)
+            _check(
+                getattr(kind, "models_latency", False), "rollout.latency_model_s_per_token", latency,
+                f"null with rollout.engine={self.engine}: only the embedded engine models a GPU engine's latency",
             )  # fmt: skip
         self.sglang.validate()
         self.vllm.validate()

@@ -56,9 +56,11 @@ class EmbeddedEngineActor:
         init_seed: int,
         num_threads: int,
         bind_node_ip: bool = False,
+        latency_model_s_per_token: float | None = None,
     ) -> None:
         """`bind_node_ip`: listen on this node's address (the router and the actor ranks may be on other nodes; the
-        per-run API key guards it), else on 127.0.0.1."""
+        per-run API key guards it), else on 127.0.0.1. `latency_model_s_per_token`: rollout.latency_model_s_per_token
+        (the engine models a GPU engine's decode latency instead of running the model; rollout/engine.py forward)."""
         from mcore_rl.metrics.startup import process_start
         from mcore_rl.rollout.server import ServerThread, build_server
 
@@ -74,6 +76,7 @@ class EmbeddedEngineActor:
             max_running_requests=max_running_requests,
             api_key=api_key,
             init_seed=init_seed,
+            latency_model_s_per_token=latency_model_s_per_token,
         )
         host = ray.util.get_node_ip_address() if bind_node_ip else "127.0.0.1"
         self._thread = ServerThread(server, host, 0)
@@ -190,6 +193,7 @@ class EnginePool:
                 self.init_seed,
                 max(1, int(self.cfg.num_cpus)),
                 self.bind_node_ip,
+                self.cfg.latency_model_s_per_token,
             )
             for i in range(count)
         ]

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterable, Iterator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -90,9 +92,16 @@ class HFRolloutEngine:
         device: str | torch.device = "cpu",
         attn_implementation: str | None = None,
         init_seed: int = 0,
+        latency_model_s_per_token: float | None = None,
     ) -> None:
         """Build from a checkpoint directory (`from_pretrained`), a `PretrainedConfig` or a config dict (random
-        weights, seeded by `init_seed`). `dtype` (default float32) and `device` (default CPU) place the model."""
+        weights, seeded by `init_seed`). `dtype` (default float32) and `device` (default CPU) place the model.
+        `latency_model_s_per_token`: model a GPU engine instead of running the model (see `forward`)."""
+        if latency_model_s_per_token is not None and not latency_model_s_per_token > 0:
+            raise ValueError(f"latency_model_s_per_token must be > 0 or None, got {latency_model_s_per_token}")
+        #: seconds one forward (a prefill or a decode step of the whole running batch) sleeps in the latency model;
+        #: None = the real model runs
+        self.latency_model_s_per_token = latency_model_s_per_token
         self.device = _resolve_device(device)
         self.model = build_causal_lm(model, _resolve_dtype(dtype), self.device, attn_implementation, init_seed)
         self.model.eval().requires_grad_(False)
@@ -117,6 +126,25 @@ class HFRolloutEngine:
     def vocab_size(self) -> int:
         """Rows of the output layer; valid token ids are `[0, vocab_size)`."""
         return self.model.get_output_embeddings().weight.shape[0]
+
+    def forward(self, **inputs: Any) -> Any:
+        """The scheduler's prefill or decode forward (`model(**inputs)`: logits and the KV cache).
+
+        In the latency model (`latency_model_s_per_token`, rollout.latency_model_s_per_token) the model does not run:
+        the call sleeps that many seconds, as one batched GPU step costs the CPU trainer wall time but no CPU, and
+        returns zero logits (every token equally likely: the row's seeded generator draws it uniformly, logprob
+        -log V; greedy picks token 0) and an empty KV cache. Everything around the forward (stop tokens, finish
+        reasons, weight versions, pause, weight loading) runs as in the real model. Routed experts are not recorded.
+        """
+        if self.latency_model_s_per_token is None:
+            return self.model(**inputs)
+        time.sleep(self.latency_model_s_per_token)  # blocks this thread only; the GIL is released
+        ids = inputs["input_ids"]
+        width = ids.shape[1] if inputs.get("logits_to_keep", 1) == 0 else 1
+        cache = inputs.get("past_key_values")
+        cache = SimpleNamespace(layers=[]) if cache is None else cache  # no layers: nothing to cache or trim
+        logits = torch.zeros(ids.shape[0], width, self.vocab_size, device=self.device)
+        return SimpleNamespace(logits=logits, past_key_values=cache)
 
     def _check_token_ids(self, sequences: list[list[int]], what: str) -> None:
         if not sequences:
@@ -172,7 +200,7 @@ class HFRolloutEngine:
         Yields a tensor that is filled after the forward: int32 `[batch, seq, num_hidden_layers, top_k]` with -1
         in dense layers (SGLang's `routed_experts` layout), or None when disabled or the model has no MoE layer.
         """
-        if not enabled or not self._moe_gates:
+        if not enabled or not self._moe_gates or self.latency_model_s_per_token is not None:
             yield None
             return
         captured: dict[int, torch.Tensor] = {}

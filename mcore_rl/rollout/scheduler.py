@@ -325,7 +325,7 @@ class ContinuousBatcher:
         full = any(s.return_logprob and s.logprob_start_len >= 0 and not s.output_ids for s in new)
         want_routing = any(s.return_routed_experts for s in new)
         with self.engine.capture_routed_experts(want_routing) as routed:
-            out = self.engine.model(
+            out = self.engine.forward(
                 input_ids=ids,
                 attention_mask=mask,
                 position_ids=positions,
@@ -371,7 +371,7 @@ class ContinuousBatcher:
         self._mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], dim=1)
         want_routing = any(s.return_routed_experts for s in self._rows)
         with self.engine.capture_routed_experts(want_routing) as routed:
-            out = self.engine.model(
+            out = self.engine.forward(
                 input_ids=self._pending.unsqueeze(1),
                 attention_mask=self._mask,
                 position_ids=self._pos.unsqueeze(1),

@@ -605,9 +605,14 @@ def build_server(
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     health_check_timeout_s: float = HEALTH_CHECK_TIMEOUT_S,
+    latency_model_s_per_token: float | None = None,
 ) -> EngineServer:
-    """An EngineServer for a checkpoint dir or an HF config dict (random weights; a sync fills them)."""
-    engine = HFRolloutEngine(model, dtype=dtype, device=device, init_seed=init_seed)
+    """An EngineServer for a checkpoint dir or an HF config dict (random weights; a sync fills them).
+    `latency_model_s_per_token`: a model of a GPU engine's latency (rollout.latency_model_s_per_token; engine.py
+    `HFRolloutEngine.forward`)."""
+    engine = HFRolloutEngine(
+        model, dtype=dtype, device=device, init_seed=init_seed, latency_model_s_per_token=latency_model_s_per_token
+    )
     engine.weight_version = weight_version
     tok = None
     source = tokenizer or (model if isinstance(model, str) else None)

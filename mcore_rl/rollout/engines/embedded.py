@@ -18,6 +18,9 @@ class EmbeddedKind(EngineKind):
     dialect = "hf"
     embedded = True
     uses_gpu_extra = False
+    #: rollout.latency_model_s_per_token: its engine can sleep through a decode step instead of running the model
+    #: (rollout/engine.py HFRolloutEngine.forward), a model of a GPU engine; kinds without this attribute cannot
+    models_latency = True
 
     def shape(self, rollout: Any, runtime: str) -> EngineShape:
         gpus = 1 if runtime == "cuda" else 0
