@@ -52,9 +52,11 @@ class Leader:
     def sync_addresses(self) -> dict[str, tuple[str, int]]:
         return self.sender.addresses()
 
-    def sync_join(self, name: str, host: str, port: int, world: int, backend: str, timeout_s: float) -> None:
+    def sync_join(
+        self, name: str, host: str, port: int, world: int, backend: str, timeout_s: float, engine: str = "hf"
+    ) -> None:
         if backend != "nccl":
-            self.sender.join(name, host, port, world, backend, timeout_s)
+            self.sender.join(name, host, port, world, backend, timeout_s, engine)
             return
         # NCCL without a GPU: only the leader's TCP store (serving since sync_addresses), which is all the engines'
         # rendezvous handshake needs; NCCL makes its communicator at the first broadcast

@@ -32,9 +32,11 @@ from tiny_models import tiny_qwen3_moe
 
 from mcore_rl.parallel.harness import run_on_ranks
 from mcore_rl.resharding.sync.transports.tensor import TensorTransport
+from mcore_rl.rollout.engines.receivers import SGLangReceiver
 
 MOE = tiny_qwen3_moe(vocab_size=70, initializer_range=0.5, max_position_embeddings=64, num_hidden_layers=3)
 TIMEOUT_S = 60
+SGLANG = SGLangReceiver()  #: the routes and bodies the transport posts: SGLang's API, which these engines read
 
 
 def _sync_rank(rank: int, world: int, urls: list[str], layout: dict, colocation: list[list[int]], cuda: bool):
@@ -117,16 +119,18 @@ def test_each_engine_rank_opens_the_payload_of_its_colocated_actor_rank(tmp_path
 def test_colocation_must_name_every_engine_rank_inside_the_actor() -> None:
     """A map that does not match the engines is refused before anything moves, naming what is wrong."""
     with pytest.raises(ValueError, match="colocation names 1 engines for 2 URLs"):
-        TensorTransport(["a", "b"], api_key=None, weight_version="1", ranks_per_engine=2, colocation=[[0, 1]])
+        TensorTransport(["a", "b"], api_key=None, weight_version="1", receiver=SGLANG, ranks_per_engine=2,
+                        colocation=[[0, 1]])  # fmt: skip
     with pytest.raises(ValueError, match="colocation of a names 1 actor ranks for 2"):
-        TensorTransport(["a"], api_key=None, weight_version="1", ranks_per_engine=2, colocation=[[0]])
+        TensorTransport(["a"], api_key=None, weight_version="1", receiver=SGLANG, ranks_per_engine=2, colocation=[[0]])
     with pytest.raises(ValueError, match=r"actor ranks \[1\], outside the actor's 1 ranks"):
-        TensorTransport(["a"], api_key=None, weight_version="1", ranks_per_engine=2, colocation=[[0, 1]])
+        TensorTransport(["a"], api_key=None, weight_version="1", receiver=SGLANG, ranks_per_engine=2,
+                        colocation=[[0, 1]])  # fmt: skip
 
 
 def test_without_a_map_the_transport_stays_leader_only() -> None:
     """No colocation map (CPU single node, split placement): the leader sends alone, as before."""
-    transport = TensorTransport(["a"], api_key=None, weight_version="1", ranks_per_engine=2)
+    transport = TensorTransport(["a"], api_key=None, weight_version="1", receiver=SGLANG, ranks_per_engine=2)
     try:
         assert not transport.every_rank
     finally:
@@ -153,7 +157,8 @@ def _push_buckets(rank: int, urls: list[str], colocation: list[list[int]], cuda:
     """Actor rank `rank` (cuda:rank, or CPU) of an initialised group: four buckets, rank 0 leading and repacking one
     buffer, through the colocated tensor transport; what was sent, and this rank's pid."""
     transport = TensorTransport(
-        urls, api_key=None, weight_version="1", ranks_per_engine=len(colocation[0]), timeout_s=TIMEOUT_S,
+        urls, api_key=None, weight_version="1", receiver=SGLANG, ranks_per_engine=len(colocation[0]),
+        timeout_s=TIMEOUT_S,
         device=f"cuda:{rank}" if cuda else "cpu", colocation=colocation, rank=rank,
     )  # fmt: skip
     stream = types.SimpleNamespace(name="pp0-dense", index=0, leader=0)
@@ -207,7 +212,7 @@ def test_leader_only_payloads_one_segment_for_two_engines_through_reused_buffers
     opened by both engines consumed the sender's own reference and the segment was gone by the third bucket."""
     with _engines(2, 1) as engines:
         urls = [ranks[0] for ranks in engines]
-        transport = TensorTransport(urls, api_key=None, weight_version="1", timeout_s=TIMEOUT_S)
+        transport = TensorTransport(urls, api_key=None, weight_version="1", receiver=SGLANG, timeout_s=TIMEOUT_S)
         stream, sent = types.SimpleNamespace(name="pp0-dense", index=0, leader=0), {}
         try:
             buffers = [transport.allocate(_bucket(0)[0].nbytes) for _ in range(2)]

@@ -23,6 +23,7 @@ from _sglang_code import sglang_receiver_process
 from safetensors.torch import load_file
 
 from mcore_rl.resharding.sync.transports.tensor import TensorTransport
+from mcore_rl.rollout.engines.receivers import SGLangReceiver
 
 SHAPES = [(16, 8), (3, 7), (5,)]  # float32, int32, bfloat16: each offset a multiple of its item size, no padding
 DTYPES = ["float32", "int32", "bfloat16"]
@@ -45,8 +46,9 @@ def _bucket(k: int) -> tuple[types.SimpleNamespace, dict[str, torch.Tensor]]:
 def _push(urls: list[str], device: str, buckets: int, ranks_per_engine: int = 1) -> dict[str, torch.Tensor]:
     """Send `buckets` buckets through two reused buffers, as resharding/sync/execute.py does; what was sent."""
     transport = TensorTransport(
-        urls, api_key=None, weight_version="1", ranks_per_engine=ranks_per_engine, timeout_s=60, device=device
-    )
+        urls, api_key=None, weight_version="1", receiver=SGLangReceiver(), ranks_per_engine=ranks_per_engine,
+        timeout_s=60, device=device,
+    )  # fmt: skip
     stream = types.SimpleNamespace(name="pp0-dense", index=0)
     sent: dict[str, torch.Tensor] = {}
     try:
@@ -84,7 +86,8 @@ def test_cpu_payloads_open_with_sglang_deserializer_every_byte(tmp_path) -> None
 
 def test_rank_devices_must_name_one_device_per_engine_rank() -> None:
     with pytest.raises(ValueError, match="rank_devices names 1 devices for 2 engine ranks"):
-        TensorTransport([], api_key=None, weight_version="1", ranks_per_engine=2, rank_devices=["cpu"])
+        TensorTransport([], api_key=None, weight_version="1", receiver=SGLangReceiver(), ranks_per_engine=2,
+                        rank_devices=["cpu"])  # fmt: skip
 
 
 @pytest.mark.gpu

@@ -25,6 +25,7 @@ from mcore_rl.parallel.update_group import broadcast, new_update_group
 from mcore_rl.resharding.sync.order import InGlobalOrder
 from mcore_rl.resharding.sync.plan import Bucket, Entry, Stream
 from mcore_rl.resharding.sync.transports import DistributedTransport
+from mcore_rl.rollout.engines.receivers import SGLangReceiver
 
 pytestmark = pytest.mark.slow  # gloo groups of three ranks (threads)
 
@@ -145,7 +146,7 @@ def _lead(
 ) -> None:
     """One stream leader: its two buckets through the distributed transport (in the global order with `store`)."""
     sink = DistributedTransport({stream.name: leaders[stream.name]}, urls, api_key=None, weight_version="1",
-                                timeout_s=2 * TIMEOUT_S)  # fmt: skip
+                                receiver=SGLangReceiver(), timeout_s=2 * TIMEOUT_S)  # fmt: skip
     if store is not None:
         sink = InGlobalOrder(sink, ORDER, {stream.index}, store, prefix, timeout_s=TIMEOUT_S)
     try:
@@ -249,7 +250,9 @@ def test_a_refused_bucket_does_not_wedge_its_sender() -> None:
 
 
 def _lead_one(group: object, name: str, url: str, errors: list) -> None:
-    sink = DistributedTransport({name: group}, [url], api_key=None, weight_version="1", timeout_s=60)
+    sink = DistributedTransport(
+        {name: group}, [url], api_key=None, weight_version="1", receiver=SGLangReceiver(), timeout_s=60
+    )
     try:
         sink.send(STREAMS[0], BUCKETS[(0, 0)], torch.zeros(16, dtype=torch.uint8))
         sink.wait()

@@ -23,6 +23,7 @@ from mcore_rl.parallel.groups import free_port
 from mcore_rl.parallel.update_group import new_update_group
 from mcore_rl.resharding.sync.transports import DistributedTransport
 from mcore_rl.rollout.client import RolloutClient, RolloutRequestError
+from mcore_rl.rollout.engines import kind_of
 from mcore_rl.rollout.vllm_config import VLLMConfig
 from mcore_rl.rollout.vllm_launcher import VLLMServer
 
@@ -100,8 +101,9 @@ class Pusher:
     def send(self, tensors: dict[str, torch.Tensor], version: int, bucket_tensors: int = 8) -> None:
         """The buckets alone (POST + broadcast), inside a session someone else began (the fence)."""
         transport = DistributedTransport(
-            {"pp0-dense": self.group}, [self.url], api_key=None, weight_version=str(version)
-        )
+            {"pp0-dense": self.group}, [self.url], api_key=None, weight_version=str(version),
+            receiver=kind_of("vllm").receiver(),
+        )  # fmt: skip
         stream = SimpleNamespace(name="pp0-dense")
         items = list(tensors.items())
         try:

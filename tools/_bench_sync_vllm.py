@@ -165,11 +165,14 @@ def _push(client: Any, url: str, group: Any, buckets: list, buffers: list, versi
     """One timed fence (see the module docstring). Bucket k is packed into buffers[k % 2] while bucket k - 1 is sent:
     `send` returns once the bucket before it is sent (BackgroundSender), so bucket k - 2's buffer is free."""
     from mcore_rl.resharding.sync.transports.distributed import DistributedTransport
+    from mcore_rl.rollout.engines import kind_of
 
     t0 = time.perf_counter()
     client.post(url, "/begin_weight_update", None, TIMEOUT_S)
     t1 = time.perf_counter()
-    transport = DistributedTransport({"vllm": group}, [url], api_key=None, weight_version=str(version))
+    transport = DistributedTransport(
+        {"vllm": group}, [url], api_key=None, weight_version=str(version), receiver=kind_of("vllm").receiver()
+    )
     stream, pack_s = SimpleNamespace(name="vllm"), 0.0
     try:
         for index, bucket in enumerate(buckets):

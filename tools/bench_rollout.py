@@ -248,6 +248,7 @@ def vllm_push_seconds(
     from mcore_rl.parallel.groups import free_port
     from mcore_rl.parallel.update_group import new_update_group
     from mcore_rl.resharding.sync.transports import DistributedTransport
+    from mcore_rl.rollout.engines.receivers import SGLangReceiver
 
     port = free_port()
     body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
@@ -268,7 +269,9 @@ def vllm_push_seconds(
     flats = [torch.cat([t.view(-1).view(torch.uint8) for _, t in b]) for b in buckets]
     times = []
     for version in range(1, repeats + 1):
-        transport = DistributedTransport({"pp0-dense": group}, [url], api_key=None, weight_version=str(version))
+        transport = DistributedTransport(
+            {"pp0-dense": group}, [url], api_key=None, weight_version=str(version), receiver=SGLangReceiver()
+        )
         start = time.perf_counter()
         client.post(url, "/begin_weight_update")
         for index, (bucket, flat) in enumerate(zip(buckets, flats)):

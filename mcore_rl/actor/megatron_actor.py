@@ -517,9 +517,11 @@ class MegatronActor:
         """Rendezvous addresses of the broadcast groups this rank leads."""
         return self._sender().addresses()
 
-    def sync_join(self, name: str, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
-        """Host the broadcast group `name` (blocks until the engines have joined)."""
-        self._sender().join(name, host, port, world_size, backend, timeout_s)
+    def sync_join(
+        self, name: str, host: str, port: int, world_size: int, backend: str, timeout_s: float, engine: str = "hf"
+    ) -> None:
+        """Host the broadcast group `name` (blocks until the engines have joined); `engine`'s kind makes it."""
+        self._sender().join(name, host, port, world_size, backend, timeout_s, engine)
 
     def sync_drop_groups(self) -> None:
         self._sender().drop_groups()

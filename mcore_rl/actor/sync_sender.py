@@ -2,7 +2,7 @@
 
     digest = sender.plan(engine_layout, bucket_bytes, mode)       # all ranks; digests must agree
     sender.addresses()                                           # streams this rank leads -> (host, port)
-    sender.join(stream_name, host, port, world_size, backend)    # leader = rank 0 of the stream's group
+    sender.join(stream_name, host, port, world_size, backend, timeout_s, engine)  # leader = rank 0 of the group
     stats = sender.send(version, transport="distributed", engine_urls=[...], api_key=...)
     sender.release()                                             # drop the reused buffers (see keep_buffers)
 
@@ -20,14 +20,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mcore_rl.parallel.update_group import UpdateGroup, new_update_group, reserve_port, serve_store
+from mcore_rl.parallel.update_group import UpdateGroup, reserve_port, serve_store
 from mcore_rl.resharding.sync.execute import SyncExecutor
 from mcore_rl.resharding.sync.inventory import local_sources, merge_sources
 from mcore_rl.resharding.sync.order import InGlobalOrder, global_order
 from mcore_rl.resharding.sync.plan import EngineLayout, SyncPlan, build_plan
 from mcore_rl.resharding.sync.transports import DiskTransport, DistributedTransport, TensorTransport
 from mcore_rl.rollout.engines import kind_of
-from mcore_rl.rollout.vllm_nccl import new_vllm_nccl_group
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,8 @@ class SyncSender:
         self.groups: dict[str, UpdateGroup] = {}
         self._stores: dict[str, Any] = {}  # rendezvous stores serving on the ports `addresses` gave out, until `join`
         self._sends = 0  # syncs run so far (the same count on every rank): names each one's keys in the store
-        #: `connect` / `mint_id` for new_vllm_nccl_group: vLLM's NCCL (empty); a test's stand-in communicator
+        #: `connect` / `mint_id` for a kind's own group (vLLM's NCCL: rollout/vllm_nccl.py new_vllm_nccl_group):
+        #: empty, or a test's stand-in communicator
         self.vllm_connect: dict[str, Any] = {}
 
     def plan(
@@ -148,24 +148,30 @@ class SyncSender:
         """The rendezvous store serving for stream `name` since `addresses` (None once `join` took it)."""
         return self._stores.get(name)
 
-    def join(self, name: str, host: str, port: int, world_size: int, backend: str, timeout_s: float) -> None:
-        """Host the broadcast group `name` as its rank 0 (blocks until every engine rank has joined).
-        backend `vllm_nccl` (rollout.engine=vllm on CUDA): vLLM's NCCL weight-transfer group, whose workers hold one
-        such group each, so it carries every stream this rank leads (controller/weight_sync.py `check_vllm_streams`
-        refuses a plan whose streams have several leaders); its packed buffer is the plan's largest bucket."""
+    def join(
+        self, name: str, host: str, port: int, world_size: int, backend: str, timeout_s: float, engine: str = "hf"
+    ) -> None:
+        """Host the broadcast group `name` as its rank 0 (blocks until every engine rank has joined), made by the
+        kind of `engine` (rollout.engine: `EngineKind.update_group`). A kind whose group of `backend` is shared
+        (`shared_update_group`: vLLM's NCCL weight-transfer group on CUDA, one per vLLM worker) gets one group for
+        every stream this rank leads (controller/weight_sync.py `check_vllm_streams` refuses a plan whose streams
+        have several leaders), sized by the plan's largest bucket."""
+        kind = kind_of(engine)
         store = self._stores.pop(name, None)
-        if backend == "vllm_nccl":
+        if kind.shared_update_group(backend):
             led = [s.name for s in self._plan().streams if s.leader == self.actor.rank]
             self.drop_groups()
             for other in led:  # one rendezvous port for the one group: the others' stores stop
                 self._stores.pop(other, None)
             device = torch.device("cuda", torch.cuda.current_device()) if self.actor.runtime == "cuda" else "cpu"
-            group = new_vllm_nccl_group(host, port, world_size, name, self._plan().max_bucket_bytes, device,
-                                        timeout_s, store=store, **self.vllm_connect)  # fmt: skip
+            group = kind.update_group(
+                backend, host, port, world_size, name, timeout_s, store=store,
+                bucket_bytes=self._plan().max_bucket_bytes, device=device, connect=self.vllm_connect,
+            )  # fmt: skip
             self.groups.update({stream: group for stream in led})
             return
         self.groups.pop(name, None)
-        self.groups[name] = new_update_group(backend, host, port, 0, world_size, name, timeout_s, store=store)
+        self.groups[name] = kind.update_group(backend, host, port, world_size, name, timeout_s, store=store)
 
     def drop_groups(self) -> None:
         """Leave every group (a vLLM NCCL communicator is aborted: its engines get a new one on re-init)."""

@@ -114,7 +114,7 @@ class WeightSync:
             raise SyncError(f"actor ranks computed different sync plans (digests {sorted(digests)})")
         self.digest = digests.pop()
         self.summary = actor.call_rank(0, MegatronActor.sync_summary)
-        if self.backend == "vllm_nccl" and cfg.transport == "distributed":
+        if self.shared_group and cfg.transport == "distributed":
             check_vllm_streams(self.summary)
             self.groups_per_engine_gpu = 1  # every stream in the one group vLLM's worker holds
         else:
@@ -174,19 +174,26 @@ class WeightSync:
                 addresses[name] = (rank, address)
         order = {name: i for i, name in enumerate(self.summary["stream_names"])}
         groups = sorted(addresses.items(), key=lambda item: (order.get(item[0], len(order)), item[0]))
-        if self.backend == "vllm_nccl":  # one group (the leader's first stream) carries every stream
+        if self.shared_group:  # one group (the leader's first stream) carries every stream
             groups = sorted(addresses.items())[:1]
         world = 1 + len(urls) * self.ranks_per_engine
         for name, (rank, (host, port)) in groups:
             self._form_group(urls, name, rank, host, port, world)
+
+    @property
+    def shared_group(self) -> bool:
+        """Whether one group carries every stream (EngineKind.shared_update_group: vLLM's NCCL weight-transfer
+        group)."""
+        return kind_of(self.rollout.engine).shared_update_group(self.backend)
 
     def _form_group(self, urls: list[str], name: str, rank: int, host: str, port: int, world: int) -> None:
         """Group `name`: its leader (actor rank `rank`) joins while every engine in `urls` posts its init; returns
         once all have answered. SyncError naming the group otherwise (_Unanswered naming the engines that did not
         answer within sync.timeout_s + INIT_GRACE_S, or could not be reached)."""
         join = self.actor.submit(
-            rank, MegatronActor.sync_join, name, host, port, world, self.backend, self.cfg.timeout_s
-        )
+            rank, MegatronActor.sync_join, name, host, port, world, self.backend, self.cfg.timeout_s,
+            self.rollout.engine,
+        )  # fmt: skip
         calls = [
             self.pool.client.apost(
                 url, "/init_weights_update_group",
@@ -384,7 +391,7 @@ def one_sync_leader(engine: str, runtime: str, transport: str) -> bool:
     """Whether every stream of the sync plan must leave from one actor rank (build_plan's `one_leader`): vLLM's NCCL
     weight-transfer backend (split vLLM on CUDA, the distributed transport), whose worker holds one group with one
     sender. The ranks' plan (WeightSync) and the dry run's (recipe_check.build_run_plan) both ask this: they agree."""
-    return update_group_backend(engine, runtime) == "vllm_nccl" and transport == "distributed"
+    return kind_of(engine).shared_update_group(update_group_backend(engine, runtime)) and transport == "distributed"
 
 
 def check_vllm_streams(summary: dict[str, Any]) -> None:

@@ -18,16 +18,15 @@ no bytes for what a sync sends whole (every parameter, in a full sync): the old 
 shadow. Shadows and the broadcast receive buffers stay resident between syncs until `release()` (the server's
 /release_memory_occupation of weights), since fresh pages cost more than the copies into them.
 
-Tensor payloads are SGLang's: base64 of a `ForkingPickler` dump (CPU tensors through shared memory with torch's
-`file_system` strategy; CUDA IPC handles on GPU), either a list of `(name, tensor)` or, with
-`load_format="flattened_bucket"`, `{"flattened_tensor": uint8, "metadata": [...]}`. They are unpickled with an
-exact (module, name) allow-list (`rollout/safe_pickle.py`), a subset of SGLang's own `SafeUnpickler`'s, so a request
-cannot name arbitrary callables.
+Tensor payloads are SGLang's, in the format resharding/sync/wire.py defines for both ends (the sender's
+`encode_payload` and this side's `decode_payload` are its functions): base64 of a `ForkingPickler` dump, either a list
+of `(name, tensor)` or, with `load_format="flattened_bucket"`, `{"flattened_tensor": uint8, "metadata": [...]}`.
+They are unpickled with an exact (module, name) allow-list (`rollout/safe_pickle.py`), a subset of SGLang's own
+`SafeUnpickler`'s, so a request cannot name arbitrary callables.
 """
 
 from __future__ import annotations
 
-import base64
 import os
 import stat
 import threading
@@ -37,9 +36,10 @@ from typing import Any
 
 import torch
 
-from mcore_rl.resharding.sync.transports.tensor import encode_payload, flatten  # noqa: F401 (the client side)
+from mcore_rl.resharding.sync import wire
+from mcore_rl.resharding.sync.wire import encode_payload, flatten  # noqa: F401 (the sender side, for clients and tests)
 from mcore_rl.rollout.engine import HFRolloutEngine
-from mcore_rl.rollout.safe_pickle import LocalSerializedTensor, UnsafePayload, safe_loads
+from mcore_rl.rollout.safe_pickle import UnsafePayload, safe_loads
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -59,49 +59,20 @@ DISK_READ_TIMEOUT_S = 600.0
 
 
 def decode_payload(payload: str | bytes, load_format: str | None) -> NamedTensors:
-    """One TP rank's serialized tensors -> named tensors (views of the shared buffers; copy before keeping)."""
+    """One TP rank's serialized tensors -> named tensors (views of the shared buffers; copy before keeping):
+    wire.decode_payload through this server's allow-list, its refusals as WeightUpdateError."""
     try:
-        raw = base64.b64decode(payload, validate=True) if isinstance(payload, str) else payload
-        obj = safe_loads(raw)
-    except UnsafePayload as err:
+        return wire.decode_payload(payload, load_format, _safe_loads)
+    except wire.WireFormatError as err:
         raise WeightUpdateError(str(err)) from err
-    except Exception as err:
-        raise WeightUpdateError(f"serialized_named_tensors could not be decoded: {err}") from err
-    if load_format == "flattened_bucket":
-        if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
-            raise WeightUpdateError(
-                'a flattened_bucket payload is {"flattened_tensor": uint8 tensor, "metadata": [...]}'
-            )
-        flat = obj["flattened_tensor"]
-        out = []
-        for meta in obj["metadata"]:
-            size = int(torch.Size(meta.shape).numel()) * meta.dtype.itemsize
-            if meta.end_idx - meta.start_idx != size or meta.end_idx > flat.numel():
-                raise WeightUpdateError(f"bucket metadata of {meta.name!r} does not fit its shape or the buffer")
-            if meta.start_idx % meta.dtype.itemsize:
-                raise WeightUpdateError(
-                    f"tensor {meta.name!r} starts at byte {meta.start_idx}, not a multiple of its {meta.dtype} item "
-                    f"size {meta.dtype.itemsize}: pad the flattened bucket (SGLang's receivers require alignment)"
-                )
-            out.append((meta.name, flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)))
-        return out
-    if load_format not in (None, "auto"):
-        raise WeightUpdateError(f"load_format={load_format!r} is not supported; expected null or 'flattened_bucket'")
-    if isinstance(obj, dict):
-        obj = list(obj.items())
-    if not isinstance(obj, list) or not all(isinstance(i, tuple) and len(i) == 2 for i in obj):
-        raise WeightUpdateError("a tensor payload is a list of (name, tensor) pairs")
-    out = []
-    for name, value in obj:
-        if isinstance(value, LocalSerializedTensor):  # verl: one serialized tensor per engine TP rank
-            try:
-                value = safe_loads(value.values[0])
-            except UnsafePayload as err:
-                raise WeightUpdateError(str(err)) from err
-        if not isinstance(value, torch.Tensor):
-            raise WeightUpdateError(f"payload entry {name!r} is a {type(value).__name__}, expected a tensor")
-        out.append((name, value))
-    return out
+
+
+def _safe_loads(raw: bytes) -> object:
+    """safe_loads, a refused global reported as the wire's error (its message unchanged)."""
+    try:
+        return safe_loads(raw)
+    except UnsafePayload as err:
+        raise wire.WireFormatError(str(err)) from err
 
 
 class _Received(list):

@@ -67,7 +67,7 @@ def _receiver() -> Path | None:
 
 def ipc(rec: Any, dry: bool) -> None:
     """Our payload through SGLang's deserializer in a second process (see the module docstring)."""
-    from mcore_rl.resharding.sync.transports.tensor import encode, encode_cuda, flatten
+    from mcore_rl.resharding.sync.wire import encode, encode_cuda, flatten
 
     path = _receiver()
     if path is None:

@@ -2,9 +2,10 @@
 of kinds by config name (`KINDS`, `kind_of`).
 
 ```
-rollout.engine -> kind_of(name) -> the kind: shape, availability, router, client dialect, update-group backend and
-                                   request options, pause mode, placement and GPU-plan facts, the sync receiver
-                                   (the routes and bodies the transports post: receivers.py)
+rollout.engine -> kind_of(name) -> the kind: shape, availability, router, client dialect, update-group backend,
+                                   the stream leader's group and the engines' request options, pause mode,
+                                   placement and GPU-plan facts, the sync receiver (the routes and bodies the
+                                   transports post: receivers.py)
 ```
 Code outside this folder asks the kind and never compares the engine's name; the registry is the list of accepted
 names (`RolloutConfig.validate` reads it). Nothing here imports torch, SGLang or vLLM: a kind imports its launcher
@@ -108,6 +109,34 @@ class EngineKind(ABC):
     @abstractmethod
     def init_group_options(self, timeout_s: float) -> dict[str, Any]:
         """What this kind's /init_weights_update_group body takes beyond SGLang's keys."""
+
+    def update_group(
+        self,
+        backend: str,
+        host: str,
+        port: int,
+        world_size: int,
+        name: str,
+        timeout_s: float,
+        *,
+        store: Any = None,
+        bucket_bytes: int = 0,
+        device: Any = None,
+        connect: dict[str, Any] | None = None,
+    ) -> Any:
+        """The actor's stream leader's side (rank 0) of the broadcast group `name` of `backend` (this kind's
+        `update_group_backend`), rendezvous on `host`:`port` (`store`: the one already serving there); blocks until
+        every engine rank has joined (actor/sync_sender.py `join`). Default: parallel/update_group.py's group (gloo,
+        torch's NCCL). `bucket_bytes` (the plan's largest bucket), `device` and `connect` (a test's stand-in
+        communicator) are for a kind that makes its own group."""
+        from mcore_rl.parallel.update_group import new_update_group
+
+        return new_update_group(backend, host, port, 0, world_size, name, timeout_s, store=store)
+
+    def shared_update_group(self, backend: str) -> bool:
+        """True where one group of `backend` carries every stream its leader leads (the engines' workers hold one
+        group each), so the controller forms one group and the leader maps every stream it leads to it."""
+        return False
 
     def receiver(self) -> Any:
         """What the weight-sync transports post to this kind's engines (resharding/sync/transports/base.py

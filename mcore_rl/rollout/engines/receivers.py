@@ -13,13 +13,55 @@ VLLMReceiver     vLLM behind its dialect: the distributed body as SGLang's (the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from mcore_rl.resharding.sync.transports.base import SGLangReceiver, TransportError
+from mcore_rl.resharding.sync.transports.base import TransportError
 
 __all__ = ["SGLangReceiver", "VLLMReceiver"]
+
+
+class SGLangReceiver:
+    """SGLang's API (0.5.23's request bodies), which every engine speaks (our embedded server reads them; vLLM's
+    dialect maps the distributed one): the receiver of every kind that does not name its own
+    (`EngineKind.receiver()`), and of tools and tests that push to an SGLang-API server directly."""
+
+    gpu_handles = False
+
+    def distributed_update(
+        self, group_name: str, entries: Sequence[Any], weight_version: str
+    ) -> tuple[str, dict[str, Any]]:
+        """/update_weights_from_distributed: the bucket's names, dtypes and shapes, read as one flattened bucket."""
+        return "/update_weights_from_distributed", {
+            "names": [e.name for e in entries],
+            "dtypes": [e.dtype for e in entries],
+            "shapes": [list(e.shape) for e in entries],
+            "group_name": group_name,
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "weight_version": weight_version,
+        }
+
+    def tensor_init(self) -> tuple[str, dict[str, Any]] | None:
+        """None: SGLang needs no call before a tensor update."""
+        return None
+
+    def share(self, tensor: torch.Tensor) -> Any:
+        """Refused: SGLang takes pickled payloads (`gpu_handles` is False, so no transport asks)."""
+        raise TransportError("SGLang's tensor payloads are pickled per engine rank, not shared as GPU handles")
+
+    def tensor_update(
+        self, url: str, bucket: Any, payloads: list[Any], weight_version: str
+    ) -> tuple[str, dict[str, Any]]:
+        """/update_weights_from_tensor: one flattened-bucket payload per engine rank (resharding/sync/wire.py)."""
+        return "/update_weights_from_tensor", {
+            "serialized_named_tensors": payloads,
+            "load_format": "flattened_bucket",
+            "flush_cache": False,
+            "weight_version": weight_version,
+        }
 
 
 class VLLMReceiver(SGLangReceiver):

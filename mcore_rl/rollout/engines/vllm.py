@@ -83,6 +83,33 @@ class VLLMKind(EngineKind):
         # (rollout/vllm_nccl.py new_vllm_nccl_group)
         return "vllm_nccl" if runtime == "cuda" else "gloo"
 
+    def update_group(
+        self,
+        backend: str,
+        host: str,
+        port: int,
+        world_size: int,
+        name: str,
+        timeout_s: float,
+        *,
+        store: Any = None,
+        bucket_bytes: int = 0,
+        device: Any = None,
+        connect: dict[str, Any] | None = None,
+    ) -> Any:
+        if backend != "vllm_nccl":
+            return super().update_group(backend, host, port, world_size, name, timeout_s, store=store)
+        # vLLM's NCCL weight-transfer group: the leader mints the unique id and publishes it with the packed buffer's
+        # size (the plan's largest bucket) on the rendezvous store
+        from mcore_rl.rollout.vllm_nccl import new_vllm_nccl_group
+
+        return new_vllm_nccl_group(
+            host, port, world_size, name, bucket_bytes, device, timeout_s, store=store, **(connect or {})
+        )
+
+    def shared_update_group(self, backend: str) -> bool:
+        return backend == "vllm_nccl"  # vLLM's worker holds one NCCL weight-transfer group
+
     def receiver(self) -> Any:
         from mcore_rl.rollout.engines.receivers import VLLMReceiver
 

@@ -50,10 +50,11 @@ class Transport(Protocol):
 
 class UpdateReceiver(Protocol):
     """The engine's side of a push as a transport sees it: what to POST around the bytes it moves. The engine kind
-    provides it (`EngineKind.receiver()`, rollout/engines/receivers.py); a transport knows no engine."""
+    provides it (`EngineKind.receiver()`; SGLangReceiver and VLLMReceiver in rollout/engines/receivers.py) and the
+    caller passes it to every transport that posts: resharding knows no engine and imports no rollout code."""
 
     #: the colocated tensor transport shares one copy per engine GPU as a handle (`share`) and posts an engine's
-    #: handles in one request; False: one pickled payload per engine rank (tensor.py `encode`)
+    #: handles in one request; False: one pickled payload per engine rank (resharding/sync/wire.py `encode`)
     gpu_handles: bool
 
     def distributed_update(
@@ -76,42 +77,6 @@ class UpdateReceiver(Protocol):
     ) -> tuple[str, dict[str, Any]]:
         """(route, body) handing engine `url` one bucket as `payloads`, one per engine rank in rank order."""
         ...
-
-
-class SGLangReceiver:
-    """SGLang's API (0.5.23's request bodies), which every engine speaks (our embedded server reads them; vLLM's
-    dialect maps the distributed one); the receiver a transport uses unless given another."""
-
-    gpu_handles = False
-
-    def distributed_update(
-        self, group_name: str, entries: Sequence[Any], weight_version: str
-    ) -> tuple[str, dict[str, Any]]:
-        return "/update_weights_from_distributed", {
-            "names": [e.name for e in entries],
-            "dtypes": [e.dtype for e in entries],
-            "shapes": [list(e.shape) for e in entries],
-            "group_name": group_name,
-            "load_format": "flattened_bucket",
-            "flush_cache": False,
-            "weight_version": weight_version,
-        }
-
-    def tensor_init(self) -> tuple[str, dict[str, Any]] | None:
-        return None
-
-    def share(self, tensor: torch.Tensor) -> Any:
-        raise TransportError("SGLang's tensor payloads are pickled per engine rank, not shared as GPU handles")
-
-    def tensor_update(
-        self, url: str, bucket: Any, payloads: list[Any], weight_version: str
-    ) -> tuple[str, dict[str, Any]]:
-        return "/update_weights_from_tensor", {
-            "serialized_named_tensors": payloads,
-            "load_format": "flattened_bucket",
-            "flush_cache": False,
-            "weight_version": weight_version,
-        }
 
 
 class TransportError(RuntimeError):

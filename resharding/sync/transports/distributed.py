@@ -23,7 +23,6 @@ from mcore_rl.parallel.update_group import UpdateGroup
 from mcore_rl.resharding.sync.plan import Bucket, Stream
 from mcore_rl.resharding.sync.transports.base import (
     BackgroundSender,
-    SGLangReceiver,
     TransportError,
     UpdateReceiver,
     http_post,
@@ -42,13 +41,13 @@ class DistributedTransport:
         *,
         api_key: str | None,
         weight_version: str,
+        receiver: UpdateReceiver,
         timeout_s: float = 300.0,
         device: torch.device | str = "cpu",
-        receiver: UpdateReceiver | None = None,
     ) -> None:
-        """`receiver`: the engine kind's (the route and body announcing each bucket); SGLang's API when None."""
+        """`receiver`: the engine kind's (`EngineKind.receiver()`: the route and body announcing each bucket)."""
         self.groups = groups
-        self.receiver = receiver or SGLangReceiver()
+        self.receiver = receiver
         self.engine_urls = list(engine_urls)
         self.api_key = api_key
         self.weight_version = weight_version

@@ -1,10 +1,10 @@
 """The `tensor` transport: the bucket goes to engines on this node as one `/update_weights_from_tensor` payload per
 engine TP rank.
 
-The payload is SGLang's flattened bucket: `{"flattened_tensor": uint8 buffer, "metadata": [records with name, shape,
-dtype, start_idx, end_idx, numel]}`, pickled with `ForkingPickler` and base64-encoded; SGLang's TP rank r opens
-element r of `serialized_named_tensors` with its `MultiprocessingSerializer` (after `monkey_patch_torch_reductions`).
-Metadata records are `types.SimpleNamespace`, which SGLang's SafeUnpickler admits and its loader reads by attribute.
+The payload is SGLang's flattened bucket, in the format resharding/sync/wire.py writes and our receiver reads
+(`{"flattened_tensor": uint8 buffer, "metadata": [records]}`, pickled with `ForkingPickler`, base64); SGLang's TP
+rank r opens element r of `serialized_named_tensors` with its `MultiprocessingSerializer` (after
+`monkey_patch_torch_reductions`).
 
 CPU: the buffer is allocated in shared memory (torch's `file_system` strategy: the default `file_descriptor` one
 cannot cross between unrelated processes), so the engine maps the same pages and nothing is copied on the way. Each
@@ -37,7 +37,8 @@ the UUID; shared memory on CPU), `gather_object` brings the payloads to the lead
 raises if an engine refused, and drops its copy only after every engine answered. That last collective makes a
 bucket synchronous (the next bucket is packed after this one's POSTs, not during them).
 
-The routes and bodies are the receiver's (`UpdateReceiver`, given by the engine kind; SGLang's API by default). A
+The routes and bodies are the receiver's (`UpdateReceiver`, given by the engine kind: SGLang's API for every kind
+but vLLM). A
 receiver with `gpu_handles` (vLLM engines colocated on CUDA, started with vLLM's own `ipc` weight-transfer backend:
 rollout/engines/receivers.py) gets the same collective per bucket with its own wire format: each mapped rank shares
 its own copy through the receiver (`share`: reduce_tensor args keyed by its GPU's UUID), the leader posts an engine's
@@ -56,9 +57,6 @@ is packed into the segment of bucket k - 2, every engine has answered for k - 2 
 
 from __future__ import annotations
 
-import base64
-import io
-import types
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -68,93 +66,13 @@ import torch.distributed as dist
 from mcore_rl.resharding.sync.plan import Bucket, Stream
 from mcore_rl.resharding.sync.transports.base import (
     BackgroundSender,
-    SGLangReceiver,
     TransportError,
     UpdateReceiver,
     http_post,
 )
+from mcore_rl.resharding.sync.wire import encode, encode_cuda, encode_payload, flatten, record
 
-NamedTensors = list[tuple[str, torch.Tensor]]
-
-
-def flatten(named: NamedTensors) -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
-    """Named tensors -> one uint8 buffer + metadata records with SGLang's FlattenedTensorMetadata fields."""
-    if not named:
-        raise ValueError("cannot flatten an empty bucket")
-    pieces, metadata, offset = [], [], 0
-    for name, tensor in named:
-        pad = -offset % tensor.element_size()  # every tensor starts at a multiple of its item size
-        if pad:
-            pieces.append(torch.zeros(pad, dtype=torch.uint8))
-            offset += pad
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        metadata.append(_record(name, tensor.shape, tensor.dtype, offset, flat.numel()))
-        pieces.append(flat)
-        offset += flat.numel()
-    return torch.cat(pieces), metadata
-
-
-def _record(name: str, shape: Any, dtype: torch.dtype, start: int, nbytes: int) -> types.SimpleNamespace:
-    return types.SimpleNamespace(
-        name=name, shape=torch.Size(shape), dtype=dtype, start_idx=start, end_idx=start + nbytes, numel=nbytes
-    )
-
-
-class SharedPayload(str):
-    """Base64 text of a pickle whose tensors live in shared memory, holding those tensors: the receiver maps the
-    memory by name, which exists only as long as a tensor refers to it, so keep the payload until the call returns."""
-
-    keep: Any
-
-
-def encode(obj: Any) -> SharedPayload:
-    """ForkingPickler dump (tensors shared, not copied) -> base64 text that keeps `obj` alive."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing as tmp
-
-    tmp.set_sharing_strategy("file_system")
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
-    payload = SharedPayload(base64.b64encode(buf.getvalue()).decode("ascii"))
-    payload.keep = obj
-    return payload
-
-
-def encode_cuda(obj: Any) -> SharedPayload:
-    """ForkingPickler dump with CUDA tensors shared by IPC handle and their device written as the GPU's UUID (what
-    SGLang's `monkey_patch_torch_reductions` makes its senders write) -> base64 text that keeps `obj` alive."""
-    from multiprocessing.reduction import ForkingPickler
-
-    buf = io.BytesIO()
-    pickler = ForkingPickler(buf)
-    pickler.dispatch_table[torch.Tensor] = _reduce_tensor_by_uuid  # this dump only; torch's reducer stays global
-    pickler.dump(obj)
-    payload = SharedPayload(base64.b64encode(buf.getvalue()).decode("ascii"))
-    payload.keep = obj
-    return payload
-
-
-#: the position of `storage_device` in the arguments of torch's rebuild_cuda_tensor (SGLang 0.5.23 patches the same)
-_DEVICE_ARG = 6
-
-
-def _reduce_tensor_by_uuid(tensor: torch.Tensor) -> tuple[Any, tuple]:
-    from torch.multiprocessing import reductions
-
-    rebuild, args = reductions.reduce_tensor(tensor)
-    if tensor.is_cuda and isinstance(args[_DEVICE_ARG], int):  # a process SGLang already patched wrote the UUID
-        uuid = str(torch.cuda.get_device_properties(args[_DEVICE_ARG]).uuid)
-        args = (*args[:_DEVICE_ARG], uuid, *args[_DEVICE_ARG + 1 :])
-    return rebuild, args
-
-
-def encode_payload(named: NamedTensors, load_format: str | None = "flattened_bucket") -> SharedPayload:
-    """Named tensors -> one payload of `load_format` (flattened_bucket, or null: a list of (name, tensor))."""
-    if load_format == "flattened_bucket":
-        flat, metadata = flatten(named)
-        return encode({"flattened_tensor": flat, "metadata": metadata})
-    return encode([(name, t.detach()) for name, t in named])
+__all__ = ["TensorTransport", "encode", "encode_cuda", "encode_payload", "flatten"]  # the wire's, for senders
 
 
 class TensorTransport:
@@ -168,6 +86,7 @@ class TensorTransport:
         *,
         api_key: str | None,
         weight_version: str,
+        receiver: UpdateReceiver,
         ranks_per_engine: int = 1,
         timeout_s: float = 300.0,
         device: torch.device | str = "cpu",
@@ -175,13 +94,12 @@ class TensorTransport:
         colocation: list[list[int]] | None = None,
         rank: int = 0,
         group: Any = None,
-        receiver: UpdateReceiver | None = None,
     ) -> None:
         """`colocation[i][r]`: the actor rank on the GPU of engine `engine_urls[i]`'s TP rank r (see the module
         docstring); `rank` is this actor rank, `group` the actor's process group (None: the default one);
-        `receiver`: the engine kind's routes and bodies (SGLang's API when None, which our embedded server reads too);
-        one with `gpu_handles` (vLLM's ipc update_info) needs `colocation`."""
-        self.receiver = receiver or SGLangReceiver()
+        `receiver`: the engine kind's routes and bodies (`EngineKind.receiver()`); one with `gpu_handles` (vLLM's
+        ipc update_info) needs `colocation`."""
+        self.receiver = receiver
         self.handles = self.receiver.gpu_handles  #: one shared handle per engine GPU instead of pickled payloads
         if self.handles and colocation is None:
             raise ValueError(
@@ -249,7 +167,7 @@ class TensorTransport:
         else:  # fresh per bucket: it is what the engine ranks open (see the module docstring on reuse)
             data = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
         dist.broadcast(data, src=stream.leader, group=self.group)
-        metadata = [_record(e.name, e.shape, getattr(torch, e.dtype), e.offset, e.nbytes) for e in bucket.entries]
+        metadata = [record(e.name, e.shape, getattr(torch, e.dtype), e.offset, e.nbytes) for e in bucket.entries]
         mine: dict[tuple[int, int], Any] = {}
         if self.handles:  # a copy per engine GPU, never a reused buffer, shared as the engine's handle (docstring)
             fresh = not leader and self.device.type != "cpu"  # a non-leader's CUDA receive buffer is new per bucket
@@ -313,7 +231,7 @@ class TensorTransport:
 
     def _send(self, item: tuple[Stream, Bucket, torch.Tensor]) -> None:
         stream, bucket, buffer = item
-        metadata = [_record(e.name, e.shape, getattr(torch, e.dtype), e.offset, e.nbytes) for e in bucket.entries]
+        metadata = [record(e.name, e.shape, getattr(torch, e.dtype), e.offset, e.nbytes) for e in bucket.entries]
         if buffer.device.type == "cpu":
             sources = [buffer] * self.ranks_per_engine
             share = encode
