@@ -142,3 +142,30 @@ def test_the_guard_finds_a_comparison_by_any_name() -> None:
         "    pass\n"
     )
     assert [c.split(":")[0] for c in comparisons(source)] == ["1"] * 4
+
+
+def test_the_stream_leaders_group_is_made_by_the_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EngineKind.update_group: parallel/update_group.py's group for every kind and backend, except vLLM's NCCL
+    weight-transfer group, which the vLLM kind makes (sized by the plan's largest bucket) and shares across streams."""
+    import mcore_rl.parallel.update_group as update_group
+    import mcore_rl.rollout.vllm_nccl as vllm_nccl
+
+    made: list[tuple[str, tuple, dict]] = []
+    monkeypatch.setattr(update_group, "new_update_group", lambda *a, **k: made.append(("generic", a, k)) or "generic")
+    monkeypatch.setattr(vllm_nccl, "new_vllm_nccl_group", lambda *a, **k: made.append(("vllm", a, k)) or "vllm")
+    for name in BUILT_IN:
+        kind = kind_of(name)
+        for runtime in ("cpu", "cuda"):
+            backend = kind.update_group_backend(runtime)
+            shared = kind.shared_update_group(backend)
+            assert shared == (name == "vllm" and runtime == "cuda"), (name, runtime)
+            made.clear()
+            group = kind.update_group(backend, "h", 1, 3, "g", 5.0, store="s", bucket_bytes=64, device="cpu",
+                                      connect={"mint_id": "m"})  # fmt: skip
+            if shared:
+                assert (group, made) == (
+                    "vllm",
+                    [("vllm", ("h", 1, 3, "g", 64, "cpu", 5.0), {"store": "s", "mint_id": "m"})],
+                )
+            else:
+                assert (group, made) == ("generic", [("generic", (backend, "h", 1, 0, 3, "g", 5.0), {"store": "s"})])
