@@ -54,6 +54,9 @@ def test_quick_run_verifies_every_sync_and_reports_positive_figures() -> None:
     assert "verification OK" in lines[-2], lines[-2]
 
 
+# The long tier: the connect order itself is the CI tier's tests/test_connect_order.py (SGLang's own request queue);
+# this checks the benchmark's timing mode of it, which the quick run above does not exercise.
+@pytest.mark.long
 @pytest.mark.slow
 def test_connect_mode_times_weight_sync_connect() -> None:
     """`--connect 2x2 --layouts ''` times the project's WeightSync.connect into two SGLang-code engines and ends with

@@ -63,6 +63,9 @@ def _job_state(job_id: int) -> str:
     return match.group(1) if match else "UNKNOWN"
 
 
+# The long tier, beside the other jobs Slurm ends: the CI tier keeps launch/submit.py on a real Slurm through
+# tests/test_submit_slurm2.py's two-node job (submission, the Ray head and worker on two nodes, training, the exit).
+@pytest.mark.long
 def test_scancel_stops_ray(slurm: None, tmp_path) -> None:
     run_dir = tmp_path / "run"
     res = subprocess.run(
