@@ -13,6 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+# The long tier (four training runs, about 2 minutes): the pieces it times are the CI tier's own tests, the latency
+# model (tests/test_latency_model.py) and generation ahead of training (tests/test_async_rollout.py)
+@pytest.mark.long
 @pytest.mark.slow
 def test_quick_bench_has_every_row_with_positive_steps_per_s() -> None:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
