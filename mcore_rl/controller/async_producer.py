@@ -15,7 +15,8 @@ by version v has lag V - v. The queue keeps every token's lag <= k: batch N+k is
 version V - k at the earliest, and the loop cannot push again before it has trained batch N. The limit is checked on
 every token all the same, since the queue cannot see everything (an engine replaced mid-run serves whatever it was
 started with until the next push): a sample past it is dropped with its prompt's group (rollout.staleness_action=
-drop, the default: the bound is what the run asked for) or kept (weight). A step whose every group is dropped ends
+drop, the default: the bound is what the run asked for, at no cost in time), generated again on the current weights
+inside the step (regenerate) or kept (weight). A step whose every group is dropped ends
 the run with an error naming the limit (StalenessLimitExceeded), never an empty update.
 
 The batch carries `version_lag` [B, T] (per token) and `stale` [B, T] (1 where lag > 0): the actor weighs stale
@@ -147,8 +148,13 @@ class AsyncProducer:
         lags = [[current - v for v in token_versions(s)] for s in rollouts.samples]
         oldest = [max(lag, default=0) for lag in lags]
         over = [i for i, lag in enumerate(oldest) if lag > k]
-        dropped = 0
-        if over and self.action == "drop":
+        dropped = regenerated = 0
+        if over and self.action == "regenerate":
+            rollouts, regenerated = self._regenerate(rollouts, over, step)
+            lags = [[current - v for v in token_versions(s)] for s in rollouts.samples]
+            oldest = [max(lag, default=0) for lag in lags]
+            over = [i for i, lag in enumerate(oldest) if lag > k]  # an engine still on old weights: dropped
+        if over and self.action in ("drop", "regenerate"):
             before = len(rollouts.samples)
             rollouts, lags, oldest = self._drop(rollouts, lags, oldest, set(over), step, current)
             dropped = before - len(rollouts.samples)
@@ -159,7 +165,9 @@ class AsyncProducer:
         rollouts.batch.tensors["version_lag"] = lag
         rollouts.batch.tensors["stale"] = (lag > 0).to(mask.dtype)
         self._stale_processed += sum(1 for o in oldest if o > 0)
-        rollouts.metrics.update(self._metrics(rollouts, lag, mask, oldest, dropped, len(over) if not dropped else 0))
+        kept_over = len(over) if self.action == "weight" else 0
+        rollouts.metrics.update(self._metrics(rollouts, lag, mask, oldest, dropped, kept_over))
+        rollouts.metrics["async/regenerated_samples"] = float(regenerated)
         return rollouts
 
     def _metrics(self, rollouts, lag, mask, oldest, dropped, kept_over) -> dict[str, float]:
@@ -187,6 +195,25 @@ class AsyncProducer:
                 float(((lag == d).to(mask.dtype) * mask).sum()) / tokens if tokens else 0.0
             )
         return out
+
+    def _regenerate(self, rollouts: Rollouts, over: list[int], step: int) -> tuple[Rollouts, int]:
+        """The batch with the groups holding a sample past the limit generated again by the inner producer on the
+        weights the engines serve now; (the batch, the number of samples regenerated)."""
+        samples, prompts = list(rollouts.samples), rollouts.prompts
+        n = max(1, len(samples) // max(1, len(prompts)))
+        bad = sorted({i // n for i in over})
+        fresh = self.inner.regenerate([prompts[g] for g in bad], step)
+        scores = rollouts.scores.clone()
+        baseline = None if rollouts.baseline_scores is None else rollouts.baseline_scores.clone()
+        for j, g in enumerate(bad):
+            rows, new = slice(g * n, (g + 1) * n), slice(j * n, (j + 1) * n)
+            samples[rows] = fresh.samples[new]
+            scores[rows] = fresh.scores[new]
+            if baseline is not None:
+                baseline[rows] = fresh.baseline_scores[new]
+        batch, group_ids = samples_to_batch(samples, n)
+        out = Rollouts(prompts, samples, scores, batch, group_ids, dict(rollouts.metrics), baseline)
+        return out, len(bad) * n
 
     def _drop(self, rollouts: Rollouts, lags, oldest, over: set[int], step: int, current: int):
         """The batch without the groups holding a sample past the limit, cut to a multiple of group_unit groups."""

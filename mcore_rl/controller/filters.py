@@ -44,6 +44,14 @@ class AlgorithmProducer(RolloutProducer):
             timer.lap("gen_max")  # verl's name for ReMax's greedy pass
         return rollouts
 
+    def regenerate(self, prompts: list[dict[str, Any]], step: int) -> Rollouts:
+        """The plain regeneration, with ReMax's greedy baselines for those prompts (dynamic sampling refuses
+        regeneration: config/validate.py)."""
+        rollouts = super().regenerate(prompts, step)
+        if self.cfg.algorithm.adv_estimator == "remax":
+            rollouts.baseline_scores = self.greedy_baseline(prompts, step)
+        return rollouts
+
     def score(self, prompts: list[dict[str, Any]], samples: list[Sample], n: int) -> torch.Tensor:
         """The reward function's scores plus DAPO's soft overlong penalty when reward.overlong_buffer is enabled."""
         scores = super().score(prompts, samples, n)

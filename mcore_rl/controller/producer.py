@@ -80,18 +80,29 @@ class RolloutProducer:
         """Generate and score the next batch of prompts (laps `gen` and `reward`: timing_s/gen, timing_s/reward)."""
         n = self.cfg.rollout.n
         prompts = next(self.loader)
-        samples = self.engines.generate(
-            [p["prompt_token_ids"] for p in prompts],
-            n,
-            self.seed(step, len(prompts)),
-            self.eos,
-            return_routed_experts=self.cfg.actor.router_replay_mode == "R3",
-        )
+        samples = self._sample(prompts, step)
         timer.lap("gen")
         scores = self.score(prompts, samples, n)
         batch, group_ids = samples_to_batch(samples, n)
         timer.lap("reward")
         return Rollouts(prompts, samples, scores, batch, group_ids)
+
+    def regenerate(self, prompts: list[dict[str, Any]], step: int) -> Rollouts:
+        """`prompts`' groups generated and scored again on the weights the engines serve now (the async producer's
+        rollout.staleness_action=regenerate), with step `step`'s seeds."""
+        n = self.cfg.rollout.n
+        samples = self._sample(prompts, step)
+        batch, group_ids = samples_to_batch(samples, n)
+        return Rollouts(prompts, samples, self.score(prompts, samples, n), batch, group_ids)
+
+    def _sample(self, prompts: list[dict[str, Any]], step: int) -> list[Sample]:
+        return self.engines.generate(
+            [p["prompt_token_ids"] for p in prompts],
+            self.cfg.rollout.n,
+            self.seed(step, len(prompts)),
+            self.eos,
+            return_routed_experts=self.cfg.actor.router_replay_mode == "R3",
+        )
 
     def score(self, prompts: list[dict[str, Any]], samples: list[Sample], n: int) -> torch.Tensor:
         """Sequence rewards [len(samples)] of prompt-major samples (n per prompt)."""
