@@ -501,11 +501,7 @@ VERL_KEYS: dict[str, Rule] = {
     "algorithm.rollout_correction.rollout_is_batch_normalize": Ignore("off", _falsy, "batch-normalised weights"),
     # generation ahead of training (verl's fully-async trainer: the async_training tree)
     "async_training.staleness_threshold": Map("rollout.max_staleness", _staleness_versions),
-    "async_training.partial_rollout": Ignore(
-        "requests in flight at a push go on with the new weights (sync.pause_mode: the engine's kind picks how)",
-        bool,
-        "requests finishing on the old weights before each push",
-    ),
+    "async_training.partial_rollout": Map("rollout.partial_rollout", bool),
     "async_training.trigger_parameter_sync_step": Ignore(
         "one push after every update", _is(1), "several updates per push"
     ),
