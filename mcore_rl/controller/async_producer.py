@@ -65,6 +65,13 @@ def token_versions(sample: Any) -> list[int]:
     return versions
 
 
+def _lags(samples: list[Any], current: int, limit: int) -> tuple[list[list[int]], list[int], list[int]]:
+    """Per sample: each token's version lag behind `current`, the oldest token's lag; and the samples past `limit`."""
+    lags = [[current - v for v in token_versions(s)] for s in samples]
+    oldest = [max(lag, default=0) for lag in lags]
+    return lags, oldest, [i for i, lag in enumerate(oldest) if lag > limit]
+
+
 class AsyncProducer:
     """Wraps a producer (single-turn or agent) and runs it ahead of the loop on a background thread."""
 
@@ -145,15 +152,11 @@ class AsyncProducer:
         """Label every token with its version lag, apply the limit (rollout.staleness_action) and add the staleness
         metrics; returns the batch to train (the same object unless groups were dropped)."""
         current, k = self.state.weight_version, self.max_staleness
-        lags = [[current - v for v in token_versions(s)] for s in rollouts.samples]
-        oldest = [max(lag, default=0) for lag in lags]
-        over = [i for i, lag in enumerate(oldest) if lag > k]
+        lags, oldest, over = _lags(rollouts.samples, current, k)
         dropped = regenerated = 0
         if over and self.action == "regenerate":
             rollouts, regenerated = self._regenerate(rollouts, over, step)
-            lags = [[current - v for v in token_versions(s)] for s in rollouts.samples]
-            oldest = [max(lag, default=0) for lag in lags]
-            over = [i for i, lag in enumerate(oldest) if lag > k]  # an engine still on old weights: dropped
+            lags, oldest, over = _lags(rollouts.samples, current, k)  # an engine still on old weights: dropped
         if over and self.action in ("drop", "regenerate"):
             before = len(rollouts.samples)
             rollouts, lags, oldest = self._drop(rollouts, lags, oldest, set(over), step, current)
