@@ -13,6 +13,9 @@ Math (per token, over the full vocabulary split across the TP group):
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -37,7 +40,9 @@ class _VocabParallelLogprob(torch.autograd.Function):
         local_target = target - vocab_start
         in_shard = (local_target >= 0) & (local_target < local_vocab)
         idx = local_target.clamp(0, local_vocab - 1).unsqueeze(-1)
-        target_logit = shifted.gather(-1, idx).squeeze(-1) * in_shard
+        # where, not a product: a shard whose every column is padding (a vocabulary smaller than tp x the
+        # padding multiple) gathers -inf, and -inf x 0 is NaN on every rank after the all-reduce
+        target_logit = torch.where(in_shard, shifted.gather(-1, idx).squeeze(-1), 0.0)
         target_logit = _reduce(target_logit, dist.ReduceOp.SUM, group, tp_size)
         logp = target_logit - sum_exp.log()
         ctx.save_for_backward(exp / sum_exp.unsqueeze(-1), idx, in_shard)
@@ -164,3 +169,60 @@ def response_logprobs(
         for i in range(0, gather_index.shape[1], chunk)
     ]  # fmt: skip
     return torch.cat(parts, dim=1)
+
+
+def narrowable_output_layer(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The output layer of a model chunk whose logits may be computed at chosen positions only: the last pipeline
+    stage's, without sequence parallelism (its input would be this rank's slice of the sequence) and without MTP (whose
+    layers call the same output layer on their own hidden states); None otherwise."""
+    for module in model.modules():
+        layer = getattr(module, "output_layer", None)
+        if layer is None or not getattr(module, "post_process", False):
+            continue
+        if getattr(layer, "sequence_parallel", False) or getattr(module, "mtp_process", False):
+            return None
+        if getattr(getattr(module, "config", None), "mtp_num_layers", None):
+            return None
+        return layer
+    return None
+
+
+class ResponseHead:
+    """Logits at the positions that predict response tokens only, for one forward:
+
+        head = ResponseHead(narrowable_output_layer(model), mb.gather_index)
+        with head:
+            logits = model(...)                  # [b, R, V/tp] instead of [b, T, V/tp]
+        loss_fn(head.micro_batch(mb), logits)    # targets and gather_index re-indexed to those rows
+
+    The output layer's input [T, b, h] is narrowed to the rows `gather_index` [b, R] names (a gather, whose backward
+    scatters the gradient back) before the vocabulary projection, so the prompt's positions never reach it. Each row
+    is the same dot products as in the full projection; the loss reads exactly these rows either way. On the real-model
+    recipe (40 prompt tokens, about 20 response tokens, a 49152-token vocabulary) this removes half of the output
+    layer's matmuls and half of its full-vocabulary activations. A `None` layer is a no-op: the full logits, `mb`
+    unchanged."""
+
+    def __init__(self, layer: torch.nn.Module | None, gather_index: torch.Tensor) -> None:
+        self.layer, self.gather_index, self._handle = layer, gather_index, None
+
+    def __enter__(self) -> ResponseHead:
+        if self.layer is not None:
+            self._handle = self.layer.register_forward_pre_hook(self._narrow)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _narrow(self, module: torch.nn.Module, args: tuple) -> tuple:
+        hidden = args[0]  # [T, b, h], sequence first (Megatron's layout)
+        index = self.gather_index.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        return (hidden.gather(0, index).contiguous(), *args[1:])
+
+    def micro_batch(self, mb: Any) -> Any:
+        """`mb` as the narrowed logits see it: row j of sample b is response token j's, its target that token."""
+        if self.layer is None:
+            return mb
+        rows = torch.arange(mb.gather_index.shape[1], device=mb.gather_index.device).expand_as(mb.gather_index)
+        return dataclasses.replace(mb, targets=mb.targets.gather(1, mb.gather_index), gather_index=rows)

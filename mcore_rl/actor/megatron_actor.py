@@ -35,7 +35,7 @@ from mcore_rl.actor.batch import (
     micro_batches,
     sequence_length,
 )
-from mcore_rl.actor.logprobs import response_logprobs
+from mcore_rl.actor.logprobs import ResponseHead, narrowable_output_layer, response_logprobs
 from mcore_rl.actor.model_setup import hf_config_dict, load_hf, megatron_overrides
 from mcore_rl.actor.packing import packed_micro_batches, packed_seq_params, unpack_rows
 from mcore_rl.actor.rank_stats import step_rank_metrics, timed
@@ -158,6 +158,7 @@ class MegatronActor:
             self.chunks, self.cfg.optim, self.model_cfg.dtype, self.runtime, self.pg, f"{self.role}.optim"
         )
         self._startup_lap("DDP and optimizer")
+        self.response_head = True  #: the output layer computes logits at response positions only (_response_head)
         self.routing = None  # actor/router_replay.py: R2 / R3 routing replay of the policy's forwards
         if self.routing_mode != "disabled":
             from mcore_rl.actor.router_replay import ActorRouting, RouterReplayDriver
@@ -215,12 +216,22 @@ class MegatronActor:
                 self.routing.before(model, mb)
             # packed (THD) micro-batches: TE's attention keeps the sequences of the row apart (actor/packing.py)
             packed = {"packed_seq_params": packed_seq_params(mb)} if mb.packed_seq else {}
-            output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, **packed)
+            head = self._response_head(model, mb)
+            with head:
+                output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, **packed)
             if self.routing is not None and self.routing.action:
                 self.routing.after(model, mb)
-            return output, lambda logits: loss_fn(mb, self._tempered(logits))
+            seen = head.micro_batch(mb)  # the logits' rows: the response positions' only, when the head narrowed
+            return output, lambda logits: loss_fn(seen, self._tempered(logits))
 
         return run_schedule(chunks, forward_step, mbs, seq_len, mbs[0].tokens.shape[0], self.pg, forward_only)
+
+    def _response_head(self, model: torch.nn.Module, mb: MicroBatch) -> ResponseHead:
+        """The output layer narrowed to the positions that predict response tokens for this forward, where that is
+        exact (actor/logprobs.py ResponseHead: the policy's logits, no sequence parallelism, context parallelism,
+        MTP or packing); else a no-op. `self.response_head = False` turns it off (tests compare both)."""
+        narrow = self.response_head and self.role == "actor" and mb.packed_seq is None and self.pg.cp.size() == 1
+        return ResponseHead(narrowable_output_layer(model) if narrow else None, mb.gather_index)
 
     def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
         """The policy's logits / actor.logit_temperature, so its logprobs, ratios and entropy are those of the
