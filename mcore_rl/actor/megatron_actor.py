@@ -377,10 +377,29 @@ class MegatronActor:
         try:
             metrics = self._update(batch)
             if skip and self.update_old_logprobs:  # the last pipeline stage: this rank's shard, in its order
-                old = torch.cat(self.update_old_logprobs)
+                old = self._shard_order(self.update_old_logprobs, batch.size)
         finally:
             self.update_old_logprobs = None
         return self._result({"metrics": metrics, "old_logprobs": old, "ref_logprobs": ref, "logprob_seconds": seconds})
+
+    def _shard_order(self, parts: list[tuple[torch.Tensor, torch.Tensor]], size: int) -> torch.Tensor:
+        """The update's old logprobs (sample index, rows) per micro-batch -> this rank's contiguous dp shard in batch
+        order, as the logprob pass returns it. Dynamic batching sorts samples by length and balances the shards by
+        tokens, so a rank's micro-batches hold other ranks' samples: the rows are all-gathered over dp first."""
+        index = torch.cat([i for i, _ in parts]).to(self.device)
+        rows = torch.cat([r for _, r in parts])
+        dp = self.pg.dp.size()
+        if dp > 1 and getattr(self.cfg, "dynamic_batching", False):  # every rank holds size / dp samples
+            all_index = index.new_empty(index.shape[0] * dp)
+            torch.distributed.all_gather_into_tensor(all_index, index.contiguous(), group=self.pg.dp)
+            all_rows = rows.new_empty((rows.shape[0] * dp, *rows.shape[1:]))
+            torch.distributed.all_gather_into_tensor(all_rows, rows.contiguous(), group=self.pg.dp)
+            index, rows = all_index, all_rows
+        whole = rows.new_zeros((size, *rows.shape[1:]))
+        whole[index] = rows
+        per = size // dp
+        start = self.pg.dp.rank() * per
+        return whole[start : start + per]
 
     @property
     def _old_pass_redundant(self) -> bool:
@@ -388,12 +407,13 @@ class MegatronActor:
         runs on the weights the pass would, over the same dp shard in the same order, so its detached logprobs are
         the old ones and the PPO ratio is 1 by construction (TRL skips the pass too). The controller calls
         logprobs_and_update only when no KL penalty or rollout correction reads old logprobs before the update. Not
-        with routing replay (R2 replays the pass's routing), dynamic batching or packing (shards or rows differ)."""
+        with routing replay (R2 replays the pass's routing) or packing (rows differ). With dynamic batching the
+        update's micro-batches sort the samples by length; their logprobs go back to batch order (_shard_order)."""
         cfg = self.cfg
         return (
             self.role == "actor" and getattr(cfg, "skip_redundant_logprob_pass", False)
             and cfg.mini_batches == 1 and cfg.ppo_epochs == 1 and self.routing is None
-            and not getattr(cfg, "dynamic_batching", False) and not getattr(cfg, "packing", False)
+            and not getattr(cfg, "packing", False)
         )  # fmt: skip
 
     def _update(self, batch: TrainBatch) -> dict[str, float]:

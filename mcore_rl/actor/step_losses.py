@@ -40,7 +40,7 @@ def policy_loss(actor: Any, mb: MicroBatch, logits: torch.Tensor, denominator: f
     if "old_logprobs" not in mb.tensors and getattr(actor, "update_old_logprobs", None) is not None:
         # the old-logprob pass was redundant (MegatronActor._old_pass_redundant): this forward is that pass
         mb.tensors["old_logprobs"] = logp.detach() * mask
-        actor.update_old_logprobs.append(mb.tensors["old_logprobs"])
+        actor.update_old_logprobs.append((mb.tensors["sample_index"], mb.tensors["old_logprobs"]))
     extra = {"clip_ratio_c": cfg.clip_ratio_c} if cfg.policy_loss == "ppo" else {}
     # Rollout correction (controller/advantage_stage.py) weighs every token, stale ones included; without it, tokens
     # sampled by an older weight version (generation ahead of training) still get TIS by default.

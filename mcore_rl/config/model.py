@@ -309,9 +309,9 @@ class ActorConfig:
     #: nothing it trains on)
     logit_temperature: float | None = None
     #: skip the old-logprob pass where it is redundant: one mini-batch, one epoch, no KL penalty or rollout
-    #: correction reading old logprobs before the update, no routing replay, dynamic batching or packing. The
-    #: update's own forward then gives the old logprobs (the same weights, shard and order; the ratio is 1 by
-    #: construction): one forward pass per step fewer, the same update
+    #: correction reading old logprobs before the update, no routing replay or packing. The update's own forward
+    #: then gives the old logprobs (the same weights; with dynamic_batching put back in batch order; the ratio is 1
+    #: by construction): one forward pass per step fewer, the same update
     skip_redundant_logprob_pass: bool = True
     #: the first step the run trains compares the engine's logprobs of the sampled tokens with the actor's: a mean
     #: absolute difference per token above this stops the run (exit 2) naming the likely causes (a tokenizer or
