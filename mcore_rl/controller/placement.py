@@ -49,6 +49,11 @@ RESERVE_TIMEOUT_S = 120.0  #: a placement group's reservation, or an actor's sch
 #: Ray tells a process not to set CUDA_VISIBLE_DEVICES itself (its accelerator manager reads it), so a colocated
 #: SGLang node sees every GPU of its bundles, not only the one whose fraction its Ray actor holds
 NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+#: Ray settings of a local Ray this run starts (a cluster's own are its head's: ray.init refuses them when connecting).
+#: Ray 2.60's raylet starts one idle Python worker per logical CPU when the first driver connects; a run starts one
+#: Ray actor per rank and engine (fewer than its CPUs: each takes several), so the rest only took CPU from the
+#: workers importing torch on a small host (2 cores: the start-up's CPU-bound phases, metrics/startup.py).
+LOCAL_RAY_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 
 def ray_wait(refs: list[Any], what: str, timeout_s: float) -> list[Any]:
@@ -403,6 +408,7 @@ def init_ray(cfg: RLConfig) -> None:
             include_dashboard=False,
             log_to_driver=True,
             **ray_init_kwargs(),
+            **({} if cfg.trainer.ray_address else {"_system_config": LOCAL_RAY_SYSTEM_CONFIG}),
         )
     except ConnectionError as err:  # ray.init's message names the address; the cause says why (refused, auth token)
         if not cfg.trainer.ray_address:
