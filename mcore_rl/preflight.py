@@ -17,7 +17,9 @@ exits with code 2 and one message instead of failing minutes later inside a Ray 
     checkpoint       model.path's safetensors headers (truncated files, index; each file opened by safetensors'
                      safe_open, the loader the engines read it with, which refuses overlapping or gapped tensor
                      offsets) and every tensor's name and shape against the family's weight map, from the
-                     meta-device model (expected_hf_tensors)
+                     meta-device model (expected_hf_tensors); a pass is remembered (preflight_cache.py: keyed by the
+                     headers, config, files' sizes and times, and our code), and the same checkpoint is not
+                     checked again
     host memory      trainer.runtime=cpu with a local Ray: the run's estimated host memory (controller/
                      memory_estimate.py host_memory_parts: the dry run's per-rank estimate x the actor and critic ranks,
                      plus the engines) x trainer.host_memory_margin fits what this host has available (MemAvailable,
@@ -45,7 +47,8 @@ def check(cfg: RLConfig) -> None:
     order, so the first failure reported is the same as when the checks run one by one."""
     checkpoint = None
     if cfg.model.path:
-        checkpoint = start_checkpoint_check(cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
+        args = (cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
+        checkpoint = remembered_check(*args) or start_checkpoint_check(*args)
     try:
         _check(cfg, checkpoint)
     finally:
@@ -54,7 +57,7 @@ def check(cfg: RLConfig) -> None:
             checkpoint.communicate()
 
 
-def _check(cfg: RLConfig, checkpoint: subprocess.Popen | None) -> None:
+def _check(cfg: RLConfig, checkpoint: subprocess.Popen | RememberedCheck | None) -> None:
     if cfg.trainer.runtime == "cpu":
         from mcore_rl.parallel.cpu_runtime import megatron_version_problem
 
@@ -273,22 +276,53 @@ def _check_ray_token(address: str) -> None:
 def check_checkpoint(path: str, divisible_by: int, mtp: str = "auto") -> None:
     """Headers of model.path against the weight map, in a child process (see the module docstring); prints the
     family's note once when the checkpoint changes what is built (DeepSeek-V3 without its MTP weights: MTP off)."""
-    finish_checkpoint_check(start_checkpoint_check(path, divisible_by, mtp), path)
+    args = (path, divisible_by, mtp)
+    finish_checkpoint_check(remembered_check(*args) or start_checkpoint_check(*args), path)
+
+
+class RememberedCheck:
+    """A pass of the same checkpoint remembered by preflight_cache.py: the child's answer without the child."""
+
+    returncode = 0
+
+    def __init__(self, note: str | None) -> None:
+        self.note = note
+
+    def poll(self) -> int:
+        return 0
+
+
+def remembered_check(path: str, divisible_by: int, mtp: str = "auto") -> RememberedCheck | None:
+    """The remembered pass of this check (preflight_cache.py), or None: the child must run."""
+    from mcore_rl.preflight_cache import MISS, checkpoint_key, passed
+
+    note = passed(checkpoint_key(path, divisible_by, mtp))
+    return None if note is MISS else RememberedCheck(note)  # type: ignore[arg-type]
 
 
 def start_checkpoint_check(path: str, divisible_by: int, mtp: str = "auto") -> subprocess.Popen:
-    """`check_checkpoint`'s child process, started; `finish_checkpoint_check` reads its answer."""
-    return subprocess.Popen(
+    """`check_checkpoint`'s child process, started; `finish_checkpoint_check` reads its answer (and remembers a pass
+    under the checkpoint's key taken now, if the files still have it then)."""
+    from mcore_rl.preflight_cache import checkpoint_key
+
+    key = checkpoint_key(path, divisible_by, mtp)
+    proc = subprocess.Popen(
         [sys.executable, "-m", "mcore_rl.preflight", path, str(divisible_by), mtp],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
+    proc.cache_key = (key, divisible_by, mtp)  # type: ignore[attr-defined]
+    return proc
 
 
-def finish_checkpoint_check(proc: subprocess.Popen, path: str) -> None:
+def finish_checkpoint_check(proc: subprocess.Popen | RememberedCheck, path: str) -> None:
     """Wait for `start_checkpoint_check`'s child; ConfigError naming what model.path lacks, its note printed."""
+    if isinstance(proc, RememberedCheck):
+        if proc.note:
+            print(proc.note)
+        return
     stdout, stderr = proc.communicate()
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -300,6 +334,12 @@ def finish_checkpoint_check(proc: subprocess.Popen, path: str) -> None:
     if problems:
         shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
         raise ConfigError(f"model.path={path!r} does not hold the weights its config.json describes:\n  {shown}")
+    key, divisible_by, mtp = getattr(proc, "cache_key", (None, 0, ""))
+    if key is not None:
+        from mcore_rl.preflight_cache import checkpoint_key, remember
+
+        if checkpoint_key(path, divisible_by, mtp) == key:  # the files the child read are still the ones keyed
+            remember(key, result["note"])
 
 
 def check_tokenizer(cfg: RLConfig) -> None:
