@@ -339,7 +339,7 @@ def finish_checkpoint_check(proc: subprocess.Popen | RememberedCheck, path: str)
         from mcore_rl.preflight_cache import checkpoint_key, remember
 
         if checkpoint_key(path, divisible_by, mtp) == key:  # the files the child read are still the ones keyed
-            remember(key, result["note"])
+            remember(key, result["note"], result.get("sources", []))
 
 
 def check_tokenizer(cfg: RLConfig) -> None:
@@ -517,4 +517,8 @@ if __name__ == "__main__":
         )
     except (TypeError, ValueError, KeyError, AssertionError) as err:  # a value the family cannot build from
         problems, note = [f"{sys.argv[1]}/config.json cannot be built ({type(err).__name__}: {err})"], None
-    print(json.dumps({"problems": problems, "note": note}))
+    # our source files this check ran (preflight_cache.py keeps their sha256 with a pass)
+    loaded = list(sys.modules.items())
+    ours = {m.__file__ for name, m in loaded if name.split(".")[0] == "mcore_rl" and getattr(m, "__file__", None)}
+    sources = sorted(ours | {os.path.abspath(__file__)})  # this module runs as __main__
+    print(json.dumps({"problems": problems, "note": note, "sources": sources}))

@@ -2,7 +2,8 @@
 
     key = checkpoint_key(path, divisible_by, mtp)   # None: the directory holds something not to fingerprint
     note = passed(key)                              # PASSED_BEFORE's note, or MISS
-    remember(key, note)                             # after the child passed the checkpoint (never a refusal)
+    remember(key, note, sources)                    # after the child passed it (never a refusal): the mcore_rl
+                                                    # files it imported are kept with their sha256
 
 The child (preflight.py: torch and Megatron imported, the model built on the meta device) costs about 5 s of CPU, which
 a small host pays on the start-up's critical path every run. Its answer depends only on what the key covers:
@@ -11,8 +12,10 @@ a small host pays on the start-up's critical path every run. Its answer depends 
                       a .safetensors file's whole header (the bytes the child reads: names, dtypes, shapes, offsets),
                       a .json file's whole text (config.json, the index)
     the arguments     make_vocab_size_divisible_by and mtp
-    the code          every .py file of the mcore_rl package (the weight maps, the builder) and the installed
-                      megatron-core, torch, safetensors and transformers versions
+    the code          the installed megatron-core, torch, safetensors and transformers versions; and the record
+                      keeps the sha256 of every mcore_rl source file the child imported (the weight maps, the
+                      builder, mcore_rl.parallel and .resharding from their mapped folders): a record whose files
+                      changed is a miss
 
 A file rewritten in place, a new entry, an edit of our code or another release of those packages is another key, so
 the child runs again. Only a pass is remembered: a refused checkpoint runs the child every time and gets its message.
@@ -50,14 +53,10 @@ def cache_dir() -> Path:
 
 @functools.cache
 def code_fingerprint() -> str:
-    """sha256 of every .py file of the mcore_rl package and the versions of the packages the check builds with (once
-    per process)."""
+    """sha256 of the versions of the packages the check builds with (once per process)."""
     from importlib.metadata import PackageNotFoundError, version
 
     digest = hashlib.sha256()
-    package = Path(__file__).resolve().parent
-    for file in sorted(package.rglob("*.py")):
-        digest.update(str(file.relative_to(package)).encode() + b"\0" + file.read_bytes() + b"\0")
     for name in _PACKAGES:
         try:
             digest.update(f"{name}={version(name)}\0".encode())
@@ -107,16 +106,26 @@ def passed(key: str | None) -> str | None | object:
             record = json.load(f)
     except (OSError, ValueError):
         return MISS
-    if not isinstance(record, dict) or record.get("key") != key:
+    if not isinstance(record, dict) or record.get("key") != key or not isinstance(record.get("sources"), dict):
+        return MISS
+    if _hashes(list(record["sources"])) != record["sources"]:  # our code the check ran has changed since
         return MISS
     note = record.get("note")
     return note if note is None or isinstance(note, str) else MISS
 
 
-def remember(key: str | None, note: str | None) -> None:
-    """Record that the check of `key` passed, with its note (written to a temporary file, then renamed: a reader
-    never sees half a record)."""
-    if key is None:
+def _hashes(files: list[str]) -> dict[str, str] | None:
+    try:
+        return {file: hashlib.sha256(Path(file).read_bytes()).hexdigest() for file in files}
+    except OSError:
+        return None
+
+
+def remember(key: str | None, note: str | None, sources: list[str]) -> None:
+    """Record that the check of `key` passed, with its note and the mcore_rl source files it ran (written to a
+    temporary file, then renamed: a reader never sees half a record)."""
+    hashes = _hashes(sources)
+    if key is None or hashes is None:
         return
     folder = cache_dir()
     tmp = None
@@ -124,7 +133,7 @@ def remember(key: str | None, note: str | None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
-            json.dump({"key": key, "note": note}, f)
+            json.dump({"key": key, "note": note, "sources": hashes}, f)
         os.replace(tmp, folder / f"{key}.json")
         tmp = None
         _prune(folder)

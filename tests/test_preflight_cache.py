@@ -118,14 +118,36 @@ def test_a_damaged_record_is_a_miss(tmp_path, cache) -> None:
     assert preflight_cache.passed("abc") is preflight_cache.MISS
     (cache / "abc.json").write_text(json.dumps({"key": "other", "note": None}))
     assert preflight_cache.passed("abc") is preflight_cache.MISS
-    preflight_cache.remember("abc", "MTP off")
+    source = tmp_path / "weight_map.py"
+    source.write_text("A = 1\n")
+    preflight_cache.remember("abc", "MTP off", [str(source)])
     assert preflight_cache.passed("abc") == "MTP off"
+
+
+def test_a_record_whose_code_changed_is_a_miss(tmp_path, cache) -> None:
+    """The record keeps the sha256 of the mcore_rl files the child ran (mapped folders such as parallel/ included)."""
+    source = tmp_path / "weight_map.py"
+    source.write_text("A = 1\n")
+    preflight_cache.remember("abc", None, [str(source)])
+    assert preflight_cache.passed("abc") is None
+    source.write_text("A = 2\n")
+    assert preflight_cache.passed("abc") is preflight_cache.MISS
+    source.unlink()
+    assert preflight_cache.passed("abc") is preflight_cache.MISS
+
+
+def test_the_child_names_the_code_it_ran(checkpoint, tmp_path, cache) -> None:
+    ckpt = _copy(checkpoint, tmp_path / "ckpt")
+    preflight.check_checkpoint(str(ckpt), 64)
+    (record,) = [json.loads(p.read_text()) for p in cache.glob("*.json")]
+    names = {Path(f).name for f in record["sources"]}
+    assert {"preflight.py", "groups.py", "builder.py"} <= names, sorted(names)
 
 
 def test_only_the_newest_records_are_kept(tmp_path, cache, monkeypatch) -> None:
     monkeypatch.setattr(preflight_cache, "MAX_RECORDS", 3)
     for i in range(5):
-        preflight_cache.remember(f"k{i}", None)
+        preflight_cache.remember(f"k{i}", None, [])
         os.utime(cache / f"k{i}.json", ns=(i * 10**9, i * 10**9))  # distinct times even on a coarse clock
-    preflight_cache.remember("k5", None)
+    preflight_cache.remember("k5", None, [])
     assert sorted(p.stem for p in cache.glob("*.json")) == ["k3", "k4", "k5"]
