@@ -2,8 +2,14 @@ r"""The token-sampling step of the embedded rollout engine, and the `Sample` rec
 
 ```
 logits [B, V] -> / temperature (per row) -> log_softmax -> logprob of the chosen token (recorded)
-                                          \-> softmax -> top-k -> top-p -> min-p -> exponential race -> token
+                                          \-> softmax -> top-k -> top-p -> min-p -> inverse CDF (1 uniform) -> token
 ```
+
+How a token is drawn (`inverse_cdf`): one uniform `u` per row from the row's own `torch.Generator`, and the first
+token whose cumulative (filtered) mass exceeds `u` times the row's total mass: exact sampling from the filtered
+distribution for one random number per row. The exponential race it replaced (vLLM's `argmax(p / q)`, q ~ Exp(1))
+drew one number per vocabulary entry; on CPU those 49152 draws per row and step were a tenth of the real-model
+recipe's generation time (docs/rollout.md, "Generation speed"). Same seed, other tokens than before that change.
 
 Which logprob is recorded: the log probability of the sampled token under the temperature-scaled distribution,
 `log_softmax(logits / temperature)`, before top-p truncation (for greedy decoding, `temperature == 0`, the
@@ -84,15 +90,16 @@ def sample_rows(
     `temperature`, `top_p`, `min_p` are float [B], `top_k` int [B] (`>= V` or `<= 0` = off). A row with temperature
     < 1e-6 is greedy (argmax, logprob at temperature 1). Otherwise the token is drawn from
     `softmax(logits / temperature)` restricted by top-k, then top-p, then min-p (relative to the most likely token),
-    with the row's generator as its only randomness: a row's draw does not depend on which other rows share the
-    batch. Returns `(tokens [B] int64, logprobs [B] float32)` with the logprob defined in the module docstring.
-    Raises `NonFiniteLogits` naming the rows whose logits hold NaN or +inf or are all -inf (tokens masked to -inf,
-    as min_new_tokens does, are fine).
+    with the row's generator as its only randomness (`inverse_cdf`): a row's draw does not depend on which other
+    rows share the batch. Returns `(tokens [B] int64, logprobs [B] float32)` with the logprob defined in the module
+    docstring. Raises `NonFiniteLogits` naming the rows whose logits hold NaN or +inf or are all -inf (tokens masked
+    to -inf, as min_new_tokens does, are fine).
     """
     logits = logits.float()
     rows, vocab = logits.shape
     # one reduction finds all three cases: a row's max is NaN if any entry is, +inf if any is, -inf if all are
-    bad = ~torch.isfinite(logits.amax(dim=-1))
+    peak = logits.amax(dim=-1)
+    bad = ~torch.isfinite(peak)
     if bool(bad.any()):
         raise NonFiniteLogits(
             f"non-finite logits in rows {bad.nonzero().flatten().tolist()} of {rows} (NaN, +inf, or every token "
@@ -101,29 +108,70 @@ def sample_rows(
     # below 1e-6 is greedy, as SGLang's _SAMPLING_EPS: logits / 1e-40 overflow to inf and the softmax to NaN
     greedy = temperature < GREEDY_BELOW
     scale = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits)
-    logprobs = torch.log_softmax(logits / scale.unsqueeze(-1), dim=-1)
-    tokens = logits.argmax(dim=-1)
+    if not bool((scale == 1.0).all()):  # at T = 1 (the RL default) skip a [B, V] pass
+        logits, peak = logits / scale.unsqueeze(-1), peak / scale  # division by s > 0 keeps the max where it was
+    # log_softmax's own steps, kept apart so the sampler reuses the exponentials: weights = exp(x - max) (the most
+    # likely token weighs 1), logprob = x - max - log(sum(weights))
+    weights = torch.exp(logits - peak.unsqueeze(-1))
+    total = weights.sum(dim=-1)
+    tokens = torch.zeros(rows, dtype=torch.long, device=logits.device)
+    if bool(greedy.any()):
+        tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
     if not bool(greedy.all()):
-        probs = logprobs.exp()
+        probs = weights
         k = torch.where((top_k <= 0) | (top_k >= vocab), torch.full_like(top_k, vocab), top_k)
         if bool((k < vocab).any()):
             kth = probs.sort(dim=-1, descending=True).values.gather(-1, (k - 1).clamp(min=0).unsqueeze(-1))
             probs = probs.masked_fill(probs < kth, 0.0)
-        if bool((top_p < 1.0).any()):
-            probs = top_p_filter(probs, top_p.to(probs).unsqueeze(-1))
+        if bool((top_p < 1.0).any()):  # the nucleus: mass of the whole distribution (top-k does not renormalise)
+            probs = top_p_filter(probs / total.unsqueeze(-1), top_p.to(probs).unsqueeze(-1))
         if bool((min_p > 0.0).any()):
             floor = min_p.to(probs).unsqueeze(-1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
-        # Exponential race (as in vLLM): argmax(p / q) with q ~ Exp(1) draws index i with probability p_i, needs no
-        # host sync on GPU, and lets each row use its own generator. The clamp keeps a (rare) q == 0 from turning a
-        # filtered token's 0 / 0 into NaN, which argmax would pick.
-        noise = torch.empty_like(probs)
-        for row, generator in enumerate(generators):
-            noise[row].exponential_(1.0, generator=generator)
-        noise.clamp_(min=torch.finfo(probs.dtype).tiny)
-        tokens = torch.where(greedy, tokens, (probs / noise).argmax(dim=-1))
-    chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        tokens = torch.where(greedy, tokens, inverse_cdf(probs, generators))
+    chosen = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - peak - total.log()
     return tokens, chosen
+
+
+#: tokens per block of `inverse_cdf`'s two-level search
+CDF_BLOCK = 256
+
+
+def inverse_cdf(weights: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of `weights` [B, V] (non-negative, not necessarily normalised, every row with some mass),
+    drawn with probability proportional to its weight from ONE uniform `u` of the row's generator: the first token
+    whose cumulative weight exceeds `u * total`. A token of weight 0 is never drawn (its cumulative weight equals
+    its predecessor's, and the comparison is strict). Returns int64 [B] on `weights`' device.
+
+    Two levels, so that no [B, V] prefix sum is needed: sums of blocks of `CDF_BLOCK` tokens (float32 sums of 256
+    terms, relative error about 1e-7), their running sum in float64 -> the block holding `u * total` -> a float64
+    running sum inside that block. A float32 running sum over the whole vocabulary would drift by up to about 1e-3
+    of the mass (49152 terms) and misplace the tail tokens' boundaries; float64 over [B, V] costs a copy and a scan.
+    """
+    rows, vocab = weights.shape
+    if vocab % CDF_BLOCK:  # pad with weight 0: never drawn
+        weights = torch.nn.functional.pad(weights, (0, -vocab % CDF_BLOCK))
+    blocked = weights.view(rows, -1, CDF_BLOCK)
+    block_cdf = blocked.sum(dim=-1).double().cumsum(dim=-1)  # [B, blocks]
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(weights.device)
+    target = u * block_cdf[:, -1]
+    block = torch.searchsorted(block_cdf, target.unsqueeze(-1), right=True).squeeze(-1)
+    # u * total can round up to total (u within an ulp of 1): then the last block with mass, searched to its end
+    beyond = block >= block_cdf.shape[-1]
+    block = torch.where(beyond, _last_positive(block_cdf.diff(dim=-1, prepend=block_cdf.new_zeros(rows, 1))), block)
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    residual = torch.where(beyond, float("inf"), target - before)
+    inside = blocked[torch.arange(rows, device=weights.device), block]  # [B, CDF_BLOCK]
+    offset = torch.searchsorted(inside.double().cumsum(dim=-1), residual.unsqueeze(-1), right=True).squeeze(-1)
+    # the block's float32 sum and the float64 sum inside it can differ in the last bits: past the end -> the block's
+    # last token with weight
+    offset = torch.where(offset >= CDF_BLOCK, _last_positive(inside), offset)
+    return block * CDF_BLOCK + offset
+
+
+def _last_positive(values: torch.Tensor) -> torch.Tensor:
+    """Index of the last entry > 0 of each row of `values` [B, N]."""
+    return values.shape[-1] - 1 - (values.flip(-1) > 0).int().argmax(dim=-1)
 
 
 def validate_sampling_args(temperature: float, top_p: float, max_new_tokens: int, n: int) -> None:

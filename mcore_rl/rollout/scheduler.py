@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: a common prefix of an admission's distinct inputs gets its own prefill from this many tokens on: below it the
+#: extra forward's fixed cost (a Python pass over every layer) outweighs the positions it saves
+MIN_SHARED_PREFIX = 16
+
 
 @dataclass(frozen=True)
 class GenParams:
@@ -315,36 +319,28 @@ class ContinuousBatcher:
         inputs: dict[tuple[int, ...], int] = {}
         owner = [inputs.setdefault(tuple(s.prompt_ids + s.output_ids), len(inputs)) for s in new]
         unique = [list(key) for key in inputs]
-        width = max(len(ids) for ids in unique)
-        ids = torch.zeros(len(unique), width, dtype=torch.long, device=self.engine.device)
-        mask = torch.zeros_like(ids)
-        for row, tokens in enumerate(unique):
-            ids[row, width - len(tokens) :] = torch.tensor(tokens, device=ids.device)
-            mask[row, width - len(tokens) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp_(min=0)
         full = any(s.return_logprob and s.logprob_start_len >= 0 and not s.output_ids for s in new)
         want_routing = any(s.return_routed_experts for s in new)
+        # Prompt logprobs and routed experts are read per prompt position, so those admissions compute every position.
+        shared = 0 if full or want_routing else self._shared_prefix(unique)
         with self.engine.capture_routed_experts(want_routing) as routed:
-            out = self.engine.forward(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=0 if full else 1,
-            )
-        index = torch.tensor(owner, device=ids.device)
+            out, mask = self._prefill(unique, shared, logits_to_keep=0 if full else 1)
+        width = mask.shape[1]
+        index = torch.tensor(owner, device=mask.device)
         seen: set[int] = set()
         for seq, row in zip(new, owner):
             length = len(unique[row])
             if row in seen:
                 seq.cached_tokens = length
+            elif row > 0:  # the first distinct input computed the shared prefix for the others
+                seq.cached_tokens = shared
             seen.add(row)
             if routed is not None and seq.return_routed_experts:
                 seq.routed = routed[row, width - length :].clone()
             if full and seq.return_logprob and seq.logprob_start_len >= 0 and not seq.output_ids:
                 seq.input_logprobs = self._input_logprobs(seq, out.logits[row, width - length :])
         self.progress += 1
-        self.stats["prefill_tokens"] += sum(len(t) for t in unique)
+        self.stats["prefill_tokens"] += shared + sum(len(t) - shared for t in unique)
         self.stats["num_prefills"] += 1  # prefill forwards: one per admission of waiting sequences
         self.stats["cached_tokens"] += sum(s.cached_tokens for s in new)
         # max_new_tokens=0: a prefill-only request (prompt logprobs for scoring); it finishes here, unsampled.
@@ -360,10 +356,66 @@ class ContinuousBatcher:
         for layer in cache.layers:
             layer.keys = layer.keys.index_select(0, index)
             layer.values = layer.values.index_select(0, index)
-        lengths = torch.tensor([len(s.prompt_ids) + len(s.output_ids) for s in new], device=ids.device)
+        lengths = torch.tensor([len(s.prompt_ids) + len(s.output_ids) for s in new], device=mask.device)
         self._merge(new, cache, mask.index_select(0, index), lengths)
         first = len(self._rows) - len(new)
         self._sample_and_append(out.logits[:, -1].index_select(0, index), first)
+
+    def _shared_prefix(self, unique: list[list[int]]) -> int:
+        """Leading tokens all distinct inputs of an admission have in common, worth a prefill of their own (0 if not):
+        the recipes' prompts open with the same chat-template system prompt (SmolLM2's: 31 of 44 tokens), which
+        the batch would otherwise compute once per prompt. Each input keeps at least one token of its own, so its
+        next-token logits come from the second forward."""
+        if len(unique) < 2 or self.engine.latency_model_s_per_token is not None:  # the model prices forwards alone
+            return 0
+        shared = min(len(ids) for ids in unique) - 1
+        for column, first in enumerate(unique[0][:shared]):
+            if any(ids[column] != first for ids in unique[1:]):
+                shared = column
+                break
+        return shared if shared >= MIN_SHARED_PREFIX else 0
+
+    def _prefill(self, unique: list[list[int]], shared: int, logits_to_keep: int) -> tuple[Any, torch.Tensor]:
+        """Prefill the distinct inputs `unique` as rows left-padded to a common width: (model output, mask [U, W]).
+
+        With `shared` > 0 their common first `shared` tokens are computed once, as a batch of one row, and the rest
+        of every row on top of copies of that KV: the same attention as one forward over the whole rows (up to float
+        summation order), with the padding of shorter rows between the prefix and their tail, where the mask hides it.
+        """
+        device = self.engine.device
+        cache = None
+        if shared:
+            prefix = torch.tensor([unique[0][:shared]], device=device)
+            cache = self.engine.forward(
+                input_ids=prefix,
+                attention_mask=torch.ones_like(prefix),
+                position_ids=torch.arange(shared, device=device).unsqueeze(0),
+                use_cache=True,
+                logits_to_keep=1,
+            ).past_key_values
+            every_row = torch.zeros(len(unique), dtype=torch.long, device=device)
+            for layer in cache.layers:
+                layer.keys = layer.keys.index_select(0, every_row)
+                layer.values = layer.values.index_select(0, every_row)
+            self.progress += 1
+        tails = [tokens[shared:] for tokens in unique]
+        width = max(len(tokens) for tokens in tails)
+        ids = torch.zeros(len(unique), width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for row, tokens in enumerate(tails):
+            ids[row, width - len(tokens) :] = torch.tensor(tokens, device=device)
+            mask[row, width - len(tokens) :] = 1
+        positions = shared + (mask.cumsum(-1) - 1).clamp_(min=0)
+        mask = torch.cat([mask.new_ones(len(unique), shared), mask], dim=1)
+        out = self.engine.forward(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        return out, mask
 
     @torch.inference_mode()
     def _decode(self) -> None:
