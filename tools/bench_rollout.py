@@ -35,6 +35,15 @@ check that both sides computed the same thing; float summation order can flip a 
     rollout: requests=<R> tokens=<T> server_tok_s=<a> hf_tok_s=<b> ratio=<r> prefill_saved=<fraction>
 
 `--threads` (default 1) sets torch's intra-op threads for both sides, so the comparison holds on a shared machine.
+
+`--recipe` measures something else: one step's generation of the real-model recipe (configs/smollm2_arith.yaml:
+SmolLM2-135M-Instruct from `make real-model`, fp32, CPU; 8 arithmetic prompts in the chat template x n=4, 32 new
+tokens at most, T=1.0, stop at EOS) through `HFRolloutEngine.generate`, for this tree and for an older revision
+(`--baseline`, default the engine before its generation-speed work), each in a child process of its own, one after
+the other, median of `--repeats` generations after a warm-up:
+
+    python tools/bench_rollout.py --recipe               # prints baseline and current side by side, and the ratio
+    python tools/bench_rollout.py --recipe --baseline HEAD~3 --repeats 5 --threads 2
 """
 
 from __future__ import annotations
@@ -336,6 +345,82 @@ def build_both(config: dict[str, Any], max_running: int, seed: int) -> tuple[Eng
     return server, hf_model
 
 
+#: the engine before its generation-speed work (docs/rollout.md, "Generation speed")
+RECIPE_BASELINE = "3b22651"
+RECIPE_MODEL = ".models/SmolLM2-135M-Instruct"
+
+
+def recipe_child(model_dir: str, repeats: int, threads: int) -> None:
+    """(In a child process, with the tree under test first on PYTHONPATH) time the recipe's generation; print JSON."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from mcore_rl.data.arithmetic import arithmetic_rows
+    from mcore_rl.rollout.engine import HFRolloutEngine
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [
+        list(tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)
+             ["input_ids"])
+        for r in arithmetic_rows(8, seed=0)
+    ]  # fmt: skip
+    engine = HFRolloutEngine(model_dir, dtype="float32")
+    eos = [tokenizer.eos_token_id]
+    engine.generate(prompts[:2], n=1, max_new_tokens=4, eos_token_ids=eos, seed=0)  # warm-up
+    seconds, outputs = [], []
+    for repeat in range(repeats):
+        start = time.perf_counter()
+        samples = engine.generate(prompts, n=4, temperature=1.0, max_new_tokens=32, eos_token_ids=eos, seed=repeat)
+        seconds.append(time.perf_counter() - start)
+        outputs.append([s.response_ids for s in samples])
+    print(json.dumps({"seconds": seconds, "outputs": outputs, "prompt_tokens": [len(p) for p in prompts]}))
+
+
+def recipe(baseline: str, repeats: int, threads: int) -> int:
+    """Baseline revision and this tree, each in its own child process (never overlapping); print both and the ratio."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model_dir = os.path.join(root, RECIPE_MODEL)
+    if not os.path.isdir(model_dir):
+        print(f"error: {model_dir} is missing (make real-model)", file=sys.stderr)
+        return 2
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_recipe_") as tmp:
+        archive = subprocess.run(["git", "-C", root, "archive", baseline, "mcore_rl"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive.stdout, check=True)
+        for label, tree in ((f"baseline {baseline}", tmp), ("current", root)):
+            env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": str(threads)}
+            args = [sys.executable, os.path.abspath(__file__), "--recipe-child", model_dir, str(repeats), str(threads)]
+            done = subprocess.run(args, env=env, capture_output=True, text=True, check=True)
+            results[label] = json.loads(done.stdout.strip().splitlines()[-1])
+    (old_label, old), (new_label, new) = results.items()
+    lengths = [len(r) for r in new["outputs"][0]]
+    span = f"{min(new['prompt_tokens'])}..{max(new['prompt_tokens'])}"
+    print(f"recipe: 8 prompts ({span} tokens) x n=4, <= 32 new tokens, T=1.0, fp32, cpu, {threads} threads; "
+          f"median of {repeats} generations (seeds 0..{repeats - 1})")  # fmt: skip
+    medians = {}
+    for label, result in results.items():
+        medians[label] = sorted(result["seconds"])[len(result["seconds"]) // 2]
+        tokens = [sum(map(len, out)) for out in result["outputs"]]
+        times = " ".join(f"{t:.2f}" for t in result["seconds"])
+        rate = sum(tokens) / sum(result["seconds"])
+        print(f"  {label:>18}: {medians[label]:.2f} s  (each: {times}; tokens generated: {tokens}; {rate:.0f} tok/s)")
+    same = sum(a == b for a, b in zip(old["outputs"][0], new["outputs"][0]))
+    print(
+        f"  seed-0 responses token-identical between the two: {same}/{len(lengths)} "
+        "(the sampler changed: other draws, other lengths)"
+    )
+    print(f"recipe_gen: baseline_s={medians[old_label]:.2f} current_s={medians[new_label]:.2f} "
+          f"speedup={medians[old_label] / medians[new_label]:.2f}")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64, help="concurrent requests in the throughput scenario")
@@ -350,7 +435,16 @@ def main(argv: list[str] | None = None) -> int:
         help="tiny sizes: 8 requests, budgets <= 16, hidden 64, 2 layers, prefix reuse 4 x n=4",
     )
     parser.add_argument("--vllm", action="store_true", help="also run the workload on a real vLLM engine (.venv-vllm)")
+    parser.add_argument("--recipe", action="store_true", help="the real-model recipe's generation: baseline vs current")
+    parser.add_argument("--baseline", default=RECIPE_BASELINE, help="--recipe: the git revision to compare with")
+    parser.add_argument("--repeats", type=int, default=3, help="--recipe: timed generations per side")
+    parser.add_argument("--recipe-child", nargs=3, metavar=("MODEL", "REPEATS", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.recipe_child:
+        recipe_child(args.recipe_child[0], int(args.recipe_child[1]), int(args.recipe_child[2]))
+        return 0
+    if args.recipe:
+        return recipe(args.baseline, args.repeats, args.threads)
     prompt_len, prefix_prompts, prefix_n, prefix_budget = (8, 96), 16, 8, (8, 32)
     if args.quick:
         args.requests, args.max_new_tokens_max, args.hidden, args.layers = 8, 16, 64, 2
