@@ -43,8 +43,9 @@ from mcore_rl.config import ConfigError, RLConfig
 
 def check(cfg: RLConfig) -> None:
     """Every check above; ConfigError on the first failure. The checkpoint's check (a child process importing torch
-    and Megatron: about 8 s) starts first and runs while the others do; its answer is read in its place in the
-    order, so the first failure reported is the same as when the checks run one by one."""
+    and Megatron: about 5 s of CPU) starts first and runs while the others do; its answer is read in its place in the
+    order, so the first failure reported is the same as when the checks run one by one. A checkpoint that passed
+    before, unchanged, under the same code, starts no child (preflight_cache.py)."""
     checkpoint = None
     if cfg.model.path:
         args = (cfg.model.path, cfg.model.make_vocab_size_divisible_by, cfg.model.mtp)
