@@ -25,8 +25,9 @@ FOLDERS = {
 #: top to bottom; a module's layer is that of the first prefix that matches it (most specific first)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("entry", ("mcore_rl.train", "mcore_rl.cli", "mcore_rl.lifecycle")),
-    # pre-flight is the controller's check of a run's inputs before anything starts (both loops call it)
-    ("controller", ("mcore_rl.controller", "mcore_rl.preflight")),
+    # pre-flight is the controller's check of a run's inputs before anything starts (both loops call it), with the
+    # record of the checkpoint passes it remembers
+    ("controller", ("mcore_rl.controller", "mcore_rl.preflight", "mcore_rl.preflight_cache")),
     ("compat", ("mcore_rl.compat",)),
     (
         "services",

@@ -58,6 +58,9 @@ def test_a_checkpoint_that_passed_is_not_checked_again(checkpoint, tmp_path, cac
     assert len(children) == 1  # remembered: no second child
 
 
+# long: a child per check (about 8 s each under CI's load); the CI tier keeps the divisor in the key through
+# test_the_key_covers_headers_json_and_entries_and_refuses_odd_files, and a second child through the rewritten test
+@pytest.mark.long
 def test_another_divisor_is_checked_again(checkpoint, tmp_path, cache, children) -> None:
     ckpt = _copy(checkpoint, tmp_path / "ckpt")
     preflight.check_checkpoint(str(ckpt), 64)
@@ -93,6 +96,7 @@ def test_the_key_covers_headers_json_and_entries_and_refuses_odd_files(checkpoin
     key = preflight_cache.checkpoint_key(str(ckpt), 64, "auto")
     assert key is not None and key == preflight_cache.checkpoint_key(str(ckpt), 64, "auto")
     assert key != preflight_cache.checkpoint_key(str(ckpt), 64, "off")
+    assert key != preflight_cache.checkpoint_key(str(ckpt), 32, "auto")  # the divisor pads the vocabulary's shape
     config = ckpt / "config.json"
     config.write_text(config.read_text() + " ")
     assert preflight_cache.checkpoint_key(str(ckpt), 64, "auto") not in (None, key)
@@ -104,6 +108,8 @@ def test_the_key_covers_headers_json_and_entries_and_refuses_odd_files(checkpoin
     assert preflight_cache.checkpoint_key(str(ckpt), 64, "auto") not in (None, key)
 
 
+# long: two children; the CI tier keeps an unusable record skipped through test_a_damaged_record_is_a_miss
+@pytest.mark.long
 def test_a_cache_that_cannot_be_written_is_skipped(checkpoint, tmp_path, monkeypatch, children) -> None:
     (tmp_path / "file").write_text("not a directory")
     monkeypatch.setenv(preflight_cache.CACHE_DIR_ENV, str(tmp_path / "file"))
