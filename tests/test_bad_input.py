@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny_qwen3_moe_transformers
+from tiny_models import save_tiny_qwen3_moe_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,13 +130,7 @@ def test_empty_prompt_content_fails_and_marks_the_run_dir(tmp_path) -> None:
 # ------------------------------------------------------------------------------------------------ checkpoints
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from transformers import Qwen3MoeForCausalLM
-
-    path = tmp_path_factory.mktemp("ckpt")
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(tiny_qwen3_moe_transformers(vocab_size=63, eos_token_id=2, pad_token_id=0))
-    model.save_pretrained(path)
-    return path
+    return save_tiny_qwen3_moe_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 def _variant(src: Path, dst: Path, edit) -> Path:  # noqa: ANN001

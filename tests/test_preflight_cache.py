@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny_qwen3_moe_transformers
+from tiny_models import save_tiny_qwen3_moe_checkpoint
 
 from mcore_rl import preflight, preflight_cache
 from mcore_rl.config import ConfigError
@@ -19,13 +19,7 @@ from mcore_rl.config import ConfigError
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    from transformers import Qwen3MoeForCausalLM
-
-    path = tmp_path_factory.mktemp("ckpt")
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(tiny_qwen3_moe_transformers(vocab_size=63, eos_token_id=2, pad_token_id=0))
-    model.save_pretrained(path)
-    return path
+    return save_tiny_qwen3_moe_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture

@@ -12,12 +12,7 @@ import math
 
 import pytest
 import torch
-
-#: a tiny dense Llama with tied embeddings, as SmolLM2 (the real-model recipe) has: the tied weight's gradient comes
-#: from the embedding and from the narrowed projection
-LLAMA = dict(model_type="llama", vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
-             max_position_embeddings=128, tie_word_embeddings=True, hidden_act="silu")  # fmt: skip
+from tiny_models import tiny_llama
 
 
 def _batch() -> object:
@@ -38,7 +33,7 @@ def _rank(rank: int, world: int, tp: int, narrow: bool, sequence_parallel: bool 
     from mcore_rl.config import ActorConfig, LayoutConfig, ModelConfig
 
     actor = MegatronActor(
-        rank, world, ModelConfig(hf_config=dict(LLAMA)),
+        rank, world, ModelConfig(hf_config=tiny_llama(vocab_size=50)),
         ActorConfig(world_size=2, layout=LayoutConfig(tp=tp, sequence_parallel=sequence_parallel), mini_batches=1,
                     micro_batch_size=2, logprob_micro_batch_size=4),
     )  # fmt: skip
@@ -83,7 +78,7 @@ def test_sequence_parallelism_keeps_the_full_projection() -> None:
     whole sequence cannot be picked there: the layer is not narrowed, and the run is what it was."""
     from mcore_rl.parallel.harness import run_on_ranks
 
-    for lp, metrics, _, rows, narrowable in run_on_ranks(_rank, 2, (2, True, True)):
+    for _, metrics, _, rows, narrowable in run_on_ranks(_rank, 2, (2, True, True)):
         assert not narrowable and rows == []
         if metrics is not None:
             assert metrics["actor/pg_loss"] != 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_qwen3_moe
+from tiny_models import tiny_llama, tiny_qwen3_moe
 
 
 def _rank(rank: int, world: int, skip: bool):
@@ -65,11 +65,8 @@ def _dynamic_rank(rank: int, world: int, skip: bool):
     from mcore_rl.actor.megatron_actor import MegatronActor
     from mcore_rl.config import ActorConfig, ModelConfig
 
-    llama = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
-                 max_position_embeddings=128, tie_word_embeddings=True, hidden_act="silu")  # fmt: skip
     actor = MegatronActor(
-        rank, world, ModelConfig(hf_config=llama),
+        rank, world, ModelConfig(hf_config=tiny_llama()),
         ActorConfig(world_size=2, mini_batches=1, micro_batch_size=2, logprob_micro_batch_size=4,
                     dynamic_batching=True, skip_redundant_logprob_pass=skip),
     )  # fmt: skip
