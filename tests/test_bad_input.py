@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from _compose import assert_config_refused
 from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_qwen3_moe_checkpoint
 
@@ -69,7 +70,19 @@ def test_keys_under_free_form_dicts_may_be_added() -> None:
         ("reward.timeout_s=-1", "reward.timeout_s=-1"),
         ("data.max_prompt_length=0", "data.max_prompt_length=0"),
         ("data.synthetic_num_prompts=0", "data.synthetic_num_prompts=0"),
-        ("trainer.ray_num_cpus=1", "trainer.ray_num_cpus=1 is too small: the run reserves 3 CPUs"),
+    ],
+)
+def test_values_that_used_to_fail_late_are_refused_by_the_config(override: str, field: str) -> None:
+    """Refused where the command is composed (tests/_compose.py), so before anything starts; the CLI's exit 2 for a
+    config refusal is the test below's first case."""
+    assert_config_refused([override], field)
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("model.make_vocab_size_divisible_by=0", "model.make_vocab_size_divisible_by=0"),  # the config's refusal
+        ("trainer.ray_num_cpus=1", "trainer.ray_num_cpus=1 is too small: the run reserves 3 CPUs"),  # the pre-flight's
         # Ray's connect retried a closed port for minutes without a word
         ("trainer.ray_address=127.0.0.1:1", "trainer.ray_address='127.0.0.1:1': no Ray cluster answers there"),
         ("trainer.ray_address=banana", "trainer.ray_address='banana' is invalid: expected host:port"),

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from _compose import assert_config_refused
 from _ray_cluster import ray_address_override, train_env
 
 from mcore_rl.algorithms.dpo import DPO_LOSSES, dpo_loss, sequence_logprobs
@@ -128,8 +129,7 @@ def test_bad_preference_files_name_file_and_column(tmp_path: Path, table: pa.Tab
     ],
 )
 def test_dpo_config_refusals(overrides: list[str], message: str):
-    out = subprocess.run([*TRAIN, *overrides], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert_config_refused([*TRAIN[3:], *overrides], message)  # --config-name dpo ...
 
 
 def test_dpo_refuses_a_reward_model_it_would_not_use(tmp_path: Path):

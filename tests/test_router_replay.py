@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
+from _compose import assert_config_refused
 from _ray_cluster import ray_address_override, train_env
 from tiny_models import tiny_qwen3_moe
 
@@ -55,8 +56,7 @@ def test_routing_tensor_aligns_positions_and_pads():
     ],
 )
 def test_config_refuses_replay_it_cannot_do(overrides: list[str], message: str):
-    out = subprocess.run([*TRAIN, *overrides], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
+    assert_config_refused(overrides, message)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _compose import assert_config_refused
 from _ray_cluster import ray_address_override, train_env
 
 TRAIN = [sys.executable, "-m", "mcore_rl.train"]
@@ -142,7 +143,6 @@ def test_tensorboard_event_files_of_a_run_are_readable(short_default_job):
         (["rollout.top_p=1.5"], "rollout.top_p=1.5 is invalid: expected in (0, 1]"),
         (["model.path=/nonexistent"], "config.json does not exist"),
         (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator='gae' needs a critic: expected critic.enable=true"),
-        (["rollout.engine=sglang"], "rollout.engine=sglang cannot run here: "),
         (["rollout.router_policy=fastest"], "rollout.router_policy='fastest' is invalid: expected one of"),
         (["rollout.sglang.ep=3", "rollout.sglang.tp=8"], "rollout.sglang.ep=3 is invalid: expected a divisor"),
         (["sync.transport=pigeon"], "sync.transport='pigeon' is invalid: expected one of ('distributed', 'tensor'"),
@@ -155,9 +155,23 @@ def test_tensorboard_event_files_of_a_run_are_readable(short_default_job):
         ),
     ],
 )
-def test_bad_cli_input_names_the_problem_and_exits_nonzero(overrides, message):
+def test_bad_cli_input_names_the_problem(overrides, message):
+    """Each refusal of the config as the command composes it, in this process (tests/_compose.py)."""
+    assert_config_refused(overrides, message)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.no_such_key=1"], "no_such_key"),  # the command's keys
+        (["actor.world_size=3", "actor.layout.ep=3"], "num_experts=4 is not divisible by ep=3"),  # to_config
+        (["rollout.engine=sglang"], "rollout.engine=sglang cannot run here: "),  # the pre-flight
+    ],
+)
+def test_bad_cli_input_exits_2_naming_the_problem(overrides, message):
+    """The CLI's answer, a process each, for one refusal of each stage; every other is checked above in-process."""
     out = _train(*overrides, timeout=120)
-    assert out.returncode != 0
+    assert out.returncode == 2, out.stderr[-2000:]
     assert message in out.stderr + out.stdout
 
 
