@@ -63,6 +63,38 @@ def test_actor_logprobs_equal_the_engines_at_the_rollout_temperature(tmp_path, t
     assert (engine[mask] < -1e-3).any()
 
 
+def test_the_first_step_check_refuses_a_mean_difference_above_the_tolerance_naming_the_causes() -> None:
+    """check_engine_agrees, the first step's check: the mean absolute difference per response token (padding left
+    out) against actor.first_step_logprob_tolerance; above it a ConfigError (exit 2) naming the figure, the likely
+    causes and the run's setup; no tolerance or no engine logprobs: no check."""
+    from types import SimpleNamespace
+
+    from mcore_rl.config.checks import ConfigError
+    from mcore_rl.controller.advantage_stage import check_engine_agrees
+
+    def rollouts(actor: list[list[float]], engine: list[list[float]], mask: list[list[int]], with_engine=True):
+        tensors = {"old_logprobs": torch.tensor(actor)}
+        if with_engine:
+            tensors["rollout_logprobs"] = torch.tensor(engine)
+        return SimpleNamespace(batch=SimpleNamespace(tensors=tensors, response_mask=torch.tensor(mask)))
+
+    # the padded position differs by 9 and is left out: the mean over the 3 response tokens is 0.1
+    close = rollouts([[-1.0, -2.0], [-1.0, 0.0]], [[-1.1, -2.1], [-1.1, 9.0]], [[1, 1], [1, 0]])
+    check_engine_agrees(close, 0.1 + 1e-6, "setup")
+    with pytest.raises(ConfigError) as err:
+        check_engine_agrees(close, 0.05, "tokenizer=X, actor T=0.5, engine T=1.0")
+    message = str(err.value)
+    assert message.startswith("step 1: the engine's and the actor's logprobs of the same sampled tokens differ by 0.1")
+    for part in ("first_step_logprob_tolerance=0.05", "tokenizer", "actor.logit_temperature", "a weight the push"):
+        assert part in message, part
+    assert message.endswith("This run: tokenizer=X, actor T=0.5, engine T=1.0")
+    check_engine_agrees(close, None, "setup")  # no tolerance: no check
+    check_engine_agrees(rollouts([[-1.0]], [], [[1]], with_engine=False), 0.0, "setup")  # no engine logprobs
+
+
+# The long tier: the check itself is the CI tier's test above, and the actor's temperature the parametrised
+# agreement test; this shows the whole default job stopping at step 1 with exit 2 (one run, about 45 s in CI).
+@pytest.mark.long
 @pytest.mark.slow
 def test_a_first_step_whose_engine_samples_another_distribution_stops_the_run(tmp_path):
     """The default job with the actor's temperature set apart from the engine's (0.5 vs 1.0), as a run whose actor
