@@ -20,6 +20,9 @@ LAST_LINE = re.compile(
 )
 
 
+# The long tier, with the other benchmarks' own runs: the engine's generation, prefix reuse and sampling are the CI
+# tier's tests/test_rollout_*.py and test_engine_*.py; this runs the benchmark tool's quick mode (about 12 s in CI).
+@pytest.mark.long
 @pytest.mark.slow
 def test_quick_run_reports_positive_figures() -> None:
     """`--quick` exits 0; the last line has the documented format, every figure is positive, and the prefix reuse

@@ -25,6 +25,10 @@ LAST_LINE = re.compile(
 )
 
 
+# The long tier: the CI tier's tests/test_sync_pipeline.py shows every tensor of the tiny DeepSeek and Qwen3-MoE
+# arriving bit-exact under each layout and the engine's logits equal Megatron's after a sync through each transport;
+# this runs the benchmark tool's own quick mode over the same ground (four ranks, about a minute alone).
+@pytest.mark.long
 @pytest.mark.slow
 def test_quick_run_verifies_every_sync_and_reports_positive_figures() -> None:
     """`--quick` exits 0 (every sync verified); every sync row and v1 say OK; the last line has the documented format

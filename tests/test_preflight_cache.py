@@ -74,6 +74,9 @@ def test_a_checkpoint_rewritten_after_it_passed_is_checked_and_refused(checkpoin
     assert len(children) == 2
 
 
+# The long tier: two child checks (about 17 s in CI); the refusal path is also the CI tier's rewritten-checkpoint test
+# above, and the record writer is reached only on a pass (preflight.finish_checkpoint_check).
+@pytest.mark.long
 def test_a_refusal_is_not_remembered(checkpoint, tmp_path, cache, children) -> None:
     ckpt = _copy(checkpoint, tmp_path / "ckpt")
     config = json.loads((ckpt / "config.json").read_text())

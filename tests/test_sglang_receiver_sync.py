@@ -148,6 +148,9 @@ def _check(engine_set, count: int, reference: dict[str, torch.Tensor]) -> None:
 LAYOUTS = [("ep2", dict(ep=2), 2), ("tp2", dict(tp=2, sequence_parallel=True), 2)]
 
 
+# The embedded server's one-engine pushes are the long tier here: the CI tier's tests/test_sync_pipeline.py pushes
+# into it through each transport and compares its logits with Megatron's, and the two-engine test below runs it.
+@pytest.mark.parametrize("engines", ["sglang", pytest.param("embedded", marks=pytest.mark.long)], indirect=True)
 @pytest.mark.parametrize("transport", ["distributed", "tensor"])
 @pytest.mark.parametrize("name, layout, world", LAYOUTS, ids=[c[0] for c in LAYOUTS])
 def test_every_byte_arrives(engines, transport, name, layout, world) -> None:

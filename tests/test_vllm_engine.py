@@ -326,6 +326,8 @@ def test_a_default_push_leaves_no_old_kv_in_the_prefix_cache(client: RolloutClie
         assert max(abs(a - b) for a, b in zip(sample.response_logprobs[start:], expected)) < 1e-3, mode
 
 
+# The long tier, with the other benchmarks' own runs: the pushes into this engine are the tests above.
+@pytest.mark.long
 def test_bench_sync_measures_the_push_beside_the_raw_broadcast(server: Any, capsys: pytest.CaptureFixture) -> None:
     """tools/bench_sync.py --vllm's section (tools/_bench_sync_vllm.py), on this module's engine (it serves the
     bench's --quick model): every push commits its version, vLLM's logprobs then match the pushed weights, and the

@@ -188,6 +188,9 @@ def test_the_ranks_plan_for_vllm_has_one_leader_and_is_the_dry_runs(plans, layou
     assert ranks[0]["peak"] <= 2 * dry.max_bucket_bytes + dry.largest_tensor_bytes
 
 
+# The long tier: the run's own plan with one leader is the CI tier's test above (the real ranks, the dry run's digest);
+# this runs tools/plan_sync.py four times (about 45 s in CI).
+@pytest.mark.long
 def test_plan_sync_puts_the_streams_on_one_leader_as_the_run_would() -> None:
     """tools/plan_sync.py plans as the run does (one leader for vLLM on CUDA, split), or as --[no-]one-leader says."""
     import subprocess

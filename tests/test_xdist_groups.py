@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 FILE = """
@@ -32,6 +34,9 @@ def test_one(started, i):
 """
 
 
+# The long tier: it starts a pytest with two xdist workers of its own (about 15 s in CI); it guards how the CI tier's
+# time is spent, not what the tier shows.
+@pytest.mark.long
 def test_a_group_and_a_file_each_run_whole_on_one_worker_with_one_module_setup(tmp_path: Path) -> None:
     """Two vLLM files (one group) and two other files (a group each), four tests each, on two workers: each group's
     tests all on one worker, each file's module fixture set up once."""
