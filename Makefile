@@ -5,8 +5,8 @@
 # then this package with its test extra, every dependency at the version in constraints.txt (what CI runs with;
 # `make constraints` regenerates it from a working .venv), then extracts a few SGLang 0.5.23 source files (API structs, weight bucket,
 # launch flags) into .venv/sglang-0.5.23/ for the contract tests; SGLang itself is not installed. It re-runs only
-# when setup.py or the fetch script changes. Every install here is --no-compile: Python compiles a module the first
-# time it is imported, so only what runs is compiled (vLLM's virtualenv: 57 s instead of 138 s on the 2-core VM).
+# when setup.py or the fetch script changes. Installs keep pip's byte-compilation: this machine sets
+# PYTHONDONTWRITEBYTECODE=1, so a module pip did not compile would be compiled again by every process importing it.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -18,8 +18,8 @@ TORCH ?= torch==2.13.0
 $(STAMP): setup.py constraints.txt tools/fetch_sglang_contract.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile -c constraints.txt $(TORCH)
-	$(PY) -m pip install -q --no-compile -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt $(TORCH)
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	$(PY) tools/fetch_sglang_contract.py --dest $(VENV)/sglang-0.5.23
 	touch $(STAMP)
 
@@ -77,7 +77,7 @@ $(VLLM_VENV)/.installed: mcore_rl/rollout/vllm_plugin/pyproject.toml constraints
 	  test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); \
 	  echo "*" > $(VLLM_VENV)/.gitignore; \
 	  $(VLLM_VENV)/bin/python -m pip install -q --upgrade pip; \
-	  $(VLLM_VENV)/bin/python -m pip install -q --no-compile --no-deps -r constraints-vllm.txt; \
+	  $(VLLM_VENV)/bin/python -m pip install -q --no-deps -r constraints-vllm.txt; \
 	  $(VLLM_VENV)/bin/python -m pip install -q --no-deps -e mcore_rl/rollout/vllm_plugin; \
 	  touch $@' || { rm -rf $(VLLM_VENV); exit 1; }
 vllm-setup: $(VLLM_VENV)/.installed
@@ -94,7 +94,7 @@ $(TRL_VENV)/.installed: constraints-trl.txt
 	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
 	echo "*" > $(TRL_VENV)/.gitignore
 	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TRL_VENV)/bin/python -m pip install -q --no-compile --no-deps -r constraints-trl.txt || { rm -rf $(TRL_VENV); exit 1; }
+	$(TRL_VENV)/bin/python -m pip install -q --no-deps -r constraints-trl.txt || { rm -rf $(TRL_VENV); exit 1; }
 	touch $@
 trl-setup: $(TRL_VENV)/.installed
 
