@@ -69,20 +69,12 @@ clean:
 # tests/conftest.py). `make vllm-constraints` rewrites the list from a working .venv-vllm.
 VLLM_VENV := .venv-vllm
 .PHONY: vllm-setup vllm-constraints
-$(VLLM_VENV)/.installed: mcore_rl/rollout/vllm_plugin/pyproject.toml constraints-vllm.txt
-	@# One install at a time (test processes may ask together); a failed one removes the half-built virtualenv, so
-	@# the next attempt starts clean instead of reusing broken packages.
-	flock $(VLLM_VENV).lock sh -c '[ $@ -nt mcore_rl/rollout/vllm_plugin/pyproject.toml ] && \
-	  [ $@ -nt constraints-vllm.txt ] && exit 0; set -ex; \
-	  test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV); \
-	  echo "*" > $(VLLM_VENV)/.gitignore; \
-	  $(VLLM_VENV)/bin/python -m pip install -q --upgrade pip; \
-	  $(VLLM_VENV)/bin/python -m pip install -q --no-deps -r constraints-vllm.txt; \
-	  $(VLLM_VENV)/bin/python -m pip install -q --no-deps -e mcore_rl/rollout/vllm_plugin; \
-	  touch $@' || { rm -rf $(VLLM_VENV); exit 1; }
-vllm-setup: $(VLLM_VENV)/.installed
+# Built once per machine (keyed by the pins, the plugin's files and the Python) and linked as .venv-vllm:
+# tools/make_vllm_venv.sh says how.
+vllm-setup:
+	PYTHON=$(PYTHON) bash tools/make_vllm_venv.sh
 
-vllm-constraints: $(VLLM_VENV)/.installed
+vllm-constraints: vllm-setup
 	$(VLLM_VENV)/bin/python tools/freeze_constraints.py --vllm --out constraints-vllm.txt
 
 # TRL beside this project (tools/bench_vs_trl.py): TRL's GRPOTrainer in its own virtualenv, a CPU torch pinned as in
