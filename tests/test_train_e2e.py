@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from _compose import assert_config_refused
-from _ray_cluster import ray_address_override, train_env
 
 TRAIN = [sys.executable, "-m", "mcore_rl.train"]
 #: the short job's API key (MCORE_RL_API_KEY), looked for in every file the run writes
@@ -26,29 +25,30 @@ def _train(*overrides: str, timeout: int = 600, env: dict[str, str] | None = Non
 
 
 @pytest.fixture(scope="module")
-def short_default_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
-    """The default job cut to 3 steps, validating on two data sources before training and every 2 steps, with
-    TensorBoard on: one run shared by the tests below (each asserts its own property of it)."""
+def default_job(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """The default job cut to 75 of its 150 steps, on a local Ray it starts, validating on two data sources before
+    training and every 25 steps, with TensorBoard on and an API key: one run shared by the tests below (each asserts
+    its own property of it). Validation changes no training step: the engine seeds each request."""
     from mcore_rl.data.synthetic import write_synthetic_dataset
 
-    root = tmp_path_factory.mktemp("short_default_job")
+    root = tmp_path_factory.mktemp("default_job")
     val = [str(root / "copy_digit_val.parquet"), str(root / "successor_val.parquet")]
     write_synthetic_dataset(val[0], 8, seed=7, task="copy_digit", split="test")
     write_synthetic_dataset(val[1], 8, seed=7, task="successor", split="test")
     run_dir = root / "run"
     out = _train(
-        "trainer.steps=3", f"trainer.run_dir={run_dir}", "data.batch_size=4", "rollout.n=4",
-        "trainer.val_before_train=true", "trainer.val_every=2", f"data.val_files=[{val[0]},{val[1]}]",
+        "trainer.steps=75", f"trainer.run_dir={run_dir}",
+        "trainer.val_before_train=true", "trainer.val_every=25", f"data.val_files=[{val[0]},{val[1]}]",
         "trainer.loggers=[console,jsonl,tensorboard]", env=dict(os.environ, MCORE_RL_API_KEY=KEY),
     )  # fmt: skip
     return out, run_dir
 
 
 @pytest.mark.slow
-def test_the_api_key_reaches_no_file_the_run_writes_nor_its_output(short_default_job):
+def test_the_api_key_reaches_no_file_the_run_writes_nor_its_output(default_job):
     """The key that guards the engines and the router is in no file of the run dir (TensorBoard events, metrics,
     logs, the config it saved) and not on its screen."""
-    out, run_dir = short_default_job
+    out, run_dir = default_job
     assert out.returncode == 0, out.stderr[-3000:]
     files = [p for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink()]
     assert any("tfevents" in p.name for p in files) and any(p.name == "metrics.jsonl" for p in files)
@@ -57,12 +57,12 @@ def test_the_api_key_reaches_no_file_the_run_writes_nor_its_output(short_default
 
 
 @pytest.mark.slow
-def test_three_step_run_completes_and_writes_metrics(short_default_job):
-    out, run_dir = short_default_job
+def test_the_run_completes_and_writes_metrics(default_job):
+    out, run_dir = default_job
     assert out.returncode == 0, out.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lines = [r for r in records if "critic/score/mean" in r]  # training steps (step 0: validation only)
-    assert [r["step"] for r in lines] == [1, 2, 3]
+    assert [r["step"] for r in lines] == list(range(1, 76))
     for key in (  # verl's names
         "critic/score/mean",
         "response_length/mean",
@@ -79,37 +79,37 @@ def test_three_step_run_completes_and_writes_metrics(short_default_job):
     # kl_loss_coef is 0 in the default job: no reference model, no reference pass, no KL metrics
     assert "actor/kl_ref" not in lines[0] and "actor/kl_loss" not in lines[0]
     # the engine is synced after every update: one version for the initial load, then one per step
-    assert [r["weight_version"] for r in lines] == [2, 3, 4]
+    assert [r["weight_version"] for r in lines] == list(range(2, 77))
     # rollout logprobs come from the engine, old logprobs from Megatron: exact sync makes them agree (fp32)
     assert all(r["rollout/logprob_abs_diff"] < 1e-4 for r in lines)
     assert (run_dir / "copy_digit.parquet").is_file()
     # generation went through sglang-router to the embedded server over HTTP
     assert list((run_dir / "rollout").glob("router-*.log"))
     summary = [line for line in out.stdout.splitlines() if line.startswith("summary:")]
-    assert summary and "steps=3" in summary[0]
+    assert summary and "steps=75" in summary[0]
 
 
 @pytest.mark.slow
-def test_validation_runs_before_training_every_val_every_steps_and_per_data_source(short_default_job):
-    out, run_dir = short_default_job
+def test_validation_runs_before_training_every_val_every_steps_and_per_data_source(default_job):
+    out, run_dir = default_job
     assert out.returncode == 0, out.stderr[-3000:]
     records = {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     validated = [s for s, r in records.items() if any(k.startswith("val-core/") for k in r)]
-    assert validated == [0, 2, 3]  # before training, step 2 (val_every=2), the last step
+    assert validated == [0, 25, 50, 75]  # before training, then every 25 steps (val_every=25), the last one
     for source in ("synthetic/copy_digit", "synthetic/successor"):
         for metric in ("mean@1", "mean@4", "best@4/mean", "pass@4"):  # greedy; sampled with rollout.val_n=4
-            value = records[2][f"val-core/{source}/reward/{metric}"]
+            value = records[25][f"val-core/{source}/reward/{metric}"]
             assert 0.0 <= value <= 1.0, (source, metric, value)
-        assert f"val-aux/{source}/reward/best@2/mean" in records[2]
-    assert records[2]["timing_s/testing"] > 0
+        assert f"val-aux/{source}/reward/best@2/mean" in records[25]
+    assert records[25]["timing_s/testing"] > 0
 
 
 @pytest.mark.slow
-def test_default_job_prints_only_its_own_lines(short_default_job):
+def test_default_job_prints_only_its_own_lines(default_job):
     # No warning from Megatron, Ray or torch (mcore_rl/_quiet.py), nothing a user must learn to ignore: every line
     # is a metrics line, where the engines are, the broadcast groups per engine GPU, the first weight push, or the
     # summary.
-    out, _ = short_default_job
+    out, _ = default_job
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
     own = ("step=", "summary: ", "weights v1 pushed in ", "rollout engines at ", "weight sync: ", "start-up: ")
@@ -118,19 +118,19 @@ def test_default_job_prints_only_its_own_lines(short_default_job):
     # through; it decided a CI run on a machine whose disk had filled.
     machine = re.compile(r"^(\x1b\[\d+m)?\(raylet\)(\x1b\[0m)? .*file_system_monitor\.cc:\d+: \S+ is over \d+% full")
     assert [line for line in lines if not line.startswith(own) and not machine.match(line)] == []
-    assert sum(line.startswith("step=") for line in lines) == 4  # validation at step 0, then 3 steps
+    assert sum(line.startswith("step=") for line in lines) == 76  # validation at step 0, then 75 steps
 
 
 @pytest.mark.slow
-def test_tensorboard_event_files_of_a_run_are_readable(short_default_job):
+def test_tensorboard_event_files_of_a_run_are_readable(default_job):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out, run_dir = short_default_job
+    out, run_dir = default_job
     assert out.returncode == 0, out.stderr[-3000:]
     reader = EventAccumulator(str(run_dir / "tensorboard"))
     reader.Reload()
-    assert [e.step for e in reader.Scalars("critic/score/mean")] == [1, 2, 3]
-    assert [e.step for e in reader.Scalars("val-core/synthetic/successor/reward/mean@1")] == [0, 2, 3]
+    assert [e.step for e in reader.Scalars("critic/score/mean")] == list(range(1, 76))
+    assert [e.step for e in reader.Scalars("val-core/synthetic/successor/reward/mean@1")] == [0, 25, 50, 75]
 
 
 @pytest.mark.parametrize(
@@ -176,11 +176,11 @@ def test_bad_cli_input_exits_2_naming_the_problem(overrides, message):
 
 
 @pytest.mark.slow
-def test_default_job_learns(tmp_path: Path):
+def test_default_job_learns(default_job):
     # The default job, cut to 75 of its 150 steps: reward rises from ~0.03 (random tokens) as the policy learns to
     # copy the digit. Seeds are fixed, so the run is deterministic on a given torch build.
-    out = _train("trainer.steps=75", f"trainer.run_dir={tmp_path / 'run'}", ray_address_override(), env=train_env())
+    out, run_dir = default_job
     assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["reward_first"] < 0.1
     assert summary["reward_last"] - summary["reward_first"] >= 0.25
