@@ -158,6 +158,9 @@ def test_corrupted_scale_fails_and_is_blamed(checkpoints, tmp_path):
     assert report["checkpoint_weight_rel_error"][target] > 5  # every element scaled by 8: error ~7x the weight
 
 
+# The long tier: the prompt file's path through the tool is the CI tier's parquet test below; this one reads JSONL rows
+# with a given response (about 12 s in CI).
+@pytest.mark.long
 def test_jsonl_prompts_use_the_given_response(checkpoints, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     rows = [{"prompt": "hello world", "response": "fine, thanks"}, {"prompt": "2+2="}]
