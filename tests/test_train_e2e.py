@@ -16,7 +16,7 @@ import pytest
 from _compose import assert_config_refused
 
 TRAIN = [sys.executable, "-m", "mcore_rl.train"]
-#: the short job's API key (MCORE_RL_API_KEY), looked for in every file the run writes
+#: the default job's API key (MCORE_RL_API_KEY), looked for in every file the run writes
 KEY = "k3y-0f-the-short-default-job-9f2c"
 
 
