@@ -59,6 +59,10 @@ def check(cfg: RLConfig) -> None:
 
 
 def _check(cfg: RLConfig, checkpoint: subprocess.Popen | RememberedCheck | None) -> None:
+    # the cheap checks first: a refusal among them answers before the tokenizer loads or the checkpoint child ends
+    check_api_key_env()
+    check_ray_cpus(cfg)
+    check_ray_address(cfg.trainer.ray_address)
     if cfg.trainer.runtime == "cpu":
         from mcore_rl.parallel.cpu_runtime import megatron_version_problem
 
@@ -85,9 +89,6 @@ def _check(cfg: RLConfig, checkpoint: subprocess.Popen | RememberedCheck | None)
         if resumed is not None:
             check_resume_data(resumed, cfg)  # its data position under this run's data.seed, shuffle and files
     check_tokenizer(cfg)
-    check_api_key_env()
-    check_ray_cpus(cfg)
-    check_ray_address(cfg.trainer.ray_address)
     if checkpoint is not None:
         finish_checkpoint_check(checkpoint, cfg.model.path)
     check_host_memory(cfg)  # last: every input above is known good, so the estimate reads a valid model

@@ -109,6 +109,23 @@ def test_ray_cpus_count_every_group_the_run_starts(tmp_path) -> None:
     assert ray_cpus_needed(cfg) == cfg.actor.world_size
 
 
+def test_the_cheap_refusals_come_before_the_tokenizer(monkeypatch, tmp_path) -> None:
+    """trainer.ray_num_cpus, trainer.ray_address and the run's API key are checked before the tokenizer loads (about
+    2 s of transformers) and before the checkpoint's check is awaited: a refusal among them answers at once."""
+    from mcore_rl import preflight
+    from mcore_rl.config import ConfigError, RLConfig
+
+    def tokenizer_loaded(cfg) -> None:
+        raise AssertionError("the tokenizer was checked before trainer.ray_num_cpus")
+
+    monkeypatch.setattr(preflight, "check_tokenizer", tokenizer_loaded)
+    cfg = RLConfig()
+    cfg.trainer.ray_num_cpus = 1
+    cfg.trainer.run_dir = str(tmp_path)
+    with pytest.raises(ConfigError, match="trainer.ray_num_cpus=1 is too small"):
+        preflight.check(cfg)
+
+
 # ------------------------------------------------------------------------------------------------ files
 def test_missing_data_file(tmp_path) -> None:
     missing = tmp_path / "nope.parquet"
