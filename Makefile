@@ -1,12 +1,13 @@
 # Two commands do all set-up on a fresh machine:
 #   make run   -> the default job: a tiny RL run (GRPO, Qwen3-MoE-shaped model, EP=2 on 2 gloo ranks) on CPU
 #   make test  -> the test suite
-# Set-up creates .venv, installs torch==2.13.0 first (a CPU build here; an unpinned torch would pull CUDA wheels),
-# then this package with its test extra, every dependency at the version in constraints.txt (what CI runs with;
-# `make constraints` regenerates it from a working .venv), then extracts a few SGLang 0.5.23 source files (API structs, weight bucket,
-# launch flags) into .venv/sglang-0.5.23/ for the contract tests; SGLang itself is not installed. It re-runs only
-# when setup.py or the fetch script changes. Installs keep pip's byte-compilation: this machine sets
-# PYTHONDONTWRITEBYTECODE=1, so a module pip did not compile would be compiled again by every process importing it.
+# Set-up (tools/make_venv.sh) makes .venv: torch==2.13.0 first (a CPU build here; an unpinned torch would pull CUDA
+# wheels), then every dependency of this package and its test extra at the version in constraints.txt (what CI runs
+# with; `make constraints` regenerates it from a working .venv), and a few SGLang 0.5.23 source files (API structs,
+# weight bucket, launch flags) in .venv/sglang-0.5.23/ for the contract tests; SGLang itself is not installed. The
+# dependencies are built once per machine and hard-linked into each clone, where this package is installed editable.
+# It re-runs only when setup.py, the pins or the scripts change. Installs keep pip's byte-compilation: this machine
+# sets PYTHONDONTWRITEBYTECODE=1, so a module pip did not compile would be compiled again by every process importing it.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,12 +16,8 @@ TORCH ?= torch==2.13.0
 
 .PHONY: run test test-long test-all lint setup clean constraints real-model
 
-$(STAMP): setup.py constraints.txt tools/fetch_sglang_contract.py
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt $(TORCH)
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
-	$(PY) tools/fetch_sglang_contract.py --dest $(VENV)/sglang-0.5.23
+$(STAMP): setup.py constraints.txt tools/fetch_sglang_contract.py tools/make_venv.sh
+	PYTHON=$(PYTHON) TORCH=$(TORCH) bash tools/make_venv.sh
 	touch $(STAMP)
 
 setup: $(STAMP)
