@@ -99,4 +99,5 @@ def test_constraints_pin_what_this_environment_runs() -> None:
     assert "mcore_rl" not in pins and "megatron-core" in pins and "torch" in pins
     for name in ("megatron-core", "torch", "ray", "transformers", "hydra-core"):
         assert metadata.version(name).split("+")[0] == pins[name], name
-    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
+    assert "-c constraints.txt" in (ROOT / "tools" / "make_venv.sh").read_text()
+    assert "tools/make_venv.sh" in (ROOT / "Makefile").read_text()
