@@ -118,12 +118,13 @@ class Pusher:
             transport.close()
 
 
-def hf_logprobs(model: Any, prompt: list[int], tokens: list[int]) -> list[float]:
-    """log p(token | prefix) of each generated token under `model` (fp32, one forward)."""
+def hf_logprobs(model: Any, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:
+    """log p(token | prefix) of each generated token under `model`'s softmax(logits / temperature) (fp32, one
+    forward)."""
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
         logits = model(ids).logits[0].float()
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     return [float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(tokens)]
 
 
@@ -158,6 +159,20 @@ def test_moe_push_matches_actor(client: RolloutClient, server: Any) -> None:
         expected = hf_logprobs(model, prompt, sample.response_ids)
         assert max(abs(a - b) for a, b in zip(sample.response_logprobs, expected)) < 1e-3
         assert sample.weight_versions == [(1, 0, 6)]
+
+
+def test_logprobs_are_of_the_distribution_sampled_from(client: RolloutClient, server: Any) -> None:
+    """At T=0.7 vLLM reports each sampled token's logprob under softmax(logits / 0.7), the distribution it sampled
+    from, as SGLang and the embedded engine do and as the actor computes it (actor.logit_temperature): the launcher
+    passes --logprobs-mode processed_logprobs. vLLM's default, raw_logprobs, reports the model's T=1 logprobs."""
+    model = hf_model(seed=1)
+    Pusher(client, server.url()).push(checkpoint(model), version=1)
+    prompt = [5, 9, 13, 2, 7]
+    for sample in client.generate_samples([prompt], 2, dict(PARAMS, temperature=0.7), seed=3):
+        tempered = hf_logprobs(model, prompt, sample.response_ids, temperature=0.7)
+        untempered = hf_logprobs(model, prompt, sample.response_ids)
+        assert max(abs(a - b) for a, b in zip(sample.response_logprobs, tempered)) < 1e-3
+        assert max(abs(a - b) for a, b in zip(sample.response_logprobs, untempered)) > 1e-2  # the two differ here
 
 
 def test_moe_push_without_repack_is_wrong(client: RolloutClient, server: Any) -> None:
