@@ -431,6 +431,22 @@ def test_release_and_resume_memory(server) -> None:
     assert post(server, "/release_memory_occupation", {"tags": ["vram"]}).status_code == 400
 
 
+def test_without_kept_buffers_a_commit_leaves_no_staging_behind() -> None:
+    """sync.keep_buffers=false, the engine's side: once each update is applied, its staging copy of the weights, its
+    receive buffers and the payload segments it mapped are freed (the kept ones are a whole model: the test above),
+    and the weights are the update's as when they are kept."""
+    thread = ServerThread(build_server(dict(HF), api_key=KEY, max_running_requests=64, keep_update_buffers=False))
+    try:
+        for version in (11, 12):
+            sync(thread, source_weights(version), str(version))
+            receiver = thread.server.receiver
+            assert receiver.resident_bytes == 0 and not receiver._mapped and not receiver._mapped_last
+        expected = HFRolloutEngine(dict(HF), init_seed=12).generate([[5, 6]], temperature=0, max_new_tokens=6)
+        assert greedy(thread, [5, 6]) == expected[0].response_ids
+    finally:
+        thread.stop()
+
+
 def test_update_weight_version(server) -> None:
     answer = post(server, "/update_weight_version", {"new_version": "42"})
     assert answer.json()["new_version"] == "42"

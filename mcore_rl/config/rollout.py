@@ -224,8 +224,10 @@ class SyncConfig:
     #: send the family's FP8 targets (attention and MLP projections) as 128x128-blockwise e4m3 + weight_scale_inv,
     #: for engines serving FP8 (the rollout then runs the quantised model; tools/fp8_parity.py gates its accuracy)
     fp8: bool = False
-    #: keep each sending rank's sync buffers (two buckets + the largest tensor at most) resident between syncs, so
-    #: no sync faults in fresh pages; false frees them after every sync (a colocated run short of memory)
+    #: keep the sync's buffers resident between syncs, so no sync faults in fresh pages: each sending rank's (two
+    #: buckets + the largest tensor at most) and an embedded engine's (a staging copy of the weights it updates and
+    #: its receive buffers). false frees them after every sync, and an embedded engine hands the freed pages back
+    #: to the system (a run short of memory, for a fresh allocation in every sync)
     keep_buffers: bool = True
 
     def pause_mode_for(self, engine: str) -> str:

@@ -57,10 +57,12 @@ class EmbeddedEngineActor:
         num_threads: int,
         bind_node_ip: bool = False,
         latency_model_s_per_token: float | None = None,
+        keep_update_buffers: bool = True,
     ) -> None:
         """`bind_node_ip`: listen on this node's address (the router and the actor ranks may be on other nodes; the
         per-run API key guards it), else on 127.0.0.1. `latency_model_s_per_token`: rollout.latency_model_s_per_token
-        (the engine models a GPU engine's decode latency instead of running the model; rollout/engine.py forward)."""
+        (the engine models a GPU engine's decode latency instead of running the model; rollout/engine.py forward).
+        `keep_update_buffers`: sync.keep_buffers, the engine's side of it (rollout/weight_receiver.py)."""
         from mcore_rl.metrics.startup import process_start
         from mcore_rl.rollout.server import ServerThread, build_server
 
@@ -77,6 +79,7 @@ class EmbeddedEngineActor:
             api_key=api_key,
             init_seed=init_seed,
             latency_model_s_per_token=latency_model_s_per_token,
+            keep_update_buffers=keep_update_buffers,
         )
         host = ray.util.get_node_ip_address() if bind_node_ip else "127.0.0.1"
         self._thread = ServerThread(server, host, 0)
@@ -117,13 +120,16 @@ class EnginePool:
         engine_options: Any = None,
         return_routed_experts: bool = False,
         fp8: bool = False,
+        keep_update_buffers: bool = True,
     ) -> None:
         """`engine_options(index)`: extra Ray options of an embedded engine (controller/placement.py).
+        `keep_update_buffers` (sync.keep_buffers): embedded engines keep their weight-update staging between syncs.
         Real SGLang engines only: `return_routed_experts` (actor.router_replay_mode=R3) starts them able to answer
         `routed_experts`; `fp8` (sync.fp8) starts them with FP8 parameters for the blockwise e4m3 weights a push
         sends."""
         self.cfg = cfg
         self.return_routed_experts, self.fp8 = return_routed_experts, fp8
+        self.keep_update_buffers = keep_update_buffers
         self.engine_options = engine_options
         self.model = model
         self.tokenizer = tokenizer
@@ -194,6 +200,7 @@ class EnginePool:
                 max(1, int(self.cfg.num_cpus)),
                 self.bind_node_ip,
                 self.cfg.latency_model_s_per_token,
+                self.keep_update_buffers,
             )
             for i in range(count)
         ]

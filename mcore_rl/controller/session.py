@@ -80,6 +80,7 @@ class RunSession:
                 engine_options=self.placement.engine_options,
                 return_routed_experts=cfg.actor.router_replay_mode == "R3",  # SGLang answers routed_experts only then
                 fp8=cfg.sync.fp8,  # SGLang engines with FP8 parameters for the blockwise e4m3 weights the push sends
+                keep_update_buffers=cfg.sync.keep_buffers,  # embedded engines: staging kept between syncs, or freed
             )
             clock.lap("engines and router")
             first = self.engines.engines[0].handle

@@ -146,6 +146,7 @@ class EngineServer(WeightRoutes):
         api_key: str | None = None,
         eos_token_ids: list[int] | None = None,
         health_check_timeout_s: float = HEALTH_CHECK_TIMEOUT_S,
+        keep_update_buffers: bool = True,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -167,7 +168,7 @@ class EngineServer(WeightRoutes):
             eos_token_ids=eos,
             stop_checker=self._stop_checker if tokenizer is not None else None,
         )
-        self.receiver = WeightReceiver(engine)
+        self.receiver = WeightReceiver(engine, keep_buffers=keep_update_buffers)
         self._released: dict[str, torch.Size] = {}  # parameter name -> shape, while weights are released
         self._kv_released = False
 
@@ -606,10 +607,11 @@ def build_server(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     health_check_timeout_s: float = HEALTH_CHECK_TIMEOUT_S,
     latency_model_s_per_token: float | None = None,
+    keep_update_buffers: bool = True,
 ) -> EngineServer:
     """An EngineServer for a checkpoint dir or an HF config dict (random weights; a sync fills them).
     `latency_model_s_per_token`: a model of a GPU engine's latency (rollout.latency_model_s_per_token; engine.py
-    `HFRolloutEngine.forward`)."""
+    `HFRolloutEngine.forward`). `keep_update_buffers`: sync.keep_buffers (rollout/weight_receiver.py)."""
     engine = HFRolloutEngine(
         model, dtype=dtype, device=device, init_seed=init_seed, latency_model_s_per_token=latency_model_s_per_token
     )
@@ -636,6 +638,7 @@ def build_server(
         max_request_bytes=max_request_bytes,
         api_key=api_key,
         health_check_timeout_s=health_check_timeout_s,
+        keep_update_buffers=keep_update_buffers,
     )
 
 

@@ -27,6 +27,7 @@ They are unpickled with an exact (module, name) allow-list (`rollout/safe_pickle
 
 from __future__ import annotations
 
+import ctypes
 import os
 import stat
 import threading
@@ -115,6 +116,19 @@ class Commit:
                     for offset, shape, stride in regions:
                         _region(live, offset, shape, stride).copy_(_region(shadow, offset, shape, stride))
         self._receiver._give_back(self._shadows, self._releases)
+        self._shadows = {}  # kept by the receiver, or freed here
+        if not self._receiver.keep_buffers:
+            return_freed_memory()
+
+
+def return_freed_memory() -> None:
+    """Hand the free pages of the C heap back to the system (glibc's malloc_trim; nothing elsewhere). A freed CPU
+    tensor under glibc's mmap threshold (up to 32 MiB) stays in its arenas, in the process's RSS, until trimmed:
+    without this, freeing a model's worth of shadows leaves the engine's RSS where it was."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _region(tensor: torch.Tensor, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
@@ -125,8 +139,12 @@ def _region(tensor: torch.Tensor, offset: int, shape: tuple[int, ...], stride: t
 class WeightReceiver:
     """Staged weight updates for one `HFRolloutEngine` (see the module docstring). Thread-safe."""
 
-    def __init__(self, engine: HFRolloutEngine) -> None:
+    def __init__(self, engine: HFRolloutEngine, keep_buffers: bool = True) -> None:
+        """`keep_buffers` (sync.keep_buffers): keep the shadows, receive buffers and mapped payload segments for the
+        next session; false frees them once each commit is applied (a full copy of the weights and a bucket or two
+        less between syncs, for a fresh allocation in every sync)."""
         self.engine = engine
+        self.keep_buffers = keep_buffers
         self._lock = threading.Condition()
         self._session: _Session | None = None
         self.groups: dict[str, Any] = {}
@@ -160,6 +178,13 @@ class WeightReceiver:
 
     def _give_back(self, shadows: dict[str, torch.Tensor], releases: int) -> None:
         with self._lock:
+            if not self.keep_buffers:
+                # a commit was applied: what the sessions used goes, unless another session already stages into it
+                if self._session is None:
+                    self._shadows.clear()
+                    self._receive_buffers = []
+                    self._mapped, self._mapped_last = {}, {}
+                return
             if self._releases == releases:  # no release since the commit was taken: keep them for the next session
                 for key, shadow in shadows.items():
                     self._shadows.setdefault(key, shadow)

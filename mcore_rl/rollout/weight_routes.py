@@ -31,7 +31,12 @@ import torch
 from aiohttp import web
 
 from mcore_rl.rollout.protocol import BadRequest, check_update_group
-from mcore_rl.rollout.weight_receiver import WeightUpdateError, decode_payload, read_safetensors_dir
+from mcore_rl.rollout.weight_receiver import (
+    WeightUpdateError,
+    decode_payload,
+    read_safetensors_dir,
+    return_freed_memory,
+)
 
 if TYPE_CHECKING:
     from mcore_rl.rollout.server import EngineServer
@@ -280,6 +285,7 @@ class WeightRoutes:
                 for name, param in self.engine.model.named_parameters():
                     self._released[name] = param.shape
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                return_freed_memory()  # on CPU, or the freed weights stay in the heap's arenas
             if "kv_cache" in tags:
                 self._kv_released = True
             if self._released or self._kv_released:
