@@ -16,7 +16,7 @@ TORCH ?= torch==2.13.0
 
 .PHONY: run test test-long test-all lint setup clean constraints real-model
 
-$(STAMP): setup.py constraints.txt tools/fetch_sglang_contract.py tools/make_venv.sh
+$(STAMP): setup.py constraints.txt tools/fetch_sglang_contract.py tools/make_venv.sh tools/machine_copy.sh
 	PYTHON=$(PYTHON) TORCH=$(TORCH) bash tools/make_venv.sh
 	touch $(STAMP)
 
