@@ -2,7 +2,7 @@
 length, learning rate and steps, one after the other on one machine.
 
     make real-model trl-setup                       # the model (.models/) and TRL's virtualenv (.venv-trl)
-    python tools/bench_vs_trl.py [--steps 25] [--config-name smollm2_arith] [-- extra mcore_rl overrides]
+    python tools/bench_vs_trl.py [--steps 25] [--seed N] [--config-name smollm2_arith] [-- extra mcore_rl overrides]
 
 The settings come from the mcore_rl recipe (`--print-config`): model.path, the parquet it trains on (written into its
 run dir when the recipe uses a synthetic task, then handed to TRL), reward.path/reward.name (verl's signature),
@@ -183,8 +183,17 @@ def main() -> None:
         default="mcore_rl/reward/rule.py:arithmetic_score",
         help="FILE:NAME of the verl-signature scorer TRL calls, when the recipe scores by data_source (no reward.path)",
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="one seed for both sides: mcore_rl's trainer.seed, data.seed (prompts and their order) and rollout.seed "
+        "(sampling), and TRL's seed (default: the recipe's trainer.seed for TRL, the recipe's seeds for mcore_rl)",
+    )
     parser.add_argument("overrides", nargs="*", help="after --: mcore_rl overrides for both (settings) and mcore_rl")
     args = parser.parse_args()
+    if args.seed is not None:  # trainer.seed alone is the ranks' seed: it moves neither the prompts nor the sampling
+        args.overrides += [f"trainer.seed={args.seed}", f"data.seed={args.seed}", f"rollout.seed={args.seed}"]
     cfg = recipe_settings(args.config_name, args.overrides)
     work = Path(tempfile.mkdtemp(prefix="bench_vs_trl_"))
     print(f"work dir {work}; mcore_rl first, then TRL ({args.steps} steps each)", flush=True)
