@@ -18,6 +18,7 @@ Measured against megatron-core 0.16.1 and torch 2.13 (CPU build).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 from collections.abc import Iterator
@@ -309,3 +310,14 @@ def mode_suspended() -> Iterator[None]:
 def cpu_runtime_enabled() -> bool:
     """Whether `enable_cpu_runtime` ran in this process."""
     return _ENABLED
+
+
+def return_freed_memory() -> None:
+    """Hand the free pages of the C heap back to the system (glibc's malloc_trim; nothing elsewhere). A freed CPU
+    tensor under glibc's mmap threshold (up to 32 MiB) stays in its arenas, in the process's RSS, until trimmed:
+    without this, an engine that frees a model's worth of staging copies, or a rank that frees a step's activations,
+    keeps its RSS where it was."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

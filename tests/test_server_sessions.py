@@ -134,9 +134,11 @@ def test_flush_cache_on_an_update_while_requests_run_fails_the_call_as_sglang(se
     requests are running; the tensors stay loaded there (staged here) and the session stays open."""
     full_sync(server, 7, "7")
     new = weights(8)
+    # begun while generating, so the session stages (one begun while paused writes in place, and generation may
+    # not continue until it ends: test_server_in_place.py)
+    assert post(server, "/begin_weight_update").status_code == 200
     held = _held_running(server)
     try:
-        assert post(server, "/begin_weight_update").status_code == 200
         flushing = post(server, "/update_weights_from_tensor", bucket(new, "8", flush_cache=True))
         assert flushing.status_code == 400 and "the cache was not flushed" in flushing.json()["message"]
         assert post(server, "/update_weights_from_tensor", bucket(new, "8")).status_code == 200

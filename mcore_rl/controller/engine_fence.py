@@ -16,8 +16,9 @@ commit    /end_weight_update -> /flush_cache         the radix cache holds KV of
                                                      prefix is in every prompt); SGLang flushes only with no request
                                                      running, so generation is still paused here (pause mode
                                                      none, the embedded server's: no prefix cache, no flush)
-close     /abort_weight_update (our server: the staged tensors are dropped, old weights kept), or where the engine
-          has no such route (SGLang) /end_weight_update: the session closes with what it loaded; the engine is held
+close     /abort_weight_update (our server: the staged tensors are dropped, old weights kept; a session it took in
+          place, while paused, answers weights_intact false), or where the engine has no such route (SGLang)
+          /end_weight_update: the session closes with what it loaded; the engine is held
 continue  /continue_generation, except on held engines (colocated: after the engines resumed their KV cache,
           `continue_after`)
 ```
@@ -26,8 +27,9 @@ version after the FIRST one (weight_updater.py:219-226 distributed, 250-258 tens
 `record_weight_version_after_update` after each successful call), and 0.5.23 has no abort. An engine whose session a
 failed push closed with /end_weight_update therefore holds a mix of old and new weights already labelled with the new
 version. It stays paused (its requests wait, as SGLang holds requests while paused: tokenizer_manager.py:938-939)
-until a complete push to it commits; with pause mode none, which cannot hold it, it is replaced. So no sample comes
-from half-updated weights, and every token carries the version that produced it.
+until a complete push to it commits; with pause mode none, which cannot hold it, it is replaced. Our server is held
+too when its abort answers weights_intact false: paused, it loads in place as SGLang does (rollout/weight_receiver.py).
+So no sample comes from half-updated weights, and every token carries the version that produced it.
 """
 
 from __future__ import annotations
@@ -174,8 +176,11 @@ class EngineFence:
         for url in urls:
             try:
                 try:
-                    self.client.post(url, "/abort_weight_update", None, self.control_timeout_s)
-                    continue  # our server: the staged tensors are dropped, its weights and version are the old ones
+                    answer = self.client.post(url, "/abort_weight_update", None, self.control_timeout_s)
+                    if not isinstance(answer, dict) or answer.get("weights_intact", True):
+                        continue  # our server, staged: the staged tensors are dropped, weights and version are old
+                    # our server, in place (it was paused): what arrived is already in its weights, so it is held
+                    # like SGLang (it refuses /continue_generation itself until a push commits)
                 except RolloutRequestError as err:
                     if " 404" not in str(err):
                         raise

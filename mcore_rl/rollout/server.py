@@ -106,7 +106,7 @@ from mcore_rl.rollout.engine import HFRolloutEngine  # noqa: E402
 from mcore_rl.rollout.protocol import BadRequest, parse_generate, response_object  # noqa: E402
 from mcore_rl.rollout.scheduler import ContinuousBatcher, GenParams, Sequence  # noqa: E402
 from mcore_rl.rollout.weight_receiver import WeightReceiver, WeightUpdateError  # noqa: E402
-from mcore_rl.rollout.weight_routes import SERIALISED_ROUTES, WeightRoutes, field  # noqa: E402
+from mcore_rl.rollout.weight_routes import SERIALISED_ROUTES, WeightRoutes, field, refused  # noqa: E402
 
 #: SGLang's HEALTH_CHECK_TIMEOUT (srt/entrypoints/http_server.py), read from the same variable
 HEALTH_CHECK_TIMEOUT_S = float(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
@@ -171,6 +171,9 @@ class EngineServer(WeightRoutes):
         self.receiver = WeightReceiver(engine, keep_buffers=keep_update_buffers)
         self._released: dict[str, torch.Size] = {}  # parameter name -> shape, while weights are released
         self._kv_released = False
+        #: memory was resumed but the weights are incomplete (values gone with the release): paused until an update
+        #: commits them whole, then generation continues by itself, as it would have at the resume
+        self._held_for_weights = False
 
     # ------------------------------------------------------------------ text
     def _encode(self, text: str) -> list[int]:
@@ -424,6 +427,7 @@ class EngineServer(WeightRoutes):
             "paused": self.batcher.paused,
             "weights_released": bool(self._released),
             "weight_update_session_open": self.receiver.session_open,
+            "weights_incomplete": len(self.receiver.incomplete),
             "staged_tensors": self.receiver.staged_count,
             **self.batcher.stats,
         }
@@ -450,9 +454,13 @@ class EngineServer(WeightRoutes):
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode={mode!r} is invalid: expected abort, retract or in_place")
         await _wrap(self.batcher.pause(mode))
+        self._held_for_weights = False  # paused by the client now: only /continue_generation lifts it
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        blocked = self.receiver.generation_blocked()
+        if blocked is not None:  # stricter than SGLang, which would decode on half-written weights
+            return refused(f"generation stays paused: {blocked}")
         await _wrap(self.batcher.resume())
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 

@@ -4,7 +4,8 @@
 /begin_weight_update                      open a session; refused while one is open (as SGLang 0.5.23 refuses it)
 /update_weights_from_tensor | _distributed | _disk
     payload -> named tensors -> every name/shape checked against the model -> copied into the parameter's shadow
-    (a tensor shaped like the parameter; not yet visible)
+    (a tensor shaped like the parameter; not yet visible), or, in a session begun while generation is paused,
+    into the live parameter itself
 /end_weight_update                        commit between two decode steps: a parameter the session wrote whole
                                           swaps storage with its shadow, a partly written one has those regions
                                           copied in; weight_version set. A session with a refused bucket commits
@@ -12,11 +13,20 @@
 /abort_weight_update                      (ours, not SGLang's) drop the open session without committing: how the
                                           controller frees an engine whose sender died mid-push
 ```
-The shadows cost up to one model's bytes on the engine and buy atomicity without stopping generation while buckets
-stream in: requests keep decoding on the old weights until the commit, and no token mixes versions. The commit moves
-no bytes for what a sync sends whole (every parameter, in a full sync): the old storage becomes the next session's
-shadow. Shadows and the broadcast receive buffers stay resident between syncs until `release()` (the server's
-/release_memory_occupation of weights), since fresh pages cost more than the copies into them.
+Two ways to receive, chosen when the session begins:
+- **staged** (generation running: sync.pause_mode none). The shadows cost up to one model's bytes on the engine and
+  buy atomicity without stopping generation while buckets stream in: requests keep decoding on the old weights
+  until the commit, and no token mixes versions. The commit moves no bytes for what a sync sends whole (every
+  parameter, in a full sync): the old storage becomes the next session's shadow. Shadows and the broadcast receive
+  buffers stay resident between syncs until `release()` (the server's /release_memory_occupation of weights), since
+  fresh pages cost more than the copies into them.
+- **in place** (generation paused: a pause mode other than none, or weights released and resumed in colocated
+  placement), as SGLang always loads. No decode step runs until the session ends, so no token mixes versions
+  either, and no shadow is allocated: the engine holds one copy of the weights. What it gives up is the rollback:
+  a session that is refused or aborted after a bucket was written leaves those parameters half-updated. They are
+  recorded (`incomplete`), and the server keeps generation paused (/continue_generation refused) until an update
+  that rewrites each of them whole commits. Weights resumed after a release hold no values at all, so all of them
+  start incomplete.
 
 Tensor payloads are SGLang's, in the format resharding/sync/wire.py defines for both ends (the sender's
 `encode_payload` and this side's `decode_payload` are its functions): base64 of a `ForkingPickler` dump, either a list
@@ -27,7 +37,6 @@ They are unpickled with an exact (module, name) allow-list (`rollout/safe_pickle
 
 from __future__ import annotations
 
-import ctypes
 import os
 import stat
 import threading
@@ -37,6 +46,7 @@ from typing import Any
 
 import torch
 
+from mcore_rl.parallel.cpu_runtime import return_freed_memory
 from mcore_rl.resharding.sync import wire
 from mcore_rl.resharding.sync.wire import encode_payload, flatten  # noqa: F401 (the sender side, for clients and tests)
 from mcore_rl.rollout.engine import HFRolloutEngine
@@ -83,15 +93,19 @@ class _Received(list):
 
 
 class _Session:
-    """One open update session: the regions of each parameter's shadow that its buckets wrote."""
+    """One open update session: the regions of each parameter's shadow (or, in place, of the parameter) that its
+    buckets wrote."""
 
-    def __init__(self) -> None:
+    def __init__(self, in_place: bool = False) -> None:
         #: parameter key -> {(offset, shape, stride) of a written view of its shadow: numel}
         self.written: dict[str, dict[tuple[int, tuple[int, ...], tuple[int, ...]], int]] = {}
         self.names: set[str] = set()
         self.failed: str | None = None
         self.version: str | None = None
         self.copying = 0  # buckets whose copies into the shadows are running (outside the lock)
+        self.in_place = in_place  #: buckets are copied into the live parameters (generation is paused)
+        #: in place: parameter keys whose live values a bucket has begun to write
+        self.touched: set[str] = set()
 
 
 class Commit:
@@ -108,27 +122,18 @@ class Commit:
         copy; the old storage becomes the next session's shadow), a partly written one has its regions copied."""
         engine = self._receiver.engine
         with torch.no_grad():
-            for key, regions in self._session.written.items():
+            for key, regions in self._session.written.items() if not self._session.in_place else ():
                 live, shadow = engine.parameter(key), self._shadows[key]
                 if sum(regions.values()) == live.numel():
                     live.data, self._shadows[key] = shadow, live.data
                 else:
                     for offset, shape, stride in regions:
                         _region(live, offset, shape, stride).copy_(_region(shadow, offset, shape, stride))
+        self._receiver._completed(self._session)
         self._receiver._give_back(self._shadows, self._releases)
         self._shadows = {}  # kept by the receiver, or freed here
         if not self._receiver.keep_buffers:
             return_freed_memory()
-
-
-def return_freed_memory() -> None:
-    """Hand the free pages of the C heap back to the system (glibc's malloc_trim; nothing elsewhere). A freed CPU
-    tensor under glibc's mmap threshold (up to 32 MiB) stays in its arenas, in the process's RSS, until trimmed:
-    without this, freeing a model's worth of shadows leaves the engine's RSS where it was."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _region(tensor: torch.Tensor, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
@@ -159,6 +164,46 @@ class WeightReceiver:
         #: does) is not mapped afresh, page by page, on every sync.
         self._mapped: dict[int, torch.UntypedStorage] = {}
         self._mapped_last: dict[int, torch.UntypedStorage] = {}
+        #: parameter keys whose live values are not a committed update's: written in place by a session that did
+        #: not commit, or resumed after a release without values (see the module docstring)
+        self._incomplete: set[str] = set()
+
+    @property
+    def incomplete(self) -> list[str]:
+        """Parameter keys holding values no committed update gave them (sorted); generation must wait for an update
+        that rewrites each whole."""
+        with self._lock:
+            return sorted(self._incomplete)
+
+    def mark_incomplete(self, keys: Iterable[str]) -> None:
+        """Record parameters whose values are gone (the server resumed released weights as zeros)."""
+        with self._lock:
+            self._incomplete.update(keys)
+
+    def generation_blocked(self) -> str | None:
+        """Why generation may not continue on these weights (an in-place session is open, or some parameters are
+        incomplete), or None."""
+        with self._lock:
+            if self._session is not None and self._session.in_place:
+                return (
+                    "a weight update is writing into the live weights (it began while generation was paused): "
+                    "end_weight_update or abort_weight_update first"
+                )
+            if self._incomplete:
+                names = sorted(self._incomplete)
+                return (
+                    f"{len(names)} parameters (e.g. {names[:3]}) hold values of no committed weight update (one that "
+                    "failed after writing in place, or weights resumed after a release): generation continues once "
+                    "an update that rewrites them commits"
+                )
+            return None
+
+    def _completed(self, session: _Session) -> None:
+        """A session committed: the parameters it wrote whole are complete again."""
+        with self._lock:
+            for key, regions in session.written.items():
+                if sum(regions.values()) == self.engine.parameter(key).numel():
+                    self._incomplete.discard(key)
 
     @property
     def resident_bytes(self) -> int:
@@ -170,7 +215,7 @@ class WeightReceiver:
     def release(self) -> None:
         """Drop the buffers kept for reuse and discard an open session."""
         with self._lock:
-            self._end_session()
+            self._end_session(committed=False)
             self._shadows.clear()
             self._receive_buffers = []
             self._mapped, self._mapped_last = {}, {}
@@ -189,9 +234,13 @@ class WeightReceiver:
                 for key, shadow in shadows.items():
                     self._shadows.setdefault(key, shadow)
 
-    def _end_session(self) -> None:  # with the lock held: wait for the session's copies, then close it
+    def _end_session(self, committed: bool) -> None:
+        """With the lock held: wait for the session's copies, then close it. An in-place session that does not
+        commit leaves what it wrote incomplete."""
         while self._session is not None and self._session.copying:
             self._lock.wait()
+        if self._session is not None and self._session.in_place and not committed:
+            self._incomplete.update(self._session.touched)
         self._session = None
 
     @property
@@ -204,13 +253,15 @@ class WeightReceiver:
         session = self._session
         return 0 if session is None else len(session.names)
 
-    def begin(self) -> str:
+    def begin(self, in_place: bool = False) -> str:
         """Open a session; WeightUpdateError while one is open (SGLang's message), so a second sender can neither
-        drop the first one's session nor have its tensors committed by the first one's end_weight_update."""
+        drop the first one's session nor have its tensors committed by the first one's end_weight_update.
+        `in_place`: write the buckets into the live parameters (the caller guarantees that no decode step runs until
+        the session ends: generation is paused, and `generation_blocked` keeps it so)."""
         with self._lock:
             if self._session is not None:
                 raise WeightUpdateError(NO_SECOND_SESSION)
-            self._session = _Session()
+            self._session = _Session(in_place)
             self._mapped_last, self._mapped = self._mapped, {}  # what neither this session nor the last used goes
         return "Success"
 
@@ -220,8 +271,14 @@ class WeightReceiver:
         with self._lock:
             if self._session is None:
                 raise WeightUpdateError(NO_SESSION)
-            count = len(self._session.names)
-            self._end_session()
+            session = self._session
+            count = len(session.names)
+            self._end_session(committed=False)
+            if session.in_place and session.touched:
+                return (
+                    f"weight update session aborted: {len(session.touched)} parameters were already written in place "
+                    "(generation stays paused until an update that rewrites them commits), version unchanged"
+                )
         return f"weight update session aborted: {count} staged tensors discarded, weights and version unchanged"
 
     def _shadow(self, key: str) -> torch.Tensor:  # with the lock held
@@ -264,11 +321,14 @@ class WeightReceiver:
                         )
                     offset = view.storage_offset() - live.storage_offset()
                     region = (offset, tuple(view.shape), tuple(view.stride()))
-                    checked.append((name, key, region, _region(self._shadow(key), *region), tensor))
+                    into = live if session.in_place else self._shadow(key)
+                    checked.append((name, key, region, _region(into, *region), tensor))
             except ValueError as err:
                 session.failed = str(err)
                 raise WeightUpdateError(f"bucket refused, old weights kept: {err}") from err
             session.copying += 1  # the session cannot end (nor its shadows be committed) until these copies do
+            if session.in_place:
+                session.touched.update(key for _, key, *_ in checked)
         copied, refused = False, None
         try:
             for *_, target, tensor in checked:
@@ -303,7 +363,7 @@ class WeightReceiver:
     def discard(self) -> None:
         """Drop the open session, if any, without committing (its shadows stay, for the next session)."""
         with self._lock:
-            self._end_session()
+            self._end_session(committed=False)
 
     def take_commit(self) -> Commit:
         """Close the session (after its running copies end) and hand its shadows to the returned `Commit`;
@@ -311,11 +371,20 @@ class WeightReceiver:
         resumed meanwhile (the parameters no longer match their shadows)."""
         with self._lock:
             session = self._session
-            self._end_session()
+            failed = session is not None and session.failed is not None
+            self._end_session(committed=not failed)
             if session is None:
                 raise WeightUpdateError(NO_SESSION)
-            if session.failed is not None:
+            if failed and session.in_place and session.touched:
+                raise WeightUpdateError(
+                    f"a bucket of this session was refused ({session.failed}); {len(session.touched)} parameters "
+                    "were already written in place: generation stays paused until an update that rewrites them "
+                    "commits"
+                )
+            if failed:
                 raise WeightUpdateError(f"a bucket of this session was refused ({session.failed}); nothing committed")
+            if session.in_place:
+                return Commit(self, session, {})
             shadows = {key: self._shadows.pop(key, None) for key in session.written}
             for key, shadow in shadows.items():
                 live = self.engine.parameter(key)

@@ -125,11 +125,15 @@ class WeightRoutes:
 
     async def begin_weight_update(self: EngineServer, request: web.Request) -> web.Response:
         await self._body(request)
-        return ok(await asyncio.to_thread(self.receiver.begin))
+        # paused (a pause, or released weights): no decode step runs until the session ends, so the buckets go
+        # straight into the live weights, without a staging copy (rollout/weight_receiver.py)
+        return ok(await asyncio.to_thread(self.receiver.begin, self.batcher.paused))
 
     async def abort_weight_update(self: EngineServer, request: web.Request) -> web.Response:
         await self._body(request)
-        return ok(await asyncio.to_thread(self.receiver.abort))  # waits for the session's running copies
+        message = await asyncio.to_thread(self.receiver.abort)  # waits for the session's running copies
+        # false: a bucket was written in place before the abort; the engine stays paused (the fence holds it)
+        return ok(message, weights_intact=not self.receiver.incomplete)
 
     async def _stage(
         self: EngineServer, route: str, body: dict, named_fn: Callable[[], list[tuple[str, torch.Tensor]]]
@@ -213,7 +217,7 @@ class WeightRoutes:
         if self.receiver.session_open:
             return await self._stage("update_weights_from_disk", body, lambda: read_safetensors_dir(path))
         # Outside a session a disk update is its own session, committed at once (SGLang needs no session for it).
-        await asyncio.to_thread(self.receiver.begin)
+        await asyncio.to_thread(self.receiver.begin, self.batcher.paused)
         try:
             staged = await self._stage(
                 "update_weights_from_disk", {**body, "flush_cache": False}, lambda: read_safetensors_dir(path)
@@ -240,6 +244,8 @@ class WeightRoutes:
             staged.apply()
             if staged.version is not None:  # as SGLang: the version moves only when an update named one
                 self.engine.weight_version = staged.version
+            if self._held_for_weights and self.receiver.generation_blocked() is None:
+                self._held_for_weights = self.batcher._paused = False  # the resume's unpause, now the weights are whole
 
         await asyncio.wrap_future(self.batcher.call(commit))
         return ok(f"committed {staged.count} tensors", weight_version=self._version())
@@ -299,14 +305,17 @@ class WeightRoutes:
 
         def resume() -> None:
             if "weights" in tags and self._released:
-                # The values are gone (as with SGLang's memory saver): the next weight update refills them.
+                # The values are gone (as with SGLang's memory saver): the next weight update refills them, and
+                # generation waits for it (the receiver counts them incomplete)
                 for name, param in self.engine.model.named_parameters():
                     param.data = torch.zeros(self._released[name], dtype=param.dtype, device=param.device)
+                self.receiver.mark_incomplete(self._released)
                 self._released.clear()
             if "kv_cache" in tags:
                 self._kv_released = False
             if not self._released and not self._kv_released:
-                self.batcher._paused = False
+                self._held_for_weights = self.receiver.generation_blocked() is not None
+                self.batcher._paused = self._held_for_weights
 
         await asyncio.wrap_future(self.batcher.call(resume))
         return ok(f"resumed {sorted(tags)}")
