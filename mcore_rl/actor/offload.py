@@ -8,8 +8,12 @@
 
 Megatron's DDP keeps every parameter and main_grad as a view of a few flat buffers (`param_data`, `grad_data` per
 bucket group), so the buffers' storages are resized to 0 and back instead of re-pointing each parameter: views,
-the optimizer's parameter references and the DDP hooks all keep working. On the CPU runtime everything already
-lives in host memory: both calls are no-ops that say so once in the log.
+the optimizer's parameter references and the DDP hooks all keep working.
+
+On the CPU runtime the state already lives in host memory, beside the engines: nothing moves, and `offload` frees what
+generation does not need instead. The gradient buffers go (every update zeroes them before its first backward, so
+their values are dead once the optimizer has stepped; `onload` gives them back zeroed), the weight-sync buckets go,
+and the heap's free pages (the step's activations, kept in glibc's arenas) are handed back to the system.
 """
 
 from __future__ import annotations
@@ -72,12 +76,10 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def offload(actor: Any) -> dict[str, int]:
-    """Move the rank's training state to host memory; returns {"bytes": moved, <kind>: bytes, "sync_buffers": freed}."""
+    """Move the rank's training state to host memory; returns {"bytes": moved, <kind>: bytes, "sync_buffers": freed}.
+    On the CPU runtime: {"bytes": 0, "freed": bytes, "grad_buffers": ..., "sync_buffers": ...} (module docstring)."""
     if actor.runtime != "cuda":
-        if not getattr(actor, "_offload_logged", False):
-            log.warning("actor offload: CPU runtime, the state is already in host memory (no-op)")
-            actor._offload_logged = True
-        return {"bytes": 0}
+        return _free_on_host(actor)
     if getattr(actor, "_offloaded", None):
         return {"bytes": 0}
     targets = offload_targets(actor)
@@ -103,8 +105,45 @@ def offload(actor: Any) -> dict[str, int]:
     return out
 
 
+def _grad_buffers(actor: Any) -> list[torch.Tensor]:
+    """Megatron DDP's flat gradient buffers (every main_grad is a view of one)."""
+    out = []
+    for ddp in actor.ddp_chunks:
+        for buffer in list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", [])):
+            if getattr(buffer, "grad_data", None) is not None:
+                out.append(buffer.grad_data)
+    return out
+
+
+def _free_on_host(actor: Any) -> dict[str, int]:
+    """CPU runtime `offload`: free the gradient buffers and the sync buckets, and return the heap's free pages."""
+    from mcore_rl.parallel.cpu_runtime import return_freed_memory
+
+    if getattr(actor, "_grads_freed", None):
+        return {"bytes": 0, "freed": 0}
+    grads = [(t, t.untyped_storage().size()) for t in _grad_buffers(actor) if t.untyped_storage().size()]
+    for tensor, _ in grads:
+        tensor.untyped_storage().resize_(0)
+    actor._grads_freed = grads
+    out = {"bytes": 0, "grad_buffers": sum(n for _, n in grads), "sync_buffers": 0}
+    executor = getattr(getattr(actor, "_sync", None), "executor", None)
+    if executor is not None:
+        out["sync_buffers"] = int(getattr(executor, "resident_bytes", 0))
+        executor.release()
+    return_freed_memory()
+    out["freed"] = out["grad_buffers"] + out["sync_buffers"]
+    return out
+
+
 def onload(actor: Any) -> dict[str, int]:
-    """Bring the state offloaded by `offload` back onto the rank's GPU; returns {"bytes": moved}."""
+    """Bring the state offloaded by `offload` back onto the rank's GPU; returns {"bytes": moved}. On the CPU
+    runtime: the gradient buffers freed there, allocated again and zeroed ({"bytes": 0})."""
+    grads = getattr(actor, "_grads_freed", None)
+    if grads:
+        for tensor, nbytes in grads:
+            tensor.untyped_storage().resize_(nbytes)
+            tensor.zero_()
+        actor._grads_freed = None
     saved = getattr(actor, "_offloaded", None)
     if actor.runtime != "cuda" or not saved:
         return {"bytes": 0}

@@ -25,7 +25,8 @@ colocated  one placement group with a bundle per actor rank; on CUDA its bundles
            and KV cache (/release_memory_occupation: SGLang's memory saver; vLLM's sleep level 1, the launcher
            starting colocated vLLM engines in sleep mode; our server drops its parameters); while engines
            generate, the actor offloads parameters, gradients and
-           optimizer state to host memory (CUDA; on CPU a no-op that says so in the log). The hand-over back to
+           optimizer state to host memory (CUDA; on CPU, where they already are, it frees its gradient buffers and
+           sync buckets instead, and returns its free heap pages: actor/offload.py). The hand-over back to
            generation is verl's order: engines resume their weights -> the push refills them from the actor's (still
            on device) -> the actor offloads -> engines resume their KV cache -> generation continues.
 """
@@ -298,16 +299,24 @@ class ColocatedPlacement(SplitPlacement):
         engines = sync.pool
         # Generation continues only once the KV cache and CUDA graphs are back: the push's own
         # /continue_generation would let SGLang's scheduler run batches on a released KV pool.
+        from mcore_rl.actor.megatron_actor import MegatronActor
+
         with sync.fence.continue_after():
+            # On the CPU runtime the actor moves nothing and frees its gradients and the step's activations, so it
+            # does that before the engines take their weights back, not on top of them (actor/offload.py); on CUDA
+            # the push reads the weights from the actor's GPUs, so it offloads after it
+            offloaded = [] if self.cuda else sync.actor.call(MegatronActor.offload)
             # only what an engine released is resumed (at start nothing is: SGLang's scheduler dies resuming a tag
             # it never released)
             engines.resume_memory(["weights"])
             sync.push(version)
-            from mcore_rl.actor.megatron_actor import MegatronActor
-
-            moved = sum(r["bytes"] for r in sync.actor.call(MegatronActor.offload))
+            if self.cuda:
+                offloaded = sync.actor.call(MegatronActor.offload)
             engines.resume_memory(["kv_cache", "cuda_graph"])
-        return {"placement/offload_gib": moved / 2**30}
+        out = {"placement/offload_gib": sum(r["bytes"] for r in offloaded) / 2**30}
+        if any("freed" in r for r in offloaded):  # the CPU runtime frees instead (actor/offload.py)
+            out["placement/freed_gib"] = sum(r.get("freed", 0) for r in offloaded) / 2**30
+        return out
 
     def to_generation(self, sync: Any, version: int) -> dict[str, float]:
         """The engines released their weights for training: they take the unchanged ones back (same version)."""
