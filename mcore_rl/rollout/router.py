@@ -69,6 +69,10 @@ _LAUNCH = (
 )
 
 
+#: the route the router's periodic probe asks each worker (see `Router.command`)
+HEALTH_CHECK_ENDPOINT = "/model_info"
+
+
 class Router:
     """One sglang-router process on loopback (see the module docstring)."""
 
@@ -82,6 +86,7 @@ class Router:
         port: int | None = None,
         log_dir: str | None = None,
         request_timeout_s: float = 600.0,
+        health_check_interval_s: int = 30,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"router policy {policy!r} is invalid: expected one of {POLICIES}")
@@ -96,6 +101,7 @@ class Router:
         self.log_dir = log_dir or os.path.join(tempfile.gettempdir(), f"mcore_rl_router_{uuid.uuid4().hex[:12]}")
         self.log_path = os.path.join(self.log_dir, f"router-{self.port}.log")
         self.request_timeout_s = request_timeout_s
+        self.health_check_interval_s = health_check_interval_s
         self._proc: subprocess.Popen | None = None
         self.restarts = 0  #: times `restart` launched it again
 
@@ -108,8 +114,13 @@ class Router:
             # whole seconds, rounded up: int() truncated rollout.request_timeout_s=0.001 to 0
             "--request-timeout-secs", str(max(1, math.ceil(self.request_timeout_s))),
             # A dead engine's requests are retried on the others; the controller, not the router's periodic probe,
-            # decides when an engine is dead and removes it, so the probe only needs to be slow and cheap.
-            "--retry-max-retries", "3", "--health-check-interval-secs", "30", "--log-level", "warn",
+            # decides when an engine is dead and removes it, so the probe only needs to be slow and cheap. It asks
+            # /model_info (the HTTP process answers; no forward): SGLang's /health generates a token, so it fails
+            # (and after 3 failures the router stops routing to the engine, and wants 2 successes back) whenever
+            # the engine is paused for longer than its health-check timeout, which a colocated engine is for every
+            # training phase. A dead process still fails it.
+            "--retry-max-retries", "3", "--health-check-interval-secs", str(self.health_check_interval_s),
+            "--health-check-endpoint", HEALTH_CHECK_ENDPOINT, "--log-level", "warn",
             "--log-dir", self.log_dir,
             # its Prometheus exporter binds 29000 by default: two routers on one machine would collide
             "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
