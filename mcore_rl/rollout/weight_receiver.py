@@ -237,11 +237,14 @@ class WeightReceiver:
     def _end_session(self, committed: bool) -> None:
         """With the lock held: wait for the session's copies, then close it. An in-place session that does not
         commit leaves what it wrote incomplete."""
-        while self._session is not None and self._session.copying:
-            self._lock.wait()
+        self._wait_for_copies()
         if self._session is not None and self._session.in_place and not committed:
             self._incomplete.update(self._session.touched)
         self._session = None
+
+    def _wait_for_copies(self) -> None:  # with the lock held
+        while self._session is not None and self._session.copying:
+            self._lock.wait()
 
     @property
     def session_open(self) -> bool:
@@ -350,6 +353,11 @@ class WeightReceiver:
                         session.version = str(weight_version)
                 session.copying -= 1
                 self._lock.notify_all()
+        if refused is not None and session.in_place:
+            raise WeightUpdateError(
+                f"bucket refused: {refused}; it was written in place, so generation stays paused until an update "
+                "that rewrites it commits"
+            )
         if refused is not None:
             raise WeightUpdateError(f"bucket refused, old weights kept: {refused}")
         return len(checked)
@@ -370,6 +378,7 @@ class WeightReceiver:
         WeightUpdateError if the session had a refused bucket, none was open, or the weights were released and
         resumed meanwhile (the parameters no longer match their shadows)."""
         with self._lock:
+            self._wait_for_copies()  # a bucket still copying may yet be refused
             session = self._session
             failed = session is not None and session.failed is not None
             self._end_session(committed=not failed)
