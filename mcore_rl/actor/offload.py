@@ -40,11 +40,12 @@ def offload_targets(actor: Any) -> dict[str, list]:
                      masters are views of the param buffer, moved with it)
     reference        the frozen reference model's parameters (when resident: actor/reference.py)
     """
-    buffers = []
-    for ddp in actor.ddp_chunks:
-        for buffer in list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", [])):
-            buffers.extend(t for t in (getattr(buffer, "param_data", None), getattr(buffer, "grad_data", None))
-                           if t is not None)  # fmt: skip
+    buffers = [
+        t
+        for buffer in _ddp_buffers(actor)
+        for t in (getattr(buffer, "param_data", None), getattr(buffer, "grad_data", None))
+        if t is not None
+    ]
     state, masters = [], []
     for opt in _optimizers(actor):
         inner = getattr(opt, "optimizer", None)
@@ -95,24 +96,31 @@ def offload(actor: Any) -> dict[str, int]:
         tensor.untyped_storage().resize_(0)
     out = {"bytes": 0, **target_bytes(targets)}
     out["bytes"] = sum(out[k] for k in ("ddp_buffers", "optimizer_state", "master_params", "reference"))
-    sync = getattr(actor, "_sync", None)
-    executor = getattr(sync, "executor", None)
-    if executor is not None:  # the weight-sync buckets: reallocated by the next sync (actor/sync_sender.py)
-        out["sync_buffers"] = int(getattr(executor, "resident_bytes", 0))
-        executor.release()
+    if getattr(getattr(actor, "_sync", None), "executor", None) is not None:
+        out["sync_buffers"] = _release_sync_buffers(actor)
     torch.cuda.empty_cache()
     actor._offloaded = saved
     return out
 
 
-def _grad_buffers(actor: Any) -> list[torch.Tensor]:
-    """Megatron DDP's flat gradient buffers (every main_grad is a view of one)."""
-    out = []
-    for ddp in actor.ddp_chunks:
-        for buffer in list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", [])):
-            if getattr(buffer, "grad_data", None) is not None:
-                out.append(buffer.grad_data)
-    return out
+def _ddp_buffers(actor: Any) -> list[Any]:
+    """Megatron DDP's flat buffers of every model chunk (dense and expert-parallel), each holding `param_data` and
+    `grad_data` (every parameter and main_grad is a view of one)."""
+    return [
+        buffer
+        for ddp in actor.ddp_chunks
+        for buffer in list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
+    ]
+
+
+def _release_sync_buffers(actor: Any) -> int:
+    """Free the weight-sync buckets (the next sync allocates them again: actor/sync_sender.py); their bytes."""
+    executor = getattr(getattr(actor, "_sync", None), "executor", None)
+    if executor is None:
+        return 0
+    nbytes = int(getattr(executor, "resident_bytes", 0))
+    executor.release()
+    return nbytes
 
 
 def _free_on_host(actor: Any) -> dict[str, int]:
@@ -121,15 +129,15 @@ def _free_on_host(actor: Any) -> dict[str, int]:
 
     if getattr(actor, "_grads_freed", None):
         return {"bytes": 0, "freed": 0}
-    grads = [(t, t.untyped_storage().size()) for t in _grad_buffers(actor) if t.untyped_storage().size()]
+    grads = [
+        (b.grad_data, b.grad_data.untyped_storage().size())
+        for b in _ddp_buffers(actor)
+        if getattr(b, "grad_data", None) is not None and b.grad_data.untyped_storage().size()
+    ]
     for tensor, _ in grads:
         tensor.untyped_storage().resize_(0)
     actor._grads_freed = grads
-    out = {"bytes": 0, "grad_buffers": sum(n for _, n in grads), "sync_buffers": 0}
-    executor = getattr(getattr(actor, "_sync", None), "executor", None)
-    if executor is not None:
-        out["sync_buffers"] = int(getattr(executor, "resident_bytes", 0))
-        executor.release()
+    out = {"bytes": 0, "grad_buffers": sum(n for _, n in grads), "sync_buffers": _release_sync_buffers(actor)}
     return_freed_memory()
     out["freed"] = out["grad_buffers"] + out["sync_buffers"]
     return out
